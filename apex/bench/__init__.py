@@ -1,0 +1,42 @@
+"""`apex bench`: throughput benchmarks that print tables and can write one JSON report.
+
+Each benchmark module has ``run(seconds) -> dict``: it prints its own table and returns its
+figures, units in the key names, with the baseline it was compared against in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from apex.bench import replay, sumtree
+from apex.bench.timing import machine_info
+
+BENCHMARKS: dict[str, Callable[..., dict]] = {
+    "sumtree": sumtree.run,
+    "replay": replay.run,
+}
+
+
+def run(names: list[str], json_path: str | None = None, seconds: float = 1.0) -> dict:
+    """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked."""
+    selected = list(BENCHMARKS) if "all" in names else names
+    machine = machine_info()
+    report = {}
+    for name in selected:
+        started = time.perf_counter()
+        result = BENCHMARKS[name](seconds=seconds)
+        result["machine"] = machine
+        result["wall_seconds"] = round(time.perf_counter() - started, 1)
+        report[name] = result
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
+        print(f"\nwrote {path}")
+    return report

@@ -1,0 +1,221 @@
+"""Prioritized experience replay (Schaul et al. 2016) over the native sum tree.
+
+Storage is one preallocated NumPy array per named field, used as a ring buffer: once full,
+each new item evicts the oldest (FIFO, as in Ape-X). Items are addressed by their
+*insertion index*, a counter that only grows: item ``i`` lives in slot ``i % capacity``
+until item ``i + capacity`` overwrites it. ``sample`` returns insertion indices, so a
+priority update that arrives after its item was overwritten is recognised and ignored
+instead of landing on the newcomer in that slot (the bug RLlib had, ray#6534).
+
+Priorities follow the paper: a raw priority ``p`` (for DQN, ``|TD error|``) is stored as
+``(p + eps) ** alpha``; item ``i`` is sampled with ``P(i) = p_i / sum_k p_k`` and weighted
+by ``w_i = (N * P(i)) ** -beta / max_j w_j``, where the max runs over the whole buffer, so
+``w_i = (p_i / min_k p_k) ** -beta``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from apex.native import SumTree
+
+
+@dataclass(frozen=True)
+class Field:
+    """Shape (per item, without the batch dimension) and dtype of one stored field."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, value: Field | tuple) -> Field:
+        """Accepts a Field or a ``(shape, dtype)`` pair."""
+        if isinstance(value, Field):
+            return value
+        shape, dtype = value
+        return cls(tuple(int(d) for d in shape), np.dtype(dtype))
+
+
+Spec = Mapping[str, "Field | tuple"]
+
+
+class PrioritizedReplay:
+    """A bounded, prioritized FIFO of transitions described by a spec of named fields.
+
+    Thread-safe: the learner's ingest thread may ``add`` while its train loop samples.
+    """
+
+    def __init__(
+        self,
+        spec: Spec,
+        capacity: int,
+        *,
+        alpha: float = 0.6,
+        eps: float = 1e-6,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"replay capacity must be a positive integer, got {capacity!r}")
+        if not alpha >= 0:
+            raise ValueError(f"replay alpha must be >= 0, got {alpha!r}")
+        if not eps > 0:
+            raise ValueError(f"replay eps must be > 0 (it keeps every item sampleable), got {eps!r}")
+        if not spec:
+            raise ValueError("replay spec must name at least one field")
+        self.spec = {name: Field.of(field) for name, field in spec.items()}
+        self.capacity = int(capacity)
+        self.alpha = float(alpha)
+        self.eps = float(eps)
+        # np.zeros maps zero pages: memory is reserved once, here, and committed as it fills.
+        self._storage = {
+            name: np.zeros((self.capacity, *field.shape), field.dtype)
+            for name, field in self.spec.items()
+        }
+        self._tree = SumTree(self.capacity)
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._added = 0  # insertion index of the next item
+        self.stale_priority_updates = 0  # updates ignored because their item was evicted
+
+    def __len__(self) -> int:
+        return min(self._added, self.capacity)
+
+    @property
+    def total_added(self) -> int:
+        """Items added since creation, evicted ones included."""
+        return self._added
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage and sum tree: the replay's whole footprint, fixed at creation."""
+        return sum(a.nbytes for a in self._storage.values()) + self._tree.nbytes
+
+    def add(self, batch: Mapping[str, np.ndarray], priorities: np.ndarray) -> np.ndarray:
+        """Appends a batch (one array per spec field, leading dimension n) with raw priorities.
+
+        Returns the items' insertion indices; the oldest items are evicted when full.
+        """
+        priorities = self._transform(priorities)
+        n = len(priorities)
+        if n > self.capacity:
+            raise ValueError(
+                f"cannot add {n} items to a replay of capacity {self.capacity}: "
+                "add smaller batches or raise replay.capacity"
+            )
+        arrays = self._check_batch(batch, n)
+        with self._lock:
+            start = self._added
+            slot = start % self.capacity
+            head = min(n, self.capacity - slot)  # items before the ring wraps
+            for name, array in arrays.items():
+                storage = self._storage[name]
+                storage[slot : slot + head] = array[:head]
+                storage[: n - head] = array[head:]
+            indices = np.arange(start, start + n, dtype=np.int64)
+            self._tree.update(indices % self.capacity, priorities)
+            self._added = start + n
+        return indices
+
+    def sample(
+        self, batch_size: int, beta: float
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """Draws ``batch_size`` items by priority (stratified, with replacement).
+
+        Returns ``(batch, indices, weights)``: the fields gathered into new arrays, the
+        items' insertion indices (for ``update_priorities``), and float32 importance weights
+        normalised so that the largest possible weight is 1.
+        """
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not beta >= 0:
+            raise ValueError(f"beta must be >= 0, got {beta!r}")
+        with self._lock:
+            if self._added == 0:
+                raise ValueError("cannot sample from an empty replay: add transitions first")
+            slots, priorities = self._tree.sample(int(batch_size), self._rng)
+            min_priority = self._tree.min
+            # np.take: several times faster than fancy indexing for rows of 2-D+ arrays.
+            batch = {name: np.take(storage, slots, axis=0) for name, storage in self._storage.items()}
+            # The newest item held by each slot.
+            last = self._added - 1
+            indices = slots + self.capacity * ((last - slots) // self.capacity)
+        weights = (priorities / min_priority) ** -beta
+        return batch, indices, weights.astype(np.float32)
+
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
+        """Sets new raw priorities for sampled items; items evicted since are skipped.
+
+        Returns how many priorities were applied.
+        """
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
+            raise ValueError(
+                f"indices must be a 1-D integer array, got shape {indices.shape} of {indices.dtype}"
+            )
+        indices = indices.astype(np.int64, copy=False)
+        priorities = self._transform(priorities)
+        if len(indices) != len(priorities):
+            raise ValueError(
+                f"indices and priorities must have the same length, "
+                f"got {len(indices)} and {len(priorities)}"
+            )
+        with self._lock:
+            if indices.size and (indices.min() < 0 or indices.max() >= self._added):
+                raise IndexError(
+                    f"indices must be insertion indices returned by add/sample, "
+                    f"in [0, {self._added}); got values in [{indices.min()}, {indices.max()}]"
+                )
+            live = indices >= self._added - self.capacity
+            applied = int(np.count_nonzero(live))
+            self.stale_priority_updates += len(indices) - applied
+            if applied == len(indices):
+                self._tree.update(indices % self.capacity, priorities)
+            else:
+                self._tree.update(indices[live] % self.capacity, priorities[live])
+        return applied
+
+    def priorities(self, indices: np.ndarray) -> np.ndarray:
+        """Stored (transformed) priorities of live items, by insertion index."""
+        indices = np.asarray(indices, dtype=np.int64)
+        with self._lock:
+            if indices.size and (
+                indices.min() < max(0, self._added - self.capacity) or indices.max() >= self._added
+            ):
+                raise IndexError("indices must refer to items still in the replay")
+            return self._tree.get(indices % self.capacity)
+
+    def _transform(self, priorities: np.ndarray) -> np.ndarray:
+        priorities = np.asarray(priorities, dtype=np.float64)
+        if priorities.ndim != 1:
+            raise ValueError(f"priorities must be a 1-D array, got shape {priorities.shape}")
+        if not np.all(np.isfinite(priorities)) or np.any(priorities < 0):
+            bad = priorities[~(np.isfinite(priorities) & (priorities >= 0))][0]
+            raise ValueError(f"priorities must be finite and >= 0, got {bad}")
+        return (priorities + self.eps) ** self.alpha
+
+    def _check_batch(self, batch: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+        missing = self.spec.keys() - batch.keys()
+        extra = batch.keys() - self.spec.keys()
+        if missing or extra:
+            raise ValueError(
+                f"batch fields must match the replay spec {sorted(self.spec)}: "
+                f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        arrays = {}
+        for name, field in self.spec.items():
+            array = np.asarray(batch[name])
+            if array.shape != (n, *field.shape):
+                raise ValueError(
+                    f"field {name!r} must have shape {(n, *field.shape)} "
+                    f"(n={n} from priorities), got {array.shape}"
+                )
+            if not np.can_cast(array.dtype, field.dtype, casting="same_kind"):
+                raise ValueError(
+                    f"field {name!r} of dtype {array.dtype} cannot be stored as {field.dtype}"
+                )
+            arrays[name] = array
+        return arrays

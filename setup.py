@@ -1,0 +1,17 @@
+"""Builds the native extension apex.native from native/ (everything else is in pyproject.toml)."""
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+native = Pybind11Extension(
+    "apex.native",
+    sources=["native/bindings.cpp"],
+    include_dirs=["native"],
+    depends=["native/sum_tree.hpp"],
+    cxx_std=17,
+    # -O3 always: pip's default flags come from the Python build and may lack it. No
+    # -march=native: an image built on one host must run on another.
+    extra_compile_args=["-O3"],
+)
+
+setup(ext_modules=[native])

@@ -1,0 +1,206 @@
+"""PrioritizedReplay: ring buffer, priorities, importance weights, stale updates, validation."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from apex.replay import Field, PrioritizedReplay
+
+SPEC = {
+    "id": ((), np.int64),  # the item's insertion index, so tests can tell items apart
+    "obs": ((4,), np.float32),
+    "frame": ((3, 3), np.uint8),
+}
+
+
+def make_batch(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n)
+    return {
+        "id": ids,
+        "obs": np.repeat(ids[:, None], 4, axis=1).astype(np.float32),
+        "frame": (ids[:, None, None] % 256 * np.ones((1, 3, 3))).astype(np.uint8),
+    }
+
+
+def test_add_returns_insertion_indices_and_sample_returns_the_rows_added():
+    replay = PrioritizedReplay(SPEC, capacity=100, seed=0)
+    assert replay.add(make_batch(0, 30), np.ones(30)).tolist() == list(range(30))
+    assert replay.add(make_batch(30, 20), np.ones(20)).tolist() == list(range(30, 50))
+    assert len(replay) == 50 and replay.total_added == 50
+    batch, indices, weights = replay.sample(64, beta=0.4)
+    np.testing.assert_array_equal(batch["id"], indices)
+    np.testing.assert_array_equal(batch["obs"], np.repeat(indices[:, None], 4, 1))
+    np.testing.assert_array_equal(batch["frame"][:, 1, 2], indices % 256)
+    assert batch["obs"].dtype == np.float32 and weights.dtype == np.float32
+    assert weights.shape == (64,)
+
+
+@given(st.lists(st.integers(1, 7), min_size=1, max_size=20))
+def test_ring_buffer_keeps_the_newest_capacity_items(batch_sizes):
+    capacity = 8
+    replay = PrioritizedReplay(SPEC, capacity=capacity, seed=0)
+    added = 0
+    for n in batch_sizes:
+        replay.add(make_batch(added, n), np.ones(n))
+        added += n
+    assert len(replay) == min(added, capacity)
+    live = set(range(max(0, added - capacity), added))
+    batch, indices, _ = replay.sample(200, beta=1.0)
+    assert set(indices.tolist()) == live  # uniform priorities: every live item turns up
+    np.testing.assert_array_equal(batch["id"], indices)
+
+
+def test_wraparound_write_in_the_middle_of_a_batch():
+    replay = PrioritizedReplay(SPEC, capacity=5, seed=0)
+    replay.add(make_batch(0, 3), np.ones(3))
+    replay.add(make_batch(3, 4), np.ones(4))  # slots 3, 4, then 0, 1
+    batch, indices, _ = replay.sample(50, beta=0.0)
+    assert set(indices.tolist()) == {2, 3, 4, 5, 6}
+    np.testing.assert_array_equal(batch["id"], indices)
+
+
+def test_priorities_are_transformed_with_alpha_and_eps():
+    replay = PrioritizedReplay(SPEC, capacity=10, alpha=0.5, eps=0.01)
+    idx = replay.add(make_batch(0, 3), np.array([0.0, 1.0, 3.0]))
+    np.testing.assert_allclose(replay.priorities(idx), np.array([0.01, 1.01, 3.01]) ** 0.5)
+    replay.update_priorities(idx[1:], np.array([8.0, 0.0]))
+    np.testing.assert_allclose(replay.priorities(idx), np.array([0.01, 8.01, 0.01]) ** 0.5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_importance_weights_follow_the_paper(beta):
+    alpha, eps = 0.7, 1e-6
+    replay = PrioritizedReplay(SPEC, capacity=16, alpha=alpha, eps=eps, seed=1)
+    raw = np.array([0.1, 2.0, 0.5, 4.0, 1.0, 0.3])
+    replay.add(make_batch(0, 6), raw)
+    _, indices, weights = replay.sample(32, beta=beta)
+    p = (raw + eps) ** alpha
+    prob = p / p.sum()
+    n = len(raw)
+    w_all = (n * prob) ** -beta
+    expected = w_all[indices] / w_all.max()  # max over the whole buffer
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    assert weights.max() <= 1.0
+
+
+def test_sampling_follows_priorities():
+    replay = PrioritizedReplay(SPEC, capacity=8, alpha=1.0, eps=1e-9, seed=5)
+    raw = np.array([1.0, 2.0, 4.0, 8.0, 1.0, 0.0, 0.0, 16.0])
+    replay.add(make_batch(0, 8), raw)
+    counts = np.zeros(8)
+    for _ in range(3000):
+        _, indices, _ = replay.sample(4, beta=0.4)
+        counts += np.bincount(indices, minlength=8)
+    expected = counts.sum() * (raw + 1e-9) / (raw + 1e-9).sum()
+    positive = raw > 0
+    chi2 = (((counts - expected) ** 2)[positive] / expected[positive]).sum()
+    assert chi2 < 16.75  # critical value, 5 degrees of freedom, p = 0.005
+    assert counts[~positive].sum() < 5  # eps-sized priorities: next to never
+
+
+def test_stale_priority_update_is_ignored():
+    replay = PrioritizedReplay(SPEC, capacity=4, alpha=1.0, eps=1e-9, seed=0)
+    replay.add(make_batch(0, 4), np.ones(4))
+    _, indices, _ = replay.sample(4, beta=0.4)
+    replay.add(make_batch(4, 2), np.full(2, 5.0))  # overwrites items 0 and 1 (slots 0, 1)
+    applied = replay.update_priorities(indices, np.full(len(indices), 100.0))
+    assert applied == int(np.count_nonzero(indices >= 2))
+    assert replay.stale_priority_updates == len(indices) - applied
+    # The newcomers in slots 0 and 1 keep their own priorities.
+    np.testing.assert_allclose(replay.priorities(np.array([4, 5])), [5.0, 5.0])
+    live_sampled = np.unique(indices[indices >= 2])
+    np.testing.assert_allclose(replay.priorities(live_sampled), 100.0)
+
+
+def test_nbytes_is_fixed_and_covers_storage_and_tree():
+    replay = PrioritizedReplay(SPEC, capacity=1000)
+    storage = 1000 * (8 + 4 * 4 + 9)
+    assert replay.nbytes > storage
+    before = replay.nbytes
+    replay.add(make_batch(0, 500), np.ones(500))
+    assert replay.nbytes == before
+
+
+def test_field_spec_forms():
+    replay = PrioritizedReplay({"x": Field((2,), np.dtype("float32")), "y": ([], "int16")}, 4)
+    assert replay.spec["y"] == Field((), np.dtype(np.int16))
+
+
+def test_concurrent_add_and_sample():
+    replay = PrioritizedReplay(SPEC, capacity=256, seed=0)
+    replay.add(make_batch(0, 64), np.ones(64))
+    errors = []
+
+    def writer():
+        start = 64
+        for _ in range(300):
+            replay.add(make_batch(start, 32), np.ones(32))
+            start += 32
+
+    def reader():
+        try:
+            for _ in range(300):
+                batch, indices, _ = replay.sample(32, beta=0.4)
+                np.testing.assert_array_equal(batch["id"], indices)
+                replay.update_priorities(indices, np.ones(len(indices)))
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda r: r.add({"id": np.arange(2)}, np.ones(2)), ValueError, "missing"),
+        (lambda r: r.add({**make_batch(0, 2), "extra": np.ones(2)}, np.ones(2)), ValueError, "unexpected"),
+        (lambda r: r.add(make_batch(0, 2), np.ones(3)), ValueError, "shape"),
+        (lambda r: r.add({**make_batch(0, 2), "obs": np.ones((2, 5))}, np.ones(2)), ValueError, "shape"),
+        (lambda r: r.add({**make_batch(0, 2), "frame": np.ones((2, 3, 3))}, np.ones(2)), ValueError, "uint8"),
+        (lambda r: r.add(make_batch(0, 2), np.array([1.0, -1.0])), ValueError, "finite and >= 0"),
+        (lambda r: r.add(make_batch(0, 2), np.array([1.0, np.nan])), ValueError, "finite and >= 0"),
+        (lambda r: r.add(make_batch(0, 20), np.ones(20)), ValueError, "capacity"),
+        (lambda r: r.sample(0, beta=0.4), ValueError, "batch_size"),
+        (lambda r: r.sample(4, beta=-1), ValueError, "beta"),
+        (lambda r: r.update_priorities(np.array([99]), np.ones(1)), IndexError, "insertion indices"),
+        (lambda r: r.update_priorities(np.array([0.5]), np.ones(1)), ValueError, "integer"),
+        (lambda r: r.update_priorities(np.array([0, 1]), np.ones(1)), ValueError, "same length"),
+        (lambda r: r.update_priorities(np.array([0]), np.array([np.inf])), ValueError, "finite"),
+    ],
+)
+def test_invalid_input_raises_and_changes_nothing(call, error, message):
+    replay = PrioritizedReplay(SPEC, capacity=10, seed=0)
+    replay.add(make_batch(0, 4), np.arange(4.0))
+    before = replay.priorities(np.arange(4)).tolist(), len(replay), replay.total_added
+    with pytest.raises(error, match=message):
+        call(replay)
+    assert (replay.priorities(np.arange(4)).tolist(), len(replay), replay.total_added) == before
+
+
+def test_empty_replay_cannot_be_sampled():
+    with pytest.raises(ValueError, match="empty"):
+        PrioritizedReplay(SPEC, capacity=4).sample(2, beta=0.4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"capacity": 0}, "capacity"),
+        ({"capacity": 2.5}, "capacity"),
+        ({"capacity": 4, "alpha": -1}, "alpha"),
+        ({"capacity": 4, "eps": 0}, "eps"),
+    ],
+)
+def test_constructor_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PrioritizedReplay(SPEC, **kwargs)
