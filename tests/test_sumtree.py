@@ -274,3 +274,20 @@ def test_concurrent_updates_from_threads_stay_consistent():
     expected = sum(b[-1][1].sum() for b in batches)
     assert tree.total == expected
     assert tree.min == min(b[-1][1].min() for b in batches)
+
+
+def test_large_tree_with_float_priorities_matches_reference():
+    """Capacities that leave partial groups on every level, with non-integer priorities."""
+    rng = np.random.default_rng(11)
+    for capacity in (4**6 + 1, 70_001):
+        prio = rng.random(capacity) * rng.integers(0, 2, capacity)  # about half are zero
+        tree, ref = SumTree(capacity), ReferenceSumTree(capacity)
+        idx = rng.permutation(capacity)
+        tree.update(idx, prio[idx])
+        ref.update(idx, prio[idx])
+        assert tree.total == pytest.approx(ref.total, rel=1e-12)
+        assert tree.min == ref.min
+        values = rng.random(10_000) * ref.total * (1 - 1e-9)
+        np.testing.assert_array_equal(tree.find_prefixsum(values), ref.find_prefixsum(values))
+        sampled, _ = tree.sample(4096, rng)
+        assert (prio[sampled] > 0).all()
