@@ -1,0 +1,305 @@
+"""apex.transport over real ZeroMQ sockets on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from apex import protocol
+from apex.transport import (
+    HandshakeRejected,
+    LearnerClient,
+    LearnerEndpoint,
+    Rejected,
+    TransportOptions,
+    generate_keys,
+)
+from tests.netutil import free_base_port
+
+FAST = TransportOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+SPEC = {"env": {"id": "CartPole-v1"}, "algo": "apex_dqn"}
+
+
+def welcome_all(hello, index):
+    return {**SPEC, "epsilon": 0.4 ** (1 + index)}
+
+
+class Learner:
+    """A LearnerEndpoint whose control loop runs in a background thread."""
+
+    def __init__(self, port, welcome=welcome_all, options=FAST):
+        self.endpoint = LearnerEndpoint("127.0.0.1", port, welcome, options)
+        self.calls: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            with self._lock:
+                while self.calls:
+                    fn = self.calls.pop(0)
+                    fn(self.endpoint)
+            self.endpoint.poll(10)
+
+    def call(self, fn):
+        """Runs fn(endpoint) on the control thread (sockets belong to one thread)."""
+        done = threading.Event()
+        with self._lock:
+            self.calls.append(lambda e: (fn(e), done.set()))
+        assert done.wait(5)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.endpoint.close()
+
+
+@pytest.fixture
+def port():
+    return free_base_port()
+
+
+@pytest.fixture
+def learner(port):
+    learner = Learner(port)
+    yield learner
+    learner.close()
+
+
+def make_client(port, **kwargs) -> LearnerClient:
+    kwargs.setdefault("options", FAST)
+    return LearnerClient("127.0.0.1", port, **kwargs)
+
+
+def wait_for(predicate, timeout=5.0, tick=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if tick is not None:
+            tick()
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_handshake_assigns_indices_and_sends_the_spec(learner, port):
+    clients = [make_client(port, num_envs=4) for _ in range(2)] + [make_client(port, actor_index=7)]
+    try:
+        welcomes = [c.handshake(timeout_s=5) for c in clients]
+        assert [w.fields["actor_index"] for w in welcomes] == [0, 1, 7]
+        assert welcomes[0].fields["spec"] == {**SPEC, "epsilon": 0.4}
+        assert wait_for(lambda: learner.endpoint.actors_connected == 3)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_handshake_rejection_reason_reaches_the_actor(port):
+    def refuse(hello, index):
+        raise Rejected(f"this learner wants 1 env per actor, got {hello.fields['num_envs']}")
+
+    learner = Learner(port, welcome=refuse)
+    client = make_client(port, num_envs=3)
+    try:
+        with pytest.raises(HandshakeRejected, match="wants 1 env per actor, got 3"):
+            client.handshake(timeout_s=5)
+        assert learner.endpoint.actors_connected == 0
+    finally:
+        client.close()
+        learner.close()
+
+
+def test_protocol_mismatch_is_rejected_with_a_reason(learner, port):
+    context = zmq.Context.instance()
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart([msgpack.packb({"v": 99, "type": "hello", "anything": 1})])
+        assert dealer.poll(5000)
+        msg = protocol.decode(dealer.recv_multipart())
+        assert msg.type == "reject"
+        assert "protocol mismatch" in msg.fields["reason"] and "99" in msg.fields["reason"]
+        assert learner.endpoint.rejected_messages == 1
+    finally:
+        dealer.close(linger=0)
+
+
+def test_batches_arrive_decoded_with_the_actor_index(learner, port):
+    client = make_client(port)
+    try:
+        client.handshake(timeout_s=5)
+        for i in range(10):
+            assert client.send_batch({"obs": np.full((64, 4), i, np.float32)}, weights_version=i, info={"steps": 64}, timeout_s=5)
+        received = []
+        assert wait_for(lambda: (m := learner.endpoint.receiver.recv(50)) is not None and received.append(m) or len(received) == 10)
+        assert [m.fields["weights_version"] for m in received] == list(range(10))
+        assert all(m.fields["actor_index"] == 0 and m.fields["info"] == {"steps": 64} for m in received)
+        np.testing.assert_array_equal(received[3].arrays["obs"], np.full((64, 4), 3, np.float32))
+    finally:
+        client.close()
+
+
+def test_malformed_messages_are_counted_and_the_learner_keeps_serving(learner, port):
+    context = zmq.Context.instance()
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port + 1}")
+    dealer = context.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    client = make_client(port)
+    try:
+        push.send_multipart([b"\x93garbage", b"more"])
+        push.send_multipart(protocol.encode("stop", {"reason": "wrong channel"}))
+        dealer.send_multipart([b"not msgpack at all \xc1"])
+        client.handshake(timeout_s=5)
+        assert client.send_batch({"x": np.arange(3)}, weights_version=0, timeout_s=5)
+        receiver = learner.endpoint.receiver
+        valid = []
+        assert wait_for(lambda: (m := receiver.recv(50)) is not None and valid.append(m) or receiver.rejected_messages == 2 and valid)
+        assert [m.arrays["x"].tolist() for m in valid] == [[0, 1, 2]]
+        assert wait_for(lambda: learner.endpoint.rejected_messages == 1)
+    finally:
+        push.close(linger=0)
+        dealer.close(linger=0)
+        client.close()
+
+
+def collect_weights(client, until_version, timeout=5.0):
+    """Ticks the client, taking weights, until it holds ``until_version``."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (seen and seen[-1].fields["version"] >= until_version):
+        client.tick()
+        if (weights := client.take_weights()) is not None:
+            seen.append(weights)
+        time.sleep(0.005)
+    return seen
+
+
+def test_new_actor_gets_current_weights_at_once_and_only_the_newest(learner, port):
+    learner.call(lambda e: e.publish_weights(1, {"w": np.full(10, 1.0, np.float32)}))
+    client = make_client(port)
+    try:
+        client.handshake(timeout_s=5)
+        # PUB/SUB alone would miss weights published before the actor joined.
+        assert [w.fields["version"] for w in collect_weights(client, 1)] == [1]
+        for version in range(2, 60):  # published while the actor is not reading
+            learner.call(lambda e, v=version: e.publish_weights(v, {"w": np.full(10, float(v), np.float32)}))
+        seen = collect_weights(client, 59)
+        versions = [w.fields["version"] for w in seen]
+        assert versions[-1] == 59
+        assert len(versions) < 5  # conflated: never a queue of 58 stale blobs
+        assert versions == sorted(versions)
+        np.testing.assert_array_equal(seen[-1].arrays["w"], np.full(10, 59.0, np.float32))
+    finally:
+        client.close()
+
+
+def test_slow_learner_makes_the_actor_wait_with_bounded_queues(learner, port):
+    """Nobody reads the trajectory stream: sends block after a bounded number of batches."""
+    client = make_client(port, options=TransportOptions(trajectory_hwm=2, heartbeat_interval_s=0.05, heartbeat_timeout_s=5))
+    try:
+        client.handshake(timeout_s=5)
+        batch = {"obs": np.random.default_rng(0).integers(0, 255, (1 << 20,), dtype=np.uint8)}  # 1 MiB, incompressible
+        sent = 0
+        while sent < 200 and client.send_batch(batch, weights_version=0, timeout_s=0.5):
+            sent += 1
+        # HWMs on both sides plus the kernel's socket buffers: a handful of MiB, not 200.
+        assert 2 <= sent < 40
+        # The learner catches up: the actor can send again.
+        received = 0
+        while learner.endpoint.receiver.recv(200) is not None:
+            received += 1
+        assert received == sent
+        assert client.send_batch(batch, weights_version=0, timeout_s=5)
+    finally:
+        client.close()
+
+
+def test_silent_actor_is_dropped_and_stop_reaches_actors(learner, port):
+    client, quiet = make_client(port), make_client(port)
+    try:
+        client.handshake(timeout_s=5)
+        quiet.handshake(timeout_s=5)
+        assert wait_for(lambda: learner.endpoint.actors_connected == 2, tick=client.tick)
+        # `quiet` never ticks, so it sends no heartbeats
+        assert wait_for(lambda: learner.endpoint.actors_connected == 1, tick=client.tick)
+        learner.call(lambda e: e.stop_actors("stop-return reached"))
+        assert wait_for(lambda: client.stop_reason == "stop-return reached", tick=client.tick)
+        assert not client.send_batch({"x": np.arange(2)}, weights_version=0)
+    finally:
+        client.close()
+        quiet.close()
+
+
+def test_actor_reconnects_to_a_restarted_learner(port):
+    learner = Learner(port)
+    client = make_client(port, num_envs=2)
+    try:
+        assert client.handshake(timeout_s=5).fields["actor_index"] == 0
+        learner.close()  # the learner dies
+
+        restarted = {}
+
+        def restart_later():
+            time.sleep(1.0)
+            restarted["learner"] = Learner(port)
+
+        threading.Thread(target=restart_later).start()
+        # tick() notices the silence and blocks in a new handshake until the learner is back
+        assert wait_for(lambda: client.reconnects >= 1 and client.connected, timeout=15, tick=client.tick)
+        assert client.actor_index == 0  # keeps its index
+        new = restarted["learner"]
+        try:
+            assert wait_for(lambda: new.endpoint.actors_connected == 1, tick=client.tick)
+            assert client.send_batch({"x": np.arange(5)}, weights_version=0, timeout_s=5)
+            msg = None
+            assert wait_for(lambda: (msg := new.endpoint.receiver.recv(50)) is not None)
+        finally:
+            new.close()
+    finally:
+        client.close()
+
+
+def test_curve_admits_only_authorised_actors(tmp_path, port):
+    keys = tmp_path / "keys"
+    generate_keys(keys)
+    intruder = tmp_path / "intruder"
+    generate_keys(intruder)
+    (intruder / "learner.key").unlink()
+    (intruder / "learner.key").write_bytes((keys / "learner.key").read_bytes())  # knows the server key
+
+    options = TransportOptions(heartbeat_timeout_s=30, curve_dir=str(keys))
+    learner = Learner(port, options=options)
+    good = make_client(port, options=options)
+    bad = make_client(port, options=TransportOptions(curve_dir=str(intruder)))
+    plain = make_client(port, options=TransportOptions())
+    try:
+        assert good.handshake(timeout_s=5).fields["spec"]["env"] == SPEC["env"]
+        assert good.send_batch({"x": np.arange(3)}, weights_version=0, timeout_s=5)
+        for client in (bad, plain):
+            with pytest.raises(TimeoutError):
+                client.handshake(timeout_s=1.5)
+            client.send_batch({"x": np.arange(3)}, weights_version=0, timeout_s=0.5)
+        received = []
+        while (msg := learner.endpoint.receiver.recv(500)) is not None:
+            received.append(msg)
+        assert len(received) == 1  # only the authorised actor's batch got in
+        assert learner.endpoint.actors_connected == 1
+    finally:
+        for client in (good, bad, plain):
+            client.close()
+        learner.close()
+
+
+def test_bind_conflict_is_a_clear_error(learner, port):
+    from apex.errors import ApexError
+
+    with pytest.raises(ApexError, match="cannot bind .* pick another with --port"):
+        LearnerEndpoint("127.0.0.1", port, welcome_all, FAST)
