@@ -40,6 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="time spent on each measured operation (default: 1.0)",
     )
     bench.set_defaults(handler=_bench)
+
+    keygen = commands.add_parser(
+        "keygen",
+        help="create CURVE key pairs for the learner and the actors",
+        description=(
+            "Create CURVE key pairs in DIR: learner.key(_secret), actor.key(_secret), and "
+            "authorized/actor.key. The learner (transport.curve_dir=DIR) accepts only the "
+            "public keys in DIR/authorized/. Copy learner.key and actor.key_secret to actor hosts."
+        ),
+    )
+    keygen.add_argument("dir", metavar="DIR", help="directory to create the keys in (must not hold keys yet)")
+    keygen.set_defaults(handler=_keygen)
     return parser
 
 
@@ -49,6 +61,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.seconds <= 0:
         raise ApexError(f"--seconds must be positive, got {args.seconds}")
     bench.run(args.names or ["all"], json_path=args.json, seconds=args.seconds)
+    return 0
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from apex.transport import generate_keys
+
+    paths = generate_keys(args.dir)
+    print(f"learner secret key (keep on the learner host): {paths['learner_secret']}")
+    print(f"actor secret key (copy to every actor host):   {paths['actor_secret']}")
+    print(f"learner public key (copy to every actor host): {paths['learner_public']}")
+    print(f"authorised actor public keys:                  {paths['authorized']}/")
     return 0
 
 

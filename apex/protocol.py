@@ -3,18 +3,25 @@
 A message is a list of ZeroMQ frames. Frame 0 is a msgpack map::
 
     {"v": PROTOCOL, "type": "batch", <the type's fields>,
-     "arrays": [{"name": "obs", "dtype": "<f4", "shape": [256, 4],
-                 "codec": "raw" | "lz4", "nbytes": 4096, "size": 4096}, ...]}
+     "layout": msgpack([[name, dtype, shape, codec], ...])}
 
-and each array follows in a frame of its own (``size`` bytes on the wire, ``nbytes`` once
-decoded). ``decode`` checks everything before it allocates anything: the protocol version,
-the type and its fields, a whitelist of little-endian dtypes, shapes that agree with the
-declared sizes, sizes under the caps, and the exact length of every lz4 payload. Anything
+followed by the arrays' data: first one frame holding every ``raw`` array back to back
+(each starting on an 8-byte boundary), then one frame per ``lz4`` array. Sizes are not
+sent: each array's size follows from its dtype and shape, and the decoder checks every
+frame against it. ``decode`` checks everything before it allocates anything: the protocol
+version, the type and its fields, a whitelist of little-endian dtypes, sizes under the
+caps, frame lengths, and the exact decompressed length of every lz4 payload. Anything
 wrong raises ``ProtocolError``, never another exception. There is no pickle anywhere.
 
-Decoded arrays are read-only: a ``raw`` array is a view over its received frame (no copy),
+Why the layout is a blob of its own, and why raw arrays share a frame: a CartPole batch is
+six small arrays, and per-array work dominated its cost (measured: 7 frames took 10-13 µs
+to receive against 2 µs for one, and validating six descriptors 25 µs). Senders repeat the
+same layout message after message, so the decoder validates each distinct layout blob
+once and looks it up afterwards.
+
+Decoded arrays are read-only: a ``raw`` array is a view into its received frame (no copy),
 an ``lz4`` array a view over its freshly decompressed bytes. ``encode`` always copies or
-compresses array data into bytes of its own, so a caller may reuse its arrays right after
+compresses array data into buffers of its own, so a caller may reuse its arrays right after
 and frames may be sent zero-copy without tearing.
 
 ZeroMQ's CONFLATE option keeps only the last frame of a multipart message, so the weights
@@ -91,7 +98,7 @@ def encode(
     arrays: Mapping[str, np.ndarray] | None = None,
     *,
     compress: bool = True,
-) -> list[bytes]:
+) -> list[bytes | bytearray]:
     """Encodes a message into frames; raises ProtocolError if it would not decode.
 
     With ``compress`` an array of at least LZ4_MIN_BYTES goes lz4 when that makes it smaller.
@@ -100,30 +107,39 @@ def encode(
     arrays = arrays or {}
     if arrays and msg_type not in _ARRAYS_ALLOWED:
         raise ProtocolError(f"a {msg_type!r} message carries no arrays")
-    descriptors, payloads = [], []
+    if len(arrays) > MAX_ARRAYS:
+        raise ProtocolError(f"{len(arrays)} arrays exceed the limit of {MAX_ARRAYS}")
+    layout, raw, compressed = [], [], []
     for name, array in arrays.items():
-        array = np.asarray(array)
+        array = np.asarray(array, order="C")  # (np.ascontiguousarray would make 0-d arrays 1-d)
         if array.dtype.str not in DTYPES:
             raise ProtocolError(f"array {name!r} has dtype {array.dtype.str}, not one of {sorted(DTYPES)}")
-        raw = np.ascontiguousarray(array).tobytes()
-        codec, payload = "raw", raw
-        if compress and len(raw) >= LZ4_MIN_BYTES:
-            packed = lz4.block.compress(raw, store_size=False)
-            if len(packed) < len(raw):
-                codec, payload = "lz4", packed
-        descriptors.append(
-            {
-                "name": name,
-                "dtype": array.dtype.str,
-                "shape": list(array.shape),
-                "codec": codec,
-                "nbytes": len(raw),
-                "size": len(payload),
-            }
+        codec = "raw"
+        if compress and array.nbytes >= LZ4_MIN_BYTES:
+            packed = lz4.block.compress(array, store_size=False)
+            if len(packed) < array.nbytes:
+                codec = "lz4"
+                compressed.append(packed)
+        if codec == "raw":
+            raw.append(array)
+        layout.append([name, array.dtype.str, list(array.shape), codec])
+    frames: list[bytes | bytearray] = [
+        msgpack.packb(
+            {"v": PROTOCOL, "type": msg_type, **fields, "layout": msgpack.packb(layout)},
+            use_bin_type=True,
         )
-        payloads.append(payload)
-    header = {"v": PROTOCOL, "type": msg_type, **fields, "arrays": descriptors}
-    return [msgpack.packb(header, use_bin_type=True), *payloads]
+    ]
+    if raw:
+        # One copy of every raw array into a buffer of our own: later changes to the
+        # caller's arrays cannot reach a frame that is still queued for sending.
+        offsets = _raw_offsets([a.nbytes for a in raw])
+        buffer = bytearray(offsets[-1])
+        target = np.frombuffer(buffer, np.uint8)
+        for array, offset in zip(raw, offsets):
+            target[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+        frames.append(buffer)
+    frames.extend(compressed)
+    return frames
 
 
 def decode(
@@ -167,8 +183,8 @@ def unpack(frame: Any) -> list[memoryview]:
     if len(view) < _PACK_COUNT.size:
         raise ProtocolError("packed message shorter than its frame count")
     (count,) = _PACK_COUNT.unpack_from(view)
-    if count < 1 or count > MAX_ARRAYS + 1:
-        raise ProtocolError(f"packed message claims {count} frames (1..{MAX_ARRAYS + 1} allowed)")
+    if count < 1 or count > MAX_ARRAYS + 2:
+        raise ProtocolError(f"packed message claims {count} frames (1..{MAX_ARRAYS + 2} allowed)")
     offset = _PACK_COUNT.size + count * _PACK_SIZE.size
     if len(view) < offset:
         raise ProtocolError("packed message shorter than its frame table")
@@ -182,18 +198,44 @@ def unpack(frame: Any) -> list[memoryview]:
     return frames
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A validated layout: per array (name, dtype, shape, codec, nbytes, raw offset)."""
+
+    arrays: tuple[tuple[str, np.dtype, tuple[int, ...], str, int, int], ...]
+    raw_frame_bytes: int  # length of the shared raw frame, padding included
+    has_raw_frame: bool
+    lz4_frames: int
+    largest_array: int
+    total_bytes: int
+
+
+_LAYOUT_CACHE: dict[bytes, _Layout] = {}
+_LAYOUT_CACHE_SIZE = 256
+_ALIGN = 8
+
+
+def _align(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _raw_offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each raw array starts in the shared frame, then the frame's length."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = _align(end)
+        offsets.append(start)
+        end = start + size
+    return [*offsets, end]
+
+
 def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int) -> Message:
     if not frames:
         raise ProtocolError("empty message: no header frame")
     header_bytes = _buffer(frames[0])
     if len(header_bytes) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
-    header = msgpack.unpackb(
-        header_bytes,
-        raw=False,
-        strict_map_key=True,
-        ext_hook=_reject_ext,
-    )
+    header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=_reject_ext)
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.pop("v", None)
@@ -202,94 +244,103 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int) -> 
     msg_type = header.pop("type", None)
     if msg_type not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message type {msg_type!r}")
-    descriptors = header.pop("arrays", None)
+    blob = header.pop("layout", None)
     _check_fields(msg_type, header)
-    if not isinstance(descriptors, list):
-        raise ProtocolError("header field 'arrays' must be a list")
-    if descriptors and msg_type not in _ARRAYS_ALLOWED:
+    if not isinstance(blob, bytes):
+        raise ProtocolError("header field 'layout' must be msgpack bytes")
+    layout = _LAYOUT_CACHE.get(blob)
+    if layout is None:
+        layout = _parse_layout(blob)
+        if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:
+            _LAYOUT_CACHE.clear()
+        _LAYOUT_CACHE[blob] = layout
+    if layout.arrays and msg_type not in _ARRAYS_ALLOWED:
         raise ProtocolError(f"a {msg_type!r} message carries no arrays")
-    if len(descriptors) > MAX_ARRAYS:
-        raise ProtocolError(f"{len(descriptors)} arrays exceed the limit of {MAX_ARRAYS}")
-    if len(descriptors) != len(frames) - 1:
-        raise ProtocolError(f"header describes {len(descriptors)} arrays but {len(frames) - 1} frames follow")
-
-    # Validate every descriptor and the total before decompressing or allocating anything.
-    specs, names, total = [], set(), 0
-    for i, (descriptor, frame) in enumerate(zip(descriptors, frames[1:])):
-        spec = _check_descriptor(i, descriptor, max_array_bytes)
-        if spec[0] in names:
-            raise ProtocolError(f"array name {spec[0]!r} appears twice")
-        names.add(spec[0])
-        payload = _buffer(frame)
-        if len(payload) != descriptor["size"]:
-            raise ProtocolError(f"array {spec[0]!r}: frame has {len(payload)} bytes, header says {descriptor['size']}")
-        if spec[3] == "raw" and descriptor["size"] != spec[4]:
-            raise ProtocolError(f"array {spec[0]!r}: raw size {descriptor['size']} != nbytes {spec[4]}")
-        total += spec[4]
-        specs.append((*spec, payload))
-    if total > max_message_bytes:
-        raise ProtocolError(f"arrays total {total} bytes, over the cap of {max_message_bytes}")
-
+    if layout.largest_array > max_array_bytes:
+        raise ProtocolError(f"an array of {layout.largest_array} bytes exceeds the cap of {max_array_bytes}")
+    if layout.total_bytes > max_message_bytes:
+        raise ProtocolError(f"arrays total {layout.total_bytes} bytes, over the cap of {max_message_bytes}")
+    expected_frames = 1 + layout.has_raw_frame + layout.lz4_frames
+    if len(frames) != expected_frames:
+        raise ProtocolError(f"layout needs {expected_frames} frames, message has {len(frames)}")
+    if layout.has_raw_frame:
+        raw_frame = _buffer(frames[1])
+        if len(raw_frame) != layout.raw_frame_bytes:
+            raise ProtocolError(f"raw frame has {len(raw_frame)} bytes, layout needs {layout.raw_frame_bytes}")
     arrays = {}
-    for name, dtype, shape, codec, nbytes, payload in specs:
-        if codec == "lz4":
+    next_lz4 = 1 + layout.has_raw_frame
+    for name, dtype, shape, codec, nbytes, offset in layout.arrays:
+        if codec == "raw":
+            array = np.frombuffer(raw_frame, dtype, nbytes // dtype.itemsize, offset) if nbytes else np.empty(shape, dtype)
+        else:
+            payload = _buffer(frames[next_lz4])
+            next_lz4 += 1
             try:
                 data = lz4.block.decompress(payload, uncompressed_size=nbytes)
             except Exception as e:
                 raise ProtocolError(f"array {name!r}: corrupt lz4 payload ({e})") from None
             if len(data) != nbytes:
-                raise ProtocolError(f"array {name!r}: lz4 payload holds {len(data)} bytes, header says {nbytes}")
-        else:
-            data = payload
-        array = np.frombuffer(data, dtype=dtype).reshape(shape)
+                raise ProtocolError(f"array {name!r}: lz4 payload holds {len(data)} bytes, layout says {nbytes}")
+            array = np.frombuffer(data, dtype)
+        array = array.reshape(shape)
         array.flags.writeable = False
         arrays[name] = array
     return Message(msg_type, header, arrays)
 
 
-def _check_descriptor(i: int, d: Any, max_array_bytes: int) -> tuple:
-    if not isinstance(d, dict):
-        raise ProtocolError(f"array descriptor {i} must be a map")
-    name, dtype, shape, codec = d.get("name"), d.get("dtype"), d.get("shape"), d.get("codec")
-    nbytes, size = d.get("nbytes"), d.get("size")
-    if not isinstance(name, str) or not name or len(name) > 128:
-        raise ProtocolError(f"array descriptor {i}: name must be a non-empty string of at most 128 characters")
-    if dtype not in DTYPES:
-        raise ProtocolError(f"array {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    if codec not in CODECS:
-        raise ProtocolError(f"array {name!r}: codec {codec!r} is not one of {CODECS}")
-    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
-        raise ProtocolError(f"array {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
-    for key, value in (("nbytes", nbytes), ("size", size)):
-        if type(value) is not int or value < 0:
-            raise ProtocolError(f"array {name!r}: {key} must be a non-negative integer")
-    if nbytes > max_array_bytes:
-        raise ProtocolError(f"array {name!r}: {nbytes} bytes exceed the cap of {max_array_bytes}")
-    dtype = np.dtype(dtype)
-    expected = dtype.itemsize
-    for n in shape:
-        expected *= n
-        if expected > max_array_bytes:
-            raise ProtocolError(f"array {name!r}: shape {shape} exceeds the cap of {max_array_bytes} bytes")
-    if expected != nbytes:
-        raise ProtocolError(f"array {name!r}: shape {shape} of {dtype.str} is {expected} bytes, header says {nbytes}")
-    return name, dtype, tuple(shape), codec, nbytes
+def _parse_layout(blob: bytes) -> _Layout:
+    entries = msgpack.unpackb(blob, raw=False, ext_hook=_reject_ext)
+    if not isinstance(entries, list):
+        raise ProtocolError("layout must be a list of [name, dtype, shape, codec]")
+    if len(entries) > MAX_ARRAYS:
+        raise ProtocolError(f"{len(entries)} arrays exceed the limit of {MAX_ARRAYS}")
+    parsed, names = [], set()
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise ProtocolError(f"layout entry {i} must be [name, dtype, shape, codec]")
+        name, dtype, shape, codec = entry
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ProtocolError(f"layout entry {i}: name must be a non-empty string of at most 128 characters")
+        if name in names:
+            raise ProtocolError(f"array name {name!r} appears twice")
+        names.add(name)
+        if dtype not in DTYPES:
+            raise ProtocolError(f"array {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+        if codec not in CODECS:
+            raise ProtocolError(f"array {name!r}: codec {codec!r} is not one of {CODECS}")
+        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
+            raise ProtocolError(f"array {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
+        dtype = np.dtype(dtype)
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n  # Python ints: no overflow; the caps are checked per message
+        parsed.append((name, dtype, tuple(shape), codec, nbytes))
+    raw_sizes = [p[4] for p in parsed if p[3] == "raw"]
+    offsets = iter(_raw_offsets(raw_sizes))
+    arrays = tuple((*p, next(offsets) if p[3] == "raw" else 0) for p in parsed)
+    return _Layout(
+        arrays=arrays,
+        raw_frame_bytes=_raw_offsets(raw_sizes)[-1],
+        has_raw_frame=bool(raw_sizes),
+        lz4_frames=len(parsed) - len(raw_sizes),
+        largest_array=max((p[4] for p in parsed), default=0),
+        total_bytes=sum(p[4] for p in parsed),
+    )
 
 
 def _check_fields(msg_type: str, fields: Mapping[str, Any]) -> None:
     expected = MESSAGE_TYPES.get(msg_type)
     if expected is None:
         raise ProtocolError(f"unknown message type {msg_type!r}, expected one of {sorted(MESSAGE_TYPES)}")
-    missing = expected.keys() - fields.keys()
-    extra = fields.keys() - expected.keys()
-    if missing or extra:
-        raise ProtocolError(f"{msg_type!r} header: missing fields {sorted(missing)}, unexpected {sorted(extra)}")
+    if fields.keys() != expected.keys():
+        missing = sorted(expected.keys() - fields.keys())
+        extra = sorted(fields.keys() - expected.keys())
+        raise ProtocolError(f"{msg_type!r} header: missing fields {missing}, unexpected {extra}")
     for name, types in expected.items():
-        value = fields[name]
-        # bool is an int in Python; a protocol integer is not a bool.
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        # Exact types, as msgpack produces them: a bool or a NumPy integer is not an int here.
+        if type(fields[name]) not in types:
             names = " or ".join(t.__name__ for t in types)
-            raise ProtocolError(f"{msg_type!r} header: field {name!r} must be {names}, got {type(value).__name__}")
+            raise ProtocolError(f"{msg_type!r} header: field {name!r} must be {names}, got {type(fields[name]).__name__}")
 
 
 def _buffer(frame: Any) -> Any:

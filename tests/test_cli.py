@@ -50,3 +50,38 @@ def test_bench_rejects_unknown_benchmark(capsys):
 def test_bench_rejects_non_positive_seconds(capsys):
     assert main(["bench", "sumtree", "--seconds", "0"]) == 2
     assert "--seconds must be positive" in capsys.readouterr().err
+
+
+def test_keygen_writes_usable_keys_and_refuses_to_overwrite(tmp_path, capsys):
+    import zmq.auth
+
+    assert main(["keygen", str(tmp_path / "keys")]) == 0
+    out = capsys.readouterr().out
+    assert "actor.key_secret" in out
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "keys" / "learner.key_secret"))
+    assert len(public) == 40 and len(secret) == 40
+    assert (tmp_path / "keys" / "authorized" / "actor.key").read_bytes() == (tmp_path / "keys" / "actor.key").read_bytes()
+    assert (tmp_path / "keys" / "actor.key_secret").stat().st_mode & 0o077 == 0
+    assert main(["keygen", str(tmp_path / "keys")]) == 2
+    assert "choose an empty directory" in capsys.readouterr().err
+
+
+def test_bench_codec_and_transport_report_against_pickle(tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "apex.cli", "bench", "codec", "transport", "--seconds", "0.2", "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    codec_rows = {r["batch"]: r for r in report["codec"]["results"]}
+    assert set(codec_rows) == {"cartpole", "atari"}
+    # frames once + lz4: far fewer bytes than the pickled stacks
+    assert codec_rows["atari"]["wire_bytes"] * 8 < codec_rows["atari"]["pickle_wire_bytes"]
+    rows = report["transport"]["results"]
+    assert {(r["transport"], r["senders"], r["batch"]) for r in rows} == {
+        (t, s, b) for t in ("tcp", "ipc") for s in (1, 4) for b in ("cartpole", "atari")
+    }
+    assert all(r["transitions_per_s"] > 0 and r["pickle_transitions_per_s"] > 0 for r in rows)

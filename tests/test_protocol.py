@@ -67,11 +67,19 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
         assert msg.arrays["x"].shape == shape and msg.arrays["x"].dtype == array.dtype
 
 
-def test_large_compressible_arrays_go_lz4_and_small_ones_raw():
-    frames = encode("batch", FIELDS["batch"], {"frames": np.zeros((10, 84, 84), np.uint8), "a": np.arange(4)})
-    descriptors = msgpack.unpackb(frames[0])["arrays"]
-    assert [d["codec"] for d in descriptors] == ["lz4", "raw"]
-    assert len(frames[1]) < 10 * 84 * 84 // 10
+def layout_of(frames):
+    return msgpack.unpackb(msgpack.unpackb(frames[0])["layout"])
+
+
+def test_large_compressible_arrays_go_lz4_and_small_ones_share_the_raw_frame():
+    frames = encode(
+        "batch", FIELDS["batch"],
+        {"frames": np.zeros((10, 84, 84), np.uint8), "a": np.arange(3, dtype=np.int16), "b": np.ones(5)},
+    )
+    assert [entry[3] for entry in layout_of(frames)] == ["lz4", "raw", "raw"]
+    assert len(frames) == 3  # header, the raw arrays together, the lz4 array
+    assert len(frames[1]) == 8 + 40  # int16[3] padded to 8 bytes, then float64[5]
+    assert len(frames[2]) < 10 * 84 * 84 // 10
 
 
 def test_decoded_arrays_are_read_only_views():
@@ -79,8 +87,9 @@ def test_decoded_arrays_are_read_only_views():
     msg = decode([memoryview(f) for f in frames])
     for array in msg.arrays.values():
         assert not array.flags.writeable
-    action_frame = list(cartpole_arrays()).index("action") + 1
-    assert np.shares_memory(msg.arrays["action"], np.frombuffer(frames[action_frame], np.uint8))
+        assert array.ctypes.data % array.dtype.itemsize == 0  # aligned
+    raw_frame = np.frombuffer(frames[1], np.uint8)
+    assert all(np.shares_memory(msg.arrays[name], raw_frame) for name in ("action", "reward", "priority"))
 
 
 def test_encode_snapshots_arrays():
@@ -128,6 +137,12 @@ def _with_header(frames, header):
     return [msgpack.packb(header), *frames[1:]]
 
 
+def _with_layout(frames, layout):
+    header = _header(frames)
+    header["layout"] = msgpack.packb(layout)
+    return _with_header(frames, header)
+
+
 def _valid_batch():
     return encode("batch", FIELDS["batch"], {"obs": np.zeros((64, 84, 84), np.uint8), "a": np.arange(64)})
 
@@ -138,19 +153,10 @@ def _valid_batch():
         (lambda h: h.update(v=2), "protocol version 2"),
         (lambda h: h.pop("v"), "protocol version None"),
         (lambda h: h.update(type="batchx"), "unknown message type"),
-        (lambda h: h["arrays"][0].update(dtype="|O"), "dtype"),
-        (lambda h: h["arrays"][0].update(dtype="<c8"), "dtype"),
-        (lambda h: h["arrays"][0].update(codec="zstd"), "codec"),
-        (lambda h: h["arrays"][0].update(shape=[64, 84, 85]), "header says"),
-        (lambda h: h["arrays"][0].update(shape=[2**40, 2**40]), "exceeds the cap"),
-        (lambda h: h["arrays"][0].update(shape=[-1, 84, 84]), "non-negative"),
-        (lambda h: h["arrays"][0].update(shape=[1] * 9), "at most 8"),
-        (lambda h: h["arrays"][0].update(nbytes=2**62, shape=[2**62]), "cap"),
-        (lambda h: h["arrays"][0].update(size=3), "frame has"),
-        (lambda h: h["arrays"][1].update(name="obs"), "appears twice"),
-        (lambda h: h["arrays"].pop(), "describes 1 arrays but 2 frames"),
-        (lambda h: h.update(arrays="x"), "must be a list"),
+        (lambda h: h.update(layout="x"), "must be msgpack bytes"),
+        (lambda h: h.update(layout=msgpack.packb({"a": 1})), "must be a list"),
         (lambda h: h.update(actor_index="1"), "must be int"),
+        (lambda h: h.update(extra=1), "unexpected"),
     ],
 )
 def test_decode_rejects_malformed_headers(mutate, message):
@@ -161,13 +167,52 @@ def test_decode_rejects_malformed_headers(mutate, message):
         decode(_with_header(frames, header))
 
 
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda l: l[0].__setitem__(1, "|O"), "dtype"),
+        (lambda l: l[0].__setitem__(1, "<c8"), "dtype"),
+        (lambda l: l[0].__setitem__(3, "zstd"), "codec"),
+        (lambda l: l[0].__setitem__(2, [64, 84, 85]), "lz4 payload holds"),
+        (lambda l: l[1].__setitem__(2, [65]), "raw frame has"),
+        (lambda l: l[0].__setitem__(2, [2**40, 2**40]), "exceeds the cap"),
+        (lambda l: l[0].__setitem__(2, [-1, 84, 84]), "non-negative"),
+        (lambda l: l[0].__setitem__(2, [1] * 9), "at most 8"),
+        (lambda l: l[1].__setitem__(0, "obs"), "appears twice"),
+        (lambda l: l.pop(), "layout needs 2 frames, message has 3"),
+        (lambda l: l.append(["c", "<f4", [2], "raw"]), "raw frame has"),
+        (lambda l: l[0].pop(), "must be \\[name, dtype, shape, codec\\]"),
+        (lambda l: l[1].__setitem__(0, ""), "non-empty string"),
+    ],
+)
+def test_decode_rejects_malformed_layouts(mutate, message):
+    frames = _valid_batch()
+    layout = layout_of(frames)
+    mutate(layout)
+    with pytest.raises(ProtocolError, match=message):
+        decode(_with_layout(frames, layout))
+
+
+def test_decode_rejects_missing_or_extra_frames():
+    frames = _valid_batch()
+    with pytest.raises(ProtocolError, match="frames"):
+        decode(frames[:2])
+    with pytest.raises(ProtocolError, match="frames"):
+        decode([*frames, b"extra"])
+
+
 def test_decode_rejects_lz4_payload_of_the_wrong_size():
     frames = _valid_batch()
-    header = _header(frames)
     short = lz4.block.compress(np.zeros(1000, np.uint8).tobytes(), store_size=False)
-    header["arrays"][0]["size"] = len(short)
     with pytest.raises(ProtocolError, match="lz4"):
-        decode([msgpack.packb(header), short, frames[2]])
+        decode([frames[0], frames[1], short])
+
+
+def test_a_cached_layout_is_still_checked_against_the_frames():
+    frames = _valid_batch()
+    decode(frames)  # the layout is cached now
+    with pytest.raises(ProtocolError, match="raw frame has"):
+        decode([frames[0], frames[1][:-8], frames[2]])
 
 
 def test_decode_caps_are_applied():
@@ -231,29 +276,29 @@ _json_like = st.recursive(
 @given(st.data())
 def test_fuzz_header_fields_of_wrong_types(data):
     frames = _valid_batch()
-    header = _header(frames)
-    target = data.draw(st.sampled_from(["top", "descriptor"]))
-    if target == "top":
-        key = data.draw(st.sampled_from(["v", "type", "actor_index", "weights_version", "info", "arrays", "new"]))
+    if data.draw(st.booleans()):
+        header = _header(frames)
+        key = data.draw(st.sampled_from(["v", "type", "actor_index", "weights_version", "info", "layout", "new"]))
         header[key] = data.draw(_json_like)
+        frames = _with_header(frames, header)
     else:
-        descriptor = header["arrays"][data.draw(st.integers(0, 1))]
-        key = data.draw(st.sampled_from(["name", "dtype", "shape", "codec", "nbytes", "size"]))
-        descriptor[key] = data.draw(_json_like)
-    _decode_only_protocol_errors(_with_header(frames, header))
+        layout = layout_of(frames)
+        entry = layout[data.draw(st.integers(0, 1))]
+        entry[data.draw(st.integers(0, 3))] = data.draw(_json_like)
+        frames = _with_layout(frames, layout)
+    _decode_only_protocol_errors(frames)
 
 
 @settings(max_examples=FUZZ_EXAMPLES)
 @given(
     shape=st.lists(st.integers(0, 2**63 - 1), max_size=8),
-    nbytes=st.integers(0, 2**64 - 1),
     dtype=st.sampled_from(sorted(DTYPES)),
+    codec=st.sampled_from(["raw", "lz4"]),
     payload=st.binary(max_size=64),
 )
-def test_fuzz_huge_declared_sizes_never_allocate(shape, nbytes, dtype, payload):
-    header = {"v": 1, "type": "batch", **FIELDS["batch"], "arrays": [
-        {"name": "x", "dtype": dtype, "shape": shape, "codec": "lz4", "nbytes": nbytes, "size": len(payload)}
-    ]}
+def test_fuzz_huge_declared_sizes_never_allocate(shape, dtype, codec, payload):
+    layout = msgpack.packb([["x", dtype, shape, codec]])
+    header = {"v": 1, "type": "batch", **FIELDS["batch"], "layout": layout}
     tracemalloc.start()
     try:
         _decode_only_protocol_errors([msgpack.packb(header), payload], max_array_bytes=1 << 20, max_message_bytes=1 << 20)
@@ -267,16 +312,13 @@ def test_fuzz_huge_declared_sizes_never_allocate(shape, nbytes, dtype, payload):
 @given(st.data())
 def test_fuzz_corrupt_lz4(data):
     frames = _valid_batch()
-    payload = bytearray(frames[1])
+    payload = bytearray(frames[2])  # the lz4 frame
     for _ in range(data.draw(st.integers(1, 6))):
         payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         payload = payload[: data.draw(st.integers(0, len(payload)))]
-        header = _header(frames)
-        header["arrays"][0]["size"] = len(payload)
-        frames = _with_header(frames, header)
     try:
-        msg = decode([frames[0], bytes(payload), frames[2]])
+        msg = decode([frames[0], frames[1], bytes(payload)])
     except ProtocolError:
         return
     assert msg.arrays["obs"].shape == (64, 84, 84)  # a flip lz4 cannot see still decodes to the declared size

@@ -12,18 +12,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import replay, sumtree
+from apex.bench import codec, replay, sumtree, transport
 from apex.bench.timing import machine_info
+from apex.malloc import keep_large_blocks
 
 BENCHMARKS: dict[str, Callable[..., dict]] = {
     "sumtree": sumtree.run,
     "replay": replay.run,
+    "codec": codec.run,
+    "transport": transport.run,
 }
 
 
 def run(names: list[str], json_path: str | None = None, seconds: float = 1.0) -> dict:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked."""
     selected = list(BENCHMARKS) if "all" in names else names
+    keep_large_blocks()  # as the learner does: large decoded arrays stay off fresh mmap pages
     machine = machine_info()
     report = {}
     for name in selected:

@@ -1,0 +1,129 @@
+"""`apex bench transport`: batches/s from sender processes into one receiver over ZeroMQ.
+
+Senders are real processes that replay one pre-encoded batch as fast as the socket takes
+it (encoding is `apex bench codec`'s business); the receiver decodes every batch fully into
+NumPy arrays, as the learner's ingest does. The baseline is the naive batch pickled over
+the same plain PUSH/PULL socket.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import time
+
+import zmq
+
+from apex import protocol
+from apex.bench import batches
+from apex.bench.timing import print_table
+
+SENDERS = (1, 4)
+WARMUP_S = 0.5
+
+
+def _sender(address: str, frames: list[bytes]) -> None:
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 4)
+    push.connect(address)
+    while True:
+        push.send_multipart(frames, copy=False)
+
+
+def _receive(address: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 4)
+    pull.bind(address)
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_sender, args=(address, frames), daemon=True) for _ in range(senders)]
+    for p in procs:
+        p.start()
+    try:
+        # Wait for the first message, then a warm-up, then count.
+        if not pull.poll(60_000):
+            raise RuntimeError(f"no sender reached {address}")
+        end_warmup = time.perf_counter() + WARMUP_S
+        while time.perf_counter() < end_warmup:
+            decode(pull.recv_multipart(copy=False))
+        transitions = messages = wire = 0
+        cpu0, start = time.process_time(), time.perf_counter()
+        while (now := time.perf_counter()) - start < seconds:
+            received = pull.recv_multipart(copy=False)
+            transitions += decode(received)
+            messages += 1
+            wire += sum(len(f.buffer) for f in received)
+        elapsed = now - start
+        cpu = time.process_time() - cpu0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join()
+        pull.close(linger=0)
+        context.term()
+    return {
+        "transitions_per_s": round(transitions / elapsed),
+        "messages_per_s": round(messages / elapsed),
+        "wire_mb_per_s": round(wire / elapsed / 1e6, 1),
+        "receiver_cpu_percent": round(100 * cpu / elapsed),
+    }
+
+
+def _decode_apex(frames) -> int:
+    return len(protocol.decode(frames).arrays["priority"])
+
+
+def _decode_pickle(frames) -> int:
+    return len(pickle.loads(frames[0].buffer)["priority"])
+
+
+def run(seconds: float = 2.0) -> dict:
+    cartpole, cartpole_naive = batches.cartpole()
+    atari, atari_naive, source = batches.atari()
+    payloads = {
+        "cartpole": (protocol.encode("batch", batches.BATCH_FIELDS, cartpole), [pickle.dumps(cartpole_naive, protocol=5)]),
+        "atari": (protocol.encode("batch", batches.BATCH_FIELDS, atari), [pickle.dumps(atari_naive, protocol=5)]),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="apex-bench-") as tmp:
+        for transport in ("tcp", "ipc"):
+            for senders in SENDERS:
+                for batch, (apex_frames, pickle_frames) in payloads.items():
+                    figures = {}
+                    for method, frames, decode in (("apex", apex_frames, _decode_apex), ("pickle", pickle_frames, _decode_pickle)):
+                        address = (
+                            f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp" else f"ipc://{os.path.join(tmp, f'{batch}-{method}-{senders}')}"
+                        )
+                        figures[method] = _receive(address, decode, senders, frames, seconds)
+                    rows.append(
+                        {
+                            "transport": transport,
+                            "senders": senders,
+                            "batch": batch,
+                            **figures["apex"],
+                            **{f"pickle_{k}": v for k, v in figures["pickle"].items()},
+                            "speedup_vs_pickle": round(figures["apex"]["transitions_per_s"] / figures["pickle"]["transitions_per_s"], 2),
+                        }
+                    )
+    print_table(
+        f"transport: senders -> 1 receiver, every batch decoded (Atari: {source})",
+        ["transport", "senders", "batch", "apex transitions/s", "pickle transitions/s", "speedup", "apex MB/s", "pickle MB/s"],
+        [
+            [r["transport"], r["senders"], r["batch"], r["transitions_per_s"], r["pickle_transitions_per_s"],
+             r["speedup_vs_pickle"], r["wire_mb_per_s"], r["pickle_wire_mb_per_s"]]
+            for r in rows
+        ],
+    )
+    return {"baseline": "pickle of the naive batch over a plain PUSH/PULL socket", "atari_frames": source, "results": rows}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
