@@ -1,9 +1,11 @@
-"""Benchmark batches: what an actor sends for CartPole and for Atari, and the naive equivalent.
+"""Benchmark batches: what an actor sends for CartPole and for Atari, and naive equivalents.
 
-The naive batch is what a straightforward implementation pickles: the same transitions as
-a dict of arrays, Atari observations as full 4-frame stacks for obs and again for next_obs
-(8 frames a transition). apex sends each Atari frame once, with the index of each
-transition's first stacked frame.
+apex sends columns of arrays, each Atari frame once, with the index of each transition's
+first stacked frame. Two naive forms of the same transitions are pickled for comparison:
+  transitions  what a straightforward actor builds: a list of (obs, action, reward,
+               next_obs, discount, priority) tuples, Atari observations as full 4-frame
+               stacks for obs and again for next_obs (8 frames a transition)
+  columns      the same as a dict of stacked arrays: the strongest naive form
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ N_STEP = 3
 BATCH_FIELDS = {"actor_index": 0, "weights_version": 0, "info": {"episode_returns": [], "env_steps": 0}}
 
 
+def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple]:
+    """Columns turned into the per-transition tuples a straightforward actor collects."""
+    return [
+        (columns["obs"][i].copy(), int(columns["action"][i]), float(columns["reward"][i]),
+         columns["next_obs"][i].copy(), float(columns["discount"][i]), float(columns["priority"][i]))
+        for i in range(len(columns["action"]))
+    ]
+
+
 def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict, dict]:
-    """(apex arrays, naive batch) for n CartPole transitions."""
+    """(apex arrays, naive columns) for n CartPole transitions."""
     rng = np.random.default_rng(seed)
     arrays = {
         "obs": rng.standard_normal((n, 4)).astype(np.float32),
@@ -70,7 +81,7 @@ def _synthetic_frames(count: int, seed: int) -> np.ndarray:
 
 
 def atari(n: int = ATARI_TRANSITIONS, seed: int = 0) -> tuple[dict, dict, str]:
-    """(apex arrays, naive batch, frame source) for n consecutive Atari transitions."""
+    """(apex arrays, naive columns, frame source) for n consecutive Atari transitions."""
     frames, source = atari_frames(n + STACK - 1 + N_STEP, seed)
     rng = np.random.default_rng(seed)
     first = np.arange(n, dtype=np.int32)  # transition t stacks frames t .. t+3
