@@ -3,10 +3,57 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import time
+from pathlib import Path
 
 from apex import __version__
 from apex.errors import ApexError
+
+# Every flag that a container may rather set through the environment.
+ENV = {
+    "config": "APEX_CONFIG",
+    "logdir": "APEX_LOGDIR",
+    "bind_host": "APEX_BIND_HOST",
+    "port": "APEX_PORT",
+    "learner": "APEX_LEARNER",
+    "actor_index": "APEX_ACTOR_INDEX",
+    "num_envs": "APEX_NUM_ENVS",
+    "curve_dir": "APEX_CURVE_DIR",
+}
+
+
+def _env_default(name: str, cast=str):
+    value = os.environ.get(ENV[name])
+    if value in (None, ""):
+        return None
+    try:
+        return cast(value)
+    except ValueError:
+        raise SystemExit(f"apex: error: environment variable {ENV[name]}={value!r} is not a valid {cast.__name__}") from None
+
+
+def _add_config_flags(p: argparse.ArgumentParser, required_help: str = "") -> None:
+    p.add_argument("--config", default=_env_default("config"), metavar="FILE",
+                   help=f"YAML config (default: the embedded CartPole Ape-X run; env {ENV['config']}){required_help}")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config value, e.g. --set env.id=Acrobot-v1 (repeatable)")
+    p.add_argument("--curve-dir", default=_env_default("curve_dir"), metavar="DIR",
+                   help=f"CURVE keys from `apex keygen` (same as --set transport.curve_dir=DIR; env {ENV['curve_dir']})")
+
+
+def _add_stop_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stop-return", type=float, metavar="R",
+                   help="stop once return_mean_100 (100 evaluation episodes) reaches R")
+    p.add_argument("--stop-seconds", type=float, metavar="S", help="stop after S seconds")
+    p.add_argument("--stop-env-steps", type=int, metavar="N", help="stop after N environment steps")
+
+
+def _add_logdir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--logdir", default=_env_default("logdir"), metavar="DIR",
+                   help=f"where metrics.jsonl, summary.json and checkpoints/ go (default: runs/<time>-<env>; env {ENV['logdir']})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +88,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(handler=_bench)
 
+    learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
+                                  description="Run the learner: it binds its ports and trains from what actors send.")
+    _add_config_flags(learner)
+    _add_logdir(learner)
+    learner.add_argument("--bind-host", default=_env_default("bind_host") or "0.0.0.0", metavar="HOST",
+                         help=f"address to bind (default: 0.0.0.0, all interfaces; env {ENV['bind_host']})")
+    learner.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
+                         help=f"control port; P+1 and P+2 are used too (default: transport.port, 5550; env {ENV['port']})")
+    _add_stop_flags(learner)
+    learner.set_defaults(handler=_learner)
+
+    actor = commands.add_parser("actor", help="run one actor process against a learner",
+                                description="Run an actor: it gets the environment and model from the learner.")
+    actor.add_argument("--learner", default=_env_default("learner"), metavar="HOST[:PORT]",
+                       help=f"learner address (port default: 5550; env {ENV['learner']})")
+    actor.add_argument("--actor-index", type=int, default=_env_default("actor_index", int), metavar="I",
+                       help=f"position on the exploration ladder (default: the learner assigns one; env {ENV['actor_index']})")
+    actor.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
+                       help=f"environments in this process (default: the learner's actor.num_envs; env {ENV['num_envs']})")
+    _add_config_flags(actor, required_help="; only its transport section is used, the rest comes from the learner")
+    actor.set_defaults(handler=_actor)
+
+    run = commands.add_parser("run", help="run a learner and N actors on this machine",
+                              description="Run a learner and N actor processes here, restarting actors that die.")
+    _add_config_flags(run)
+    run.add_argument("--actors", type=int, default=2, metavar="N", help="actor processes (default: 2)")
+    _add_logdir(run)
+    run.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
+                     help="learner control port on 127.0.0.1; P+1 and P+2 are used too (default: transport.port)")
+    _add_stop_flags(run)
+    run.set_defaults(handler=_run)
+
     keygen = commands.add_parser(
         "keygen",
         help="create CURVE key pairs for the learner and the actors",
@@ -64,6 +143,74 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_config(args: argparse.Namespace):
+    from apex import config
+
+    overrides = list(args.overrides)
+    if args.curve_dir:
+        overrides.append(f"transport.curve_dir={args.curve_dir}")
+    return config.load(args.config, overrides)
+
+
+def _stop(args: argparse.Namespace):
+    from apex.learner import StopConditions
+
+    for flag, value in (("--stop-seconds", args.stop_seconds), ("--stop-env-steps", args.stop_env_steps)):
+        if value is not None and value <= 0:
+            raise ApexError(f"{flag} must be positive, got {value}")
+    return StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
+
+
+def _logdir(args: argparse.Namespace, config) -> Path:
+    if args.logdir:
+        return Path(args.logdir)
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.env.id.replace('/', '-')}"
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from apex.learner import LearnerProcess
+
+    config = _load_config(args)
+    stop = _stop(args)
+    logdir = _logdir(args, config)
+    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop)
+    print(f"apex learner: {config.env.id} ({config.algo}) on {process.device}; logdir {logdir}; "
+          f"ports {process.endpoint.ports.control}-{process.endpoint.ports.weights}", file=sys.stderr)
+    return process.run()
+
+
+def _actor(args: argparse.Namespace) -> int:
+    from apex.actor import run_actor
+    from apex.transport import DEFAULT_PORT, options_from_config
+
+    if not args.learner:
+        raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
+    host, _, port_text = args.learner.rpartition(":") if ":" in args.learner else (args.learner, "", "")
+    try:
+        port = int(port_text) if port_text else DEFAULT_PORT
+    except ValueError:
+        raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:5550") from None
+    if args.num_envs is not None and args.num_envs < 1:
+        raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
+    options = options_from_config(_load_config(args).transport)
+    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from apex import launch
+
+    if args.actors < 1:
+        raise ApexError(f"--actors must be >= 1, got {args.actors}")
+    config = _load_config(args)
+    if not any(o.startswith("actor.num_actors=") for o in args.overrides):
+        config.actor.num_actors = args.actors
+    stop = _stop(args)
+    logdir = _logdir(args, config)
+    port = args.port if args.port is not None else config.transport.port
+    print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}", file=sys.stderr)
+    return launch.run(config, args.actors, logdir, stop, port)
+
+
 def _keygen(args: argparse.Namespace) -> int:
     from apex.transport import generate_keys
 
@@ -77,6 +224,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return args.handler(args)
     except ApexError as e:

@@ -14,6 +14,8 @@ class SumTree:
     def __init__(self, capacity: int) -> None: ...
     def update(self, idx: npt.ArrayLike, prio: npt.ArrayLike) -> None:
         """Set leaf ``idx[i]`` to ``prio[i]`` (finite, >= 0); for a repeated index the last wins."""
+    def clear(self, idx: npt.ArrayLike) -> None:
+        """Return leaves to their never-set state: priority 0, not part of ``min``."""
     def find_prefixsum(self, values: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """For each v in [0, total], the leaf i with cumsum[i-1] <= v < cumsum[i]."""
     def sample(

@@ -16,6 +16,7 @@ by ``w_i = (N * P(i)) ** -beta / max_j w_j``, where the max runs over the whole 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -79,10 +80,15 @@ class PrioritizedReplay:
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._added = 0  # insertion index of the next item
+        self._evicted_until = 0  # items below this insertion index were evicted early
         self.stale_priority_updates = 0  # updates ignored because their item was evicted
 
     def __len__(self) -> int:
-        return min(self._added, self.capacity)
+        return self._added - self._oldest_live
+
+    @property
+    def _oldest_live(self) -> int:
+        return max(self._added - self.capacity, self._evicted_until)
 
     @property
     def total_added(self) -> int:
@@ -134,7 +140,7 @@ class PrioritizedReplay:
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta!r}")
         with self._lock:
-            if self._added == 0:
+            if len(self) == 0:
                 raise ValueError("cannot sample from an empty replay: add transitions first")
             slots, priorities = self._tree.sample(int(batch_size), self._rng)
             min_priority = self._tree.min
@@ -169,7 +175,7 @@ class PrioritizedReplay:
                     f"indices must be insertion indices returned by add/sample, "
                     f"in [0, {self._added}); got values in [{indices.min()}, {indices.max()}]"
                 )
-            live = indices >= self._added - self.capacity
+            live = indices >= self._oldest_live
             applied = int(np.count_nonzero(live))
             self.stale_priority_updates += len(indices) - applied
             if applied == len(indices):
@@ -178,13 +184,19 @@ class PrioritizedReplay:
                 self._tree.update(indices[live] % self.capacity, priorities[live])
         return applied
 
+    def evict_until(self, index: int) -> None:
+        """Evicts every item with an insertion index below ``index`` now, oldest first."""
+        with self._lock:
+            start, stop = self._oldest_live, min(int(index), self._added)
+            if stop > start:
+                self._tree.clear(np.arange(start, stop, dtype=np.int64) % self.capacity)
+                self._evicted_until = stop
+
     def priorities(self, indices: np.ndarray) -> np.ndarray:
         """Stored (transformed) priorities of live items, by insertion index."""
         indices = np.asarray(indices, dtype=np.int64)
         with self._lock:
-            if indices.size and (
-                indices.min() < max(0, self._added - self.capacity) or indices.max() >= self._added
-            ):
+            if indices.size and (indices.min() < self._oldest_live or indices.max() >= self._added):
                 raise IndexError("indices must refer to items still in the replay")
             return self._tree.get(indices % self.capacity)
 
@@ -219,3 +231,165 @@ class PrioritizedReplay:
                 )
             arrays[name] = array
         return arrays
+
+
+class FrameRing:
+    """A ring of frames addressed by ever-growing frame ids (id ``i`` in slot ``i % capacity``)."""
+
+    def __init__(self, capacity: int, frame_shape: tuple[int, ...], dtype: np.dtype) -> None:
+        if capacity < 1:
+            raise ValueError(f"frame capacity must be a positive integer, got {capacity}")
+        self.capacity = int(capacity)
+        self.storage = np.zeros((self.capacity, *frame_shape), dtype)
+        self.added = 0
+
+    @property
+    def oldest(self) -> int:
+        """Id of the oldest frame still held."""
+        return max(0, self.added - self.capacity)
+
+    def add(self, frames: np.ndarray) -> int:
+        """Stores frames (at most ``capacity``); returns the id of the first."""
+        n, first = len(frames), self.added
+        slot = first % self.capacity
+        head = min(n, self.capacity - slot)
+        self.storage[slot : slot + head] = frames[:head]
+        self.storage[: n - head] = frames[head:]
+        self.added += n
+        return first
+
+    def gather(self, ids: np.ndarray) -> np.ndarray:
+        return np.take(self.storage, ids % self.capacity, axis=0)
+
+
+class StackedReplay:
+    """Prioritized transitions whose observations are stacks of frames stored once each.
+
+    Actors send chunks: consecutive ``frames`` of one episode, and per transition the index
+    in the chunk of the first frame of its observation stack and of its bootstrap
+    (next) stack, its action, n-step return, discount and initial priority. Each frame is
+    stored once; ``sample`` rebuilds the stacks. When the frame ring overwrites frames that
+    older transitions still refer to, those transitions are evicted first, so a sampled
+    transition's frames are always valid. With vector observations ``stack`` is 1 and a
+    "frame" is the observation itself (still stored once rather than as obs and next_obs).
+    """
+
+    def __init__(
+        self,
+        frame_shape: tuple[int, ...],
+        frame_dtype: np.dtype,
+        stack: int,
+        capacity: int,
+        frame_capacity: int,
+        *,
+        alpha: float = 0.6,
+        eps: float = 1e-6,
+        seed: int | None = None,
+    ) -> None:
+        self.stack = int(stack)
+        self.frame_shape = tuple(frame_shape)
+        self.frame_dtype = np.dtype(frame_dtype)
+        self.frames = FrameRing(frame_capacity, self.frame_shape, self.frame_dtype)
+        self.transitions = PrioritizedReplay(
+            {
+                "obs_frame": ((), np.int64),
+                "next_obs_frame": ((), np.int64),
+                "action": ((), np.int64),
+                "reward": ((), np.float32),
+                "discount": ((), np.float32),
+            },
+            capacity,
+            alpha=alpha,
+            eps=eps,
+            seed=seed,
+        )
+        self._lock = threading.Lock()
+        self._chunks: deque[tuple[int, int]] = deque()  # (end insertion index, first frame id)
+        self._offsets = np.arange(self.stack, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.transitions)
+
+    @property
+    def capacity(self) -> int:
+        return self.transitions.capacity
+
+    @property
+    def total_added(self) -> int:
+        return self.transitions.total_added
+
+    @property
+    def nbytes(self) -> int:
+        return self.frames.storage.nbytes + self.transitions.nbytes
+
+    @property
+    def bytes_per_transition(self) -> float:
+        """Replay memory per stored transition at capacity (a naive 4-stack Atari replay: 56,448)."""
+        return self.nbytes / self.capacity
+
+    def add(self, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
+        """Stores one chunk (see the class docstring); raises ValueError if it is inconsistent."""
+        frames, count = self._check_chunk(chunk)
+        with self._lock:
+            first = self.frames.add(frames)
+            # Transitions whose frames were just overwritten go first; chunk by chunk
+            # (transitions and frames are both added in order, so they are the oldest).
+            evict_to = None
+            while self._chunks and self._chunks[0][1] < self.frames.oldest:
+                evict_to = self._chunks.popleft()[0]
+            if evict_to is not None:
+                self.transitions.evict_until(evict_to)
+            indices = self.transitions.add(
+                {
+                    "obs_frame": chunk["obs_frame"].astype(np.int64) + first,
+                    "next_obs_frame": chunk["next_obs_frame"].astype(np.int64) + first,
+                    "action": chunk["action"],
+                    "reward": chunk["reward"],
+                    "discount": chunk["discount"],
+                },
+                chunk["priority"],
+            )
+            end = self.transitions.total_added
+            self._chunks.append((end, first))
+            while self._chunks and self._chunks[0][0] <= end - self.capacity:
+                self._chunks.popleft()  # already evicted by the transition ring itself
+        return indices
+
+    def sample(self, batch_size: int, beta: float) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """(batch with obs and next_obs stacks, insertion indices, importance weights)."""
+        with self._lock:
+            batch, indices, weights = self.transitions.sample(batch_size, beta)
+            obs = self.frames.gather(batch.pop("obs_frame")[:, None] + self._offsets)
+            next_obs = self.frames.gather(batch.pop("next_obs_frame")[:, None] + self._offsets)
+        batch["obs"], batch["next_obs"] = obs, next_obs
+        return batch, indices, weights
+
+    def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
+        return self.transitions.update_priorities(indices, priorities)
+
+    def _check_chunk(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
+        needed = ("frames", "obs_frame", "next_obs_frame", "action", "reward", "discount", "priority")
+        missing = [k for k in needed if k not in chunk]
+        if missing:
+            raise ValueError(f"chunk lacks {missing}")
+        frames = chunk["frames"]
+        if frames.shape[1:] != self.frame_shape or frames.dtype != self.frame_dtype:
+            raise ValueError(
+                f"chunk frames are {frames.dtype}{list(frames.shape[1:])}, "
+                f"this run stores {self.frame_dtype}{list(self.frame_shape)}"
+            )
+        if not 0 < len(frames) <= self.frames.capacity:
+            raise ValueError(f"chunk has {len(frames)} frames, expected 1..{self.frames.capacity}")
+        count = len(chunk["priority"])
+        for name in needed[1:]:
+            array = chunk[name]
+            if array.shape != (count,):
+                raise ValueError(f"chunk field {name!r} has shape {array.shape}, expected ({count},)")
+        last_start = len(frames) - self.stack
+        for name in ("obs_frame", "next_obs_frame"):
+            index = chunk[name]
+            if index.dtype.kind not in "iu" or (count and (index.min() < 0 or index.max() > last_start)):
+                raise ValueError(f"chunk field {name!r} must index stacks within its {len(frames)} frames")
+        if chunk["action"].dtype.kind not in "iu":
+            raise ValueError(f"chunk actions must be integers, got {chunk['action'].dtype}")
+        return frames, count

@@ -65,6 +65,10 @@ class TransportOptions:
 
     trajectory_hwm: int = 4
     """Batches an actor may have queued before sending blocks (ZeroMQ high-water mark)."""
+    trajectory_buffer_bytes: int = 32 * 1024
+    """Kernel socket buffer of the trajectory stream on each side. The high-water mark
+    counts messages, but without this cap the kernel's own buffers (megabytes) hold
+    hundreds of small batches, which then reach a throttled learner seconds stale."""
     heartbeat_interval_s: float = 1.0
     """How often each side tells the other it is alive."""
     heartbeat_timeout_s: float = 5.0
@@ -75,6 +79,17 @@ class TransportOptions:
     """Largest total of arrays a received message may declare."""
     curve_dir: str | None = None
     """Directory made by `apex keygen`; enables CURVE encryption and authentication."""
+
+
+def options_from_config(transport: Any) -> TransportOptions:
+    """TransportOptions from a config's ``transport`` section."""
+    return TransportOptions(
+        trajectory_hwm=transport.trajectory_hwm,
+        trajectory_buffer_bytes=transport.trajectory_buffer_bytes,
+        heartbeat_interval_s=transport.heartbeat_interval_s,
+        heartbeat_timeout_s=transport.heartbeat_timeout_s,
+        curve_dir=transport.curve_dir,
+    )
 
 
 class HandshakeRejected(ApexError):
@@ -171,12 +186,13 @@ class LearnerEndpoint:
         self.rejected_messages = 0
         self._stopping: str | None = None
         self._weights: tuple[int, list[bytes], bytes] | None = None  # version, frames, packed
-        self._bad_log = _RateLimitedLog(log)
+        self._bad_log = RateLimitedLog(log)
         try:
             curve = self._start_curve() if options.curve_dir else None
             self.control = self._bind(zmq.ROUTER, host, self.ports.control, curve)
             self._weights_socket = self._bind(zmq.PUB, host, self.ports.weights, curve, sndhwm=1)
-            pull = self._bind(zmq.PULL, host, self.ports.trajectories, curve, rcvhwm=options.trajectory_hwm)
+            pull = self._bind(zmq.PULL, host, self.ports.trajectories, curve, rcvhwm=options.trajectory_hwm,
+                              buffer_bytes=options.trajectory_buffer_bytes)
         except Exception:
             self.close()
             raise
@@ -232,9 +248,12 @@ class LearnerEndpoint:
 
     # -- internals
 
-    def _bind(self, kind: int, host: str, port: int, curve, *, sndhwm: int = 0, rcvhwm: int = 0) -> zmq.Socket:
+    def _bind(self, kind: int, host: str, port: int, curve, *, sndhwm: int = 0, rcvhwm: int = 0,
+              buffer_bytes: int = 0) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if buffer_bytes:
+            sock.setsockopt(zmq.RCVBUF, buffer_bytes)
         if sndhwm:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
         if rcvhwm:
@@ -347,7 +366,7 @@ class TrajectoryReceiver:
         self.rejected_messages = 0
         self.received_messages = 0
         self.received_bytes = 0
-        self._bad_log = _RateLimitedLog(log)
+        self._bad_log = RateLimitedLog(log)
 
     def recv(self, timeout_ms: int = 0) -> Message | None:
         """The next valid batch, or None when none arrived within ``timeout_ms``.
@@ -405,15 +424,17 @@ class LearnerClient:
         self.welcome: Message | None = None
         self.stop_reason: str | None = None
         self.reconnects = 0
+        self.learner_weights_version = -1  # as of the last heartbeat answer
         self._weights: Message | None = None
         self._weights_version = -1
         self._last_heard = time.monotonic()
         self._last_beat = 0.0
-        self._bad_log = _RateLimitedLog(log)
+        self._bad_log = RateLimitedLog(log)
         self.context = zmq.Context()
         self._curve = self._load_curve() if options.curve_dir else None
         self.control = self._control_socket()
-        self.trajectories = self._connect(zmq.PUSH, self.ports.trajectories, sndhwm=options.trajectory_hwm)
+        self.trajectories = self._connect(zmq.PUSH, self.ports.trajectories, sndhwm=options.trajectory_hwm,
+                                          buffer_bytes=options.trajectory_buffer_bytes)
         self.weights = self._connect(zmq.SUB, self.ports.weights, conflate=True)
 
     @property
@@ -469,6 +490,8 @@ class LearnerClient:
             self._last_heard = now
             if msg.type == "stop":
                 self.stop_reason = msg.fields["reason"]
+            elif msg.type == "heartbeat_ack":
+                self.learner_weights_version = msg.fields["weights_version"]
             elif msg.type == "weights":
                 self._offer_weights(msg)
             elif msg.type == "reject":  # the learner restarted and does not know us
@@ -540,9 +563,12 @@ class LearnerClient:
         public, secret = _load_keypair(directory / "actor.key_secret")
         return public, secret, _load_public(directory / "learner.key")
 
-    def _connect(self, kind: int, port: int, *, sndhwm: int = 0, conflate: bool = False) -> zmq.Socket:
+    def _connect(self, kind: int, port: int, *, sndhwm: int = 0, conflate: bool = False,
+                 buffer_bytes: int = 0) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if buffer_bytes:
+            sock.setsockopt(zmq.SNDBUF, buffer_bytes)
         if sndhwm:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
         if conflate:
@@ -586,7 +612,7 @@ class LearnerClient:
             self._weights = msg
 
 
-class _RateLimitedLog:
+class RateLimitedLog:
     """Logs at most one warning a second, with a count of those it held back."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = 1.0) -> None:

@@ -84,6 +84,13 @@ void update(LockedSumTree& self, const py::handle& idx_obj, const py::handle& pr
   self.tree.update(idx.data(), p, idx.size());
 }
 
+void clear(LockedSumTree& self, const py::handle& idx_obj) {
+  IndexArray idx = as_indices(idx_obj, "idx", self.tree.capacity());
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(self.mutex);
+  self.tree.clear(idx.data(), idx.size());
+}
+
 py::array_t<int64_t> find_prefixsum(LockedSumTree& self, const py::handle& values_obj) {
   FloatArray values = as_floats(values_obj, "values");
   const py::ssize_t n = values.size();
@@ -176,6 +183,8 @@ PYBIND11_MODULE(native, m) {
            py::arg("capacity"))
       .def("update", &update, py::arg("idx"), py::arg("prio"),
            "Set leaf idx[i] to prio[i] (finite, >= 0); a repeated index: the last one wins.")
+      .def("clear", &clear, py::arg("idx"),
+           "Return leaves to never set: priority 0, no longer part of min.")
       .def("find_prefixsum", &find_prefixsum, py::arg("values"),
            "Leaf i with cumsum[i-1] <= v < cumsum[i] for each v in [0, total].")
       .def("sample", &sample, py::arg("n"), py::arg("rng"),

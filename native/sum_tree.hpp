@@ -67,28 +67,15 @@ class SumTree {
   // prio finite and >= 0). Repeated indices: the last one wins, because leaves are
   // written in order and parents are recomputed from their children afterwards.
   void update(const int64_t* idx, const double* prio, int64_t n) {
-    const int leaf_parents = depth_ - 1;
-    for (int64_t i = 0; i < n; ++i) {
-      Group& g = group_[first_group_[leaf_parents] + (idx[i] >> 2)];
-      g.sum[idx[i] & 3] = prio[i];
-      g.min[idx[i] & 3] = prio[i];
-    }
-    // Level by level towards the root: node (l, j) = sum/min of its group, written into
-    // slot j % 4 of its parent's group.
-    std::vector<int64_t> path(idx, idx + n);  // each update's node index j at this level
-    for (int l = leaf_parents; l > 0; --l) {
-      int64_t previous = -1;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t j = path[i] >> 2;
-        path[i] = j;
-        if (j == previous) continue;  // sorted or ring-buffer updates share parents
-        previous = j;
-        const Group& g = group_[first_group_[l] + j];
-        Group& parent = group_[first_group_[l - 1] + (j >> 2)];
-        parent.sum[j & 3] = ((g.sum[0] + g.sum[1]) + g.sum[2]) + g.sum[3];
-        parent.min[j & 3] = std::min(std::min(g.min[0], g.min[1]), std::min(g.min[2], g.min[3]));
-      }
-    }
+    for (int64_t i = 0; i < n; ++i) set_leaf(idx[i], prio[i], prio[i]);
+    propagate(idx, n);
+  }
+
+  // Returns leaves to their never-set state (sum 0, min +inf): never found, and no longer
+  // part of the minimum. For entries evicted from a replay.
+  void clear(const int64_t* idx, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) set_leaf(idx[i], 0.0, std::numeric_limits<double>::infinity());
+    propagate(idx, n);
   }
 
   // For each value v (0 <= v <= total, total > 0) finds the leaf i with
@@ -139,6 +126,31 @@ class SumTree {
   }
 
  private:
+  void set_leaf(int64_t i, double sum, double min) {
+    Group& g = group_[first_group_[depth_ - 1] + (i >> 2)];
+    g.sum[i & 3] = sum;
+    g.min[i & 3] = min;
+  }
+
+  // Level by level towards the root: node (l, j) = sum/min of its group, written into
+  // slot j % 4 of its parent's group.
+  void propagate(const int64_t* idx, int64_t n) {
+    std::vector<int64_t> path(idx, idx + n);  // each leaf's ancestor j at this level
+    for (int l = depth_ - 1; l > 0; --l) {
+      int64_t previous = -1;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t j = path[i] >> 2;
+        path[i] = j;
+        if (j == previous) continue;  // sorted or ring-buffer updates share parents
+        previous = j;
+        const Group& g = group_[first_group_[l] + j];
+        Group& parent = group_[first_group_[l - 1] + (j >> 2)];
+        parent.sum[j & 3] = ((g.sum[0] + g.sum[1]) + g.sum[2]) + g.sum[3];
+        parent.min[j & 3] = std::min(std::min(g.min[0], g.min[1]), std::min(g.min[2], g.min[3]));
+      }
+    }
+  }
+
   struct alignas(64) Group {
     double sum[4];
     double min[4];

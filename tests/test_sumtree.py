@@ -97,6 +97,21 @@ def test_min_counts_leaves_given_zero_and_ignores_unset_leaves():
     assert tree.total == 2.5
 
 
+def test_clear_returns_leaves_to_never_set():
+    tree, ref = SumTree(9), ReferenceSumTree(9)
+    prio = np.arange(1.0, 10.0)
+    tree.update(np.arange(9), prio)
+    tree.clear(np.array([0, 4, 4]))
+    assert tree.total == prio.sum() - 1.0 - 5.0
+    assert tree.min == 2.0  # cleared leaves no longer count, unlike a leaf set to 0
+    assert tree.get(np.array([0, 4])).tolist() == [0.0, 0.0]
+    assert not set(tree.sample(500, np.random.default_rng(0))[0].tolist()) & {0, 4}
+    tree.clear(np.arange(9))
+    assert tree.total == 0.0 and tree.min == float("inf")
+    with pytest.raises(IndexError):
+        tree.clear(np.array([9]))
+
+
 def test_zero_leaves_never_found_or_sampled():
     tree = SumTree(10)
     tree.update(np.array([2, 3, 7]), np.array([1.0, 0.0, 2.0]))

@@ -1,0 +1,5 @@
+import sys
+
+from apex.cli import main
+
+sys.exit(main())

@@ -1,0 +1,193 @@
+"""Ape-X DQN (Horgan et al. 2018, "Distributed Prioritized Experience Replay").
+
+Actor side: the epsilon ladder (Sec. 4.1: eps_i = eps ** (1 + alpha * i / (N - 1)), eps=0.4,
+alpha=7), and ``NStepChunker``, which turns one environment's steps into n-step transitions
+(Sec. 3, Alg. 1) with initial priorities from the actor's own Q-values:
+
+    G_t = sum_{k<n} gamma^k r_{t+k},   target_t = G_t + gamma^n max_a Q(s_{t+n}, a)
+    priority_t = |target_t - Q(s_t, a_t)|
+
+bootstrapping on truncation (time limits) and not on termination.
+
+Learner side: ``dqn_loss``, double DQN (van Hasselt et al. 2016) with a target network and
+Huber loss weighted by importance-sampling weights; it returns new priorities |td|.
+
+Where defaults differ from the paper (see configs/): a smaller replay and batch, a much
+shorter target-network period and a higher learning rate for CartPole on two cores; the
+actors' envs also include ``actor.eval_envs`` near-greedy ones that report
+return_mean_100.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from apex.config import ActorConfig
+
+
+def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
+    """Exploration rate of the i-th of n exploring environments."""
+    if n <= 1:
+        return base
+    return base ** (1 + alpha * i / (n - 1))
+
+
+def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tuple[list[float], list[bool]]:
+    """Per-environment epsilons for one actor, and which of its environments evaluate.
+
+    The ladder runs over the exploring environments of all ``num_actors`` actors,
+    interleaved so that every actor covers the whole range; the last ``eval_envs`` of each
+    actor play with ``eval_epsilon``. Evaluation episodes (return_mean_100) are those of
+    every environment whose epsilon is at most ``eval_epsilon``: the set-aside ones and
+    the near-greedy end of the ladder, never the exploring ones that would drag the
+    mean down.
+    """
+    eval_envs = min(config.eval_envs, num_envs)
+    exploring = num_envs - eval_envs
+    total = max(1, exploring * config.num_actors)
+    slot = actor_index % config.num_actors
+    epsilons = [
+        epsilon_ladder(j * config.num_actors + slot, total, config.eps_base, config.eps_alpha) for j in range(exploring)
+    ]
+    epsilons += [config.eval_epsilon] * eval_envs
+    return epsilons, [eps <= config.eval_epsilon for eps in epsilons]
+
+
+class NStepChunker:
+    """Builds one environment's n-step transitions and hands them out in chunks.
+
+    Frames are stored once: the observation at step t is the stack of frames
+    ``F[t .. t+stack-1]`` where ``F`` holds ``stack`` copies of the episode's first frame,
+    then one frame per step. A chunk carries the frames its transitions need plus, per
+    transition, where its observation stack and its bootstrap stack start.
+
+    Call order per step: ``record_action`` (when acting on s_t, with Q(s_t, a_t) and
+    max_a Q(s_t, a)), then ``record_step`` (reward r_t and the next frame), then, if the
+    episode ended, ``end_episode``.
+    """
+
+    def __init__(self, stack: int, n_step: int, gamma: float, chunk_transitions: int, clip_rewards: bool) -> None:
+        self.stack, self.n, self.gamma = stack, n_step, gamma
+        self.chunk_transitions = chunk_transitions
+        self.clip_rewards = clip_rewards
+        self._powers = gamma ** np.arange(n_step + 1)
+
+    def start(self, frame: np.ndarray) -> None:
+        """Begins an episode whose first frame is ``frame``."""
+        self.frames = [frame] * self.stack  # F[c .. ]: from the first frame of the chunk's first stack
+        self.actions: list[int] = []
+        self.q_taken: list[float] = []
+        self.values: list[float] = []  # max_a Q(s_t, a) for t = c, c+1, ...
+        self.rewards: list[float] = []
+        self.c = 0  # step index of the chunk's first transition
+        self.t = 0  # current step index
+        self.episode_return = 0.0
+
+    def record_action(self, action: int, q_taken: float, value: float) -> dict | None:
+        """Acting on s_t; returns a chunk when enough transitions have their bootstrap value."""
+        self.actions.append(int(action))
+        self.q_taken.append(float(q_taken))
+        self.values.append(float(value))
+        complete = self.t - self.n + 1 - self.c  # transitions t' with t' + n <= t
+        if complete >= self.chunk_transitions:
+            return self._emit(self.chunk_transitions, end=None, terminated=False, final_value=0.0)
+        return None
+
+    def record_step(self, reward: float, next_frame: np.ndarray) -> None:
+        self.episode_return += reward
+        self.rewards.append(float(np.sign(reward)) if self.clip_rewards else float(reward))
+        self.frames.append(next_frame)
+        self.t += 1
+
+    def end_episode(self, terminated: bool, final_value: float) -> dict | None:
+        """The episode ended at step t (``final_value``: max_a Q of the final observation,
+        used only on truncation). Returns a chunk of every remaining transition."""
+        count = self.t - self.c
+        return self._emit(count, end=self.t, terminated=terminated, final_value=final_value) if count else None
+
+    def _emit(self, count: int, *, end: int | None, terminated: bool, final_value: float) -> dict:
+        c, n = self.c, self.n
+        steps = np.arange(c, c + count)
+        horizon = steps + n if end is None else np.minimum(steps + n, end)  # bootstrap step
+        rewards = np.asarray(self.rewards, np.float64)
+        values = np.asarray(self.values + ([final_value] if end is not None else []), np.float64)
+        returns = np.zeros(count)
+        for k in range(n):  # G_t = sum_k gamma^k r_{t+k}, stopping at the horizon
+            alive = steps + k < horizon
+            returns[alive] += self._powers[k] * rewards[(steps + k - c)[alive]]
+        discount = self._powers[horizon - steps]
+        if terminated:
+            discount = np.where(horizon == end, 0.0, discount)
+        priority = np.abs(returns + discount * values[horizon - c] - np.asarray(self.q_taken[:count]))
+        last_frame = int(horizon.max()) - c + self.stack  # exclusive end of the frames needed
+        chunk = {
+            "frames": np.stack(self.frames[:last_frame]),
+            "obs_frame": (steps - c).astype(np.int32),
+            "next_obs_frame": (horizon - c).astype(np.int32),
+            "action": np.asarray(self.actions[:count], np.int64),
+            "reward": returns.astype(np.float32),
+            "discount": discount.astype(np.float32),
+            "priority": priority.astype(np.float32),
+        }
+        del self.frames[:count], self.actions[:count], self.q_taken[:count]
+        del self.values[:count], self.rewards[:count]
+        self.c += count
+        return chunk
+
+
+def merge_chunks(chunks: list[dict]) -> dict:
+    """Concatenates chunks into one batch, offsetting frame indices."""
+    if len(chunks) == 1:
+        return chunks[0]
+    offsets = np.cumsum([0] + [len(c["frames"]) for c in chunks[:-1]])
+    merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
+    for name in ("obs_frame", "next_obs_frame"):
+        merged[name] = np.concatenate([c[name] + off for c, off in zip(chunks, offsets)]).astype(np.int32)
+    return merged
+
+
+def check_batch(arrays: dict, num_actions: int) -> None:
+    """Algorithm-level checks on a received batch (the replay checks its structure)."""
+    action = arrays.get("action")
+    if action is not None and action.size and (action.min() < 0 or action.max() >= num_actions):
+        raise ValueError(f"actions must be in [0, {num_actions}), got [{action.min()}, {action.max()}]")
+    for name in ("reward", "discount", "priority"):
+        value = arrays.get(name)
+        if value is not None and not np.all(np.isfinite(value)):
+            raise ValueError(f"{name} holds non-finite values")
+    discount = arrays.get("discount")
+    if discount is not None and discount.size and (discount.min() < 0 or discount.max() > 1):
+        raise ValueError("discounts must be in [0, 1]")
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor  # scalar, to minimise
+    priorities: torch.Tensor  # [B] |td|, detached
+    q_mean: torch.Tensor  # scalar, detached
+    td_abs_mean: torch.Tensor  # scalar, detached
+
+
+def dqn_loss(
+    online: nn.Module,
+    target: nn.Module,
+    obs: torch.Tensor,  # [B, *obs_shape]
+    action: torch.Tensor,  # [B] int64
+    reward: torch.Tensor,  # [B] n-step return
+    discount: torch.Tensor,  # [B] gamma^k, 0 where the episode terminated
+    next_obs: torch.Tensor,  # [B, *obs_shape]
+    weights: torch.Tensor,  # [B] importance-sampling weights
+) -> LossOutput:
+    """Double DQN: the online network picks the next action, the target network values it."""
+    q = online(obs).gather(1, action[:, None]).squeeze(1)  # [B]
+    with torch.no_grad():  # separate passes: backward then runs over B rows, not 2B
+        next_action = online(next_obs).argmax(dim=1, keepdim=True)  # [B, 1]
+        next_q = target(next_obs).gather(1, next_action).squeeze(1)  # [B]
+        td_target = reward + discount * next_q
+    td = td_target - q
+    loss = (weights * F.huber_loss(q, td_target, reduction="none")).mean()
+    return LossOutput(loss, td.detach().abs(), q.detach().mean(), td.detach().abs().mean())

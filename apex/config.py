@@ -1,0 +1,336 @@
+"""One typed configuration tree: YAML in, dataclasses out, ``--set a.b=c`` overrides.
+
+The defaults are the embedded CartPole Ape-X run (``apex run`` with no ``--config``), and
+``configs/cartpole_apex.yaml`` spells the same values out. Loading collects every problem
+(unknown keys with the nearest valid one, wrong types, values out of range) and raises one
+ConfigError that lists them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from apex.errors import ConfigError
+
+ALGOS = ("apex_dqn", "impala")
+
+
+@dataclass
+class EnvConfig:
+    id: str = "CartPole-v1"
+    """Any Gymnasium id; ``ALE/...`` ids get the standard Atari preprocessing."""
+    max_episode_steps: int | None = None
+    """Truncate episodes after this many steps (None: the environment's own limit)."""
+    frame_stack: int = 4
+    """Atari: frames stacked into one observation (vector observations are not stacked)."""
+    frame_skip: int = 4
+    """Atari: emulator frames per action (max-pooled over the last two)."""
+    noop_max: int = 30
+    """Atari: up to this many no-op actions after a reset."""
+    terminal_on_life_loss: bool = False
+    """Atari: end training episodes when a life is lost (off, as in recent practice)."""
+    clip_rewards: bool = True
+    """Atari: train on the sign of the reward; reported returns stay unclipped."""
+
+
+@dataclass
+class ModelConfig:
+    hidden: list[int] = field(default_factory=lambda: [128, 128])
+    """MLP hidden layer sizes for vector observations (Atari uses the Nature CNN)."""
+    dueling: bool = True
+    """Dueling value/advantage heads (Wang et al. 2016)."""
+
+
+@dataclass
+class ReplayConfig:
+    capacity: int = 100_000
+    """Transitions kept; the oldest are evicted first."""
+    alpha: float = 0.6
+    """Priority exponent: 0 samples uniformly."""
+    beta: float = 0.4
+    """Importance-sampling exponent (fixed, as in Ape-X)."""
+    eps: float = 1e-6
+    """Added to every priority so that no transition becomes unsampleable."""
+    min_size: int = 2_000
+    """Transitions stored before training starts."""
+    samples_per_insert: float = 4.0
+    """Target ratio of sampled to inserted transitions (Reverb's SampleToInsertRatio)."""
+    rate_slack: int = 20_000
+    """How far, in samples, either side may run ahead of that ratio before it waits."""
+    frame_capacity: int | None = None
+    """Frames kept for stacked observations (None: capacity + an eighth + 4096)."""
+
+
+@dataclass
+class LearnerConfig:
+    batch_size: int = 256
+    """Transitions per update."""
+    lr: float = 2e-3
+    """Adam learning rate."""
+    adam_eps: float = 1.5e-4
+    """Adam epsilon."""
+    gamma: float = 0.99
+    """Discount factor."""
+    n_step: int = 3
+    """Steps in the n-step return."""
+    target_update_interval: int = 200
+    """Updates between copies of the online network into the target network."""
+    grad_clip: float = 10.0
+    """Maximum gradient norm."""
+    publish_interval: int = 10
+    """Updates between weight broadcasts to the actors."""
+    device: str = "auto"
+    """``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda[:N]``."""
+    torch_threads: int = 1
+    """CPU threads for the learner's torch operations."""
+    metrics_interval_s: float = 2.0
+    """Seconds between lines of metrics.jsonl (and console status lines)."""
+    checkpoint_interval_s: float = 600.0
+    """Seconds between periodic checkpoints (one is always written at stop)."""
+
+
+@dataclass
+class ActorConfig:
+    num_envs: int = 16
+    """Environments each actor process steps together."""
+    num_actors: int = 2
+    """Actors the exploration ladder is spread over (``apex run --actors`` sets it)."""
+    eps_base: float = 0.4
+    """Ape-X ladder: eps_i = eps_base ** (1 + eps_alpha * i / (N - 1))."""
+    eps_alpha: float = 7.0
+    """Ape-X ladder exponent."""
+    eval_envs: int = 2
+    """Environments per actor set aside to play near-greedily for return_mean_100."""
+    eval_epsilon: float = 0.01
+    """Epsilon of the evaluation environments (at most 0.01)."""
+    chunk_transitions: int = 64
+    """Transitions an environment collects before they are sent (less at episode ends)."""
+    weights_update_steps: int = 50
+    """Vector steps between looks for newer weights (never blocks)."""
+
+
+@dataclass
+class TransportConfig:
+    port: int = 5550
+    """Learner control port; trajectories use port+1 and weights port+2."""
+    trajectory_hwm: int = 4
+    """Batches an actor may queue before sending blocks."""
+    trajectory_buffer_bytes: int = 32 * 1024
+    """Kernel socket buffer of the trajectory stream; small, so queued batches stay fresh."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats."""
+    heartbeat_timeout_s: float = 5.0
+    """Silence after which a peer counts as gone."""
+    curve_dir: str | None = None
+    """Directory from ``apex keygen``: encrypt and authenticate every socket."""
+
+
+@dataclass
+class Config:
+    algo: str = "apex_dqn"
+    """``apex_dqn`` or ``impala``."""
+    seed: int = 0
+    """Seed for the learner and (offset by actor and env index) the actors."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+
+    @property
+    def is_atari(self) -> bool:
+        return self.env.id.startswith("ALE/")
+
+    @property
+    def frame_capacity(self) -> int:
+        if self.replay.frame_capacity is not None:
+            return self.replay.frame_capacity
+        return self.replay.capacity + self.replay.capacity // 8 + 4096
+
+    def validate(self) -> None:
+        """Raises one ConfigError listing every value out of range."""
+        problems = []
+
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
+        check(bool(self.env.id), "env.id must name a Gymnasium environment")
+        check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
+        check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
+        check(self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
+              f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}")
+        check(all(h >= 1 for h in self.model.hidden), f"model.hidden sizes must be >= 1, got {self.model.hidden}")
+        r = self.replay
+        check(r.capacity >= 1, f"replay.capacity must be a positive integer, got {r.capacity}")
+        check(r.alpha >= 0, f"replay.alpha must be >= 0, got {r.alpha}")
+        check(r.beta >= 0, f"replay.beta must be >= 0, got {r.beta}")
+        check(r.eps > 0, f"replay.eps must be > 0, got {r.eps}")
+        check(1 <= r.min_size <= r.capacity, f"replay.min_size must be in 1..replay.capacity ({r.capacity}), got {r.min_size}")
+        check(r.samples_per_insert > 0, f"replay.samples_per_insert must be > 0, got {r.samples_per_insert}")
+        check(r.rate_slack >= self.learner.batch_size,
+              f"replay.rate_slack must be >= learner.batch_size ({self.learner.batch_size}), got {r.rate_slack}")
+        check(r.frame_capacity is None or r.frame_capacity >= 1024, f"replay.frame_capacity must be >= 1024 or null, got {r.frame_capacity}")
+        lr = self.learner
+        check(lr.batch_size >= 1, f"learner.batch_size must be >= 1, got {lr.batch_size}")
+        check(lr.lr > 0, f"learner.lr must be > 0, got {lr.lr}")
+        check(lr.adam_eps > 0, f"learner.adam_eps must be > 0, got {lr.adam_eps}")
+        check(0 <= lr.gamma <= 1, f"learner.gamma must be in [0, 1], got {lr.gamma}")
+        check(lr.n_step >= 1, f"learner.n_step must be >= 1, got {lr.n_step}")
+        check(lr.target_update_interval >= 1, f"learner.target_update_interval must be >= 1, got {lr.target_update_interval}")
+        check(lr.grad_clip > 0, f"learner.grad_clip must be > 0, got {lr.grad_clip}")
+        check(lr.publish_interval >= 1, f"learner.publish_interval must be >= 1, got {lr.publish_interval}")
+        check(lr.device == "auto" or lr.device == "cpu" or lr.device.startswith("cuda"),
+              f"learner.device must be auto, cpu or cuda[:N], got {lr.device!r}")
+        check(lr.torch_threads >= 1, f"learner.torch_threads must be >= 1, got {lr.torch_threads}")
+        check(0 < lr.metrics_interval_s <= 5, f"learner.metrics_interval_s must be in (0, 5], got {lr.metrics_interval_s}")
+        check(lr.checkpoint_interval_s > 0, f"learner.checkpoint_interval_s must be > 0, got {lr.checkpoint_interval_s}")
+        a = self.actor
+        check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
+        check(a.num_actors >= 1, f"actor.num_actors must be >= 1, got {a.num_actors}")
+        check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
+        check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
+        check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}")
+        check(0 <= a.eval_epsilon <= 0.01, f"actor.eval_epsilon must be in [0, 0.01], got {a.eval_epsilon}")
+        check(a.chunk_transitions >= 1, f"actor.chunk_transitions must be >= 1, got {a.chunk_transitions}")
+        check(a.weights_update_steps >= 1, f"actor.weights_update_steps must be >= 1, got {a.weights_update_steps}")
+        t = self.transport
+        check(1 <= t.port <= 65533, f"transport.port must be in 1..65533 (port+1 and port+2 are used too), got {t.port}")
+        check(t.trajectory_hwm >= 1, f"transport.trajectory_hwm must be >= 1, got {t.trajectory_hwm}")
+        check(t.trajectory_buffer_bytes >= 4096, f"transport.trajectory_buffer_bytes must be >= 4096, got {t.trajectory_buffer_bytes}")
+        check(t.heartbeat_interval_s > 0, f"transport.heartbeat_interval_s must be > 0, got {t.heartbeat_interval_s}")
+        check(t.heartbeat_timeout_s > t.heartbeat_interval_s,
+              f"transport.heartbeat_timeout_s must exceed heartbeat_interval_s ({t.heartbeat_interval_s}), got {t.heartbeat_timeout_s}")
+        if problems:
+            raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Reads a YAML file (or the defaults when ``path`` is None), applies ``key=value``
+    overrides (values parsed as YAML), validates, and returns the Config."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found: pass an existing YAML file, e.g. configs/cartpole_apex.yaml")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    for override in overrides:
+        _apply_override(raw, override)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Builds a validated Config from nested dicts (unknown keys are errors)."""
+    problems: list[str] = []
+    config = _build(Config, raw, "", problems)
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    config.validate()
+    return config
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set expects key=value (e.g. env.id=Acrobot-v1), got {override!r}")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {override!r}: value is not valid YAML ({e})") from None
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {override!r}: {part} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(raw, dict):
+        problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+            problems.append(f"unknown key {name}{hint}")
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, f"{name}.", problems)
+        else:
+            converted, ok = _convert(value, hint)
+            if ok:
+                kwargs[key] = converted
+            else:
+                problems.append(f"{name} must be {_type_name(hint)}, got {value!r}")
+    return cls(**kwargs)
+
+
+def _convert(value: Any, hint: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            converted, ok = _convert(value, option)
+            if ok:
+                return converted, True
+        return value, False
+    if hint is type(None):
+        return None, value is None
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            return value, False
+        items = [_convert(v, item) for v in value]
+        return [v for v, _ in items], all(ok for _, ok in items)
+    if hint is bool:
+        return value, isinstance(value, bool)
+    if hint is int:
+        return value, isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), True
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+            try:
+                return float(value), True
+            except ValueError:
+                return value, False
+        return value, False
+    if hint is str:
+        return value, isinstance(value, str)
+    return value, False
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if hint is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))

@@ -1,0 +1,131 @@
+"""Environments: ``make_env`` for any Gymnasium id (Atari preprocessed), and ``VectorEnv``.
+
+An environment here yields *frames*: the observation vector for classic-control tasks,
+one 84x84 grayscale image for Atari. Stacking frames into observations is the actor's job
+(``FrameStacker``) and the replay's, so that each Atari frame is sent and stored once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+
+from apex.config import EnvConfig
+from apex.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What the learner and the model need to know about an environment."""
+
+    frame_shape: tuple[int, ...]
+    frame_dtype: np.dtype
+    stack: int
+    num_actions: int
+
+    @property
+    def obs_shape(self) -> tuple[int, ...]:
+        return (self.stack, *self.frame_shape)
+
+
+def _register_atari() -> None:
+    try:
+        import ale_py
+    except ImportError:
+        raise ConfigError("Atari environments need ale-py and OpenCV: pip install 'apex[atari]'") from None
+    gym.register_envs(ale_py)
+
+
+def make_env(config: EnvConfig, seed: int | None = None) -> gym.Env:
+    """Creates one environment; raises ConfigError for an unknown id or an unusable one."""
+    is_atari = config.id.startswith("ALE/")
+    if is_atari:
+        _register_atari()
+    try:
+        gym.spec(config.id)
+    except gym.error.Error:
+        known = [name for name in gym.registry if not name.startswith("ALE/") or is_atari]
+        import difflib
+
+        close = difflib.get_close_matches(config.id, known, n=1)
+        hint = f"; did you mean {close[0]}?" if close else "; see gymnasium.registry for the ids installed"
+        raise ConfigError(f"env.id {config.id!r} is not a registered Gymnasium environment{hint}") from None
+    kwargs = {}
+    if config.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = config.max_episode_steps
+    if is_atari:
+        env = gym.make(config.id, frameskip=1, **kwargs)
+        env = gym.wrappers.AtariPreprocessing(
+            env,
+            noop_max=config.noop_max,
+            frame_skip=config.frame_skip,
+            screen_size=84,
+            terminal_on_life_loss=config.terminal_on_life_loss,
+            grayscale_obs=True,
+        )
+    else:
+        env = gym.make(config.id, **kwargs)
+    if not isinstance(env.action_space, gym.spaces.Discrete):
+        raise ConfigError(f"env.id {config.id!r} has {env.action_space} actions; apex needs a Discrete action space")
+    if not isinstance(env.observation_space, gym.spaces.Box):
+        raise ConfigError(f"env.id {config.id!r} has {env.observation_space} observations; apex needs a Box")
+    if seed is not None:
+        env.action_space.seed(seed)
+    return env
+
+
+def env_spec(config: EnvConfig) -> EnvSpec:
+    env = make_env(config)
+    try:
+        space = env.observation_space
+        is_atari = config.id.startswith("ALE/")
+        dtype = np.dtype(np.uint8) if is_atari else np.dtype(np.float32)
+        return EnvSpec(tuple(space.shape), dtype, config.frame_stack if is_atari else 1, int(env.action_space.n))
+    finally:
+        env.close()
+
+
+class VectorEnv:
+    """K environments stepped in turn, each reset in the same step it ends.
+
+    ``step`` returns the frames to act on next (a reset frame where an episode ended),
+    and, for the environments that ended, the episode's final frame.
+    """
+
+    def __init__(self, config: EnvConfig, num_envs: int, seed: int) -> None:
+        self.spec = env_spec(config)
+        self.envs = [make_env(config, seed + i) for i in range(num_envs)]
+        self._seed = seed
+        self._frames = np.zeros((num_envs, *self.spec.frame_shape), self.spec.frame_dtype)
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.envs)
+
+    def reset(self) -> np.ndarray:
+        for i, env in enumerate(self.envs):
+            frame, _ = env.reset(seed=self._seed + i)
+            self._frames[i] = frame
+        return self._frames.copy()
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        """(frames, rewards, terminated, truncated, final_frames by env index)."""
+        n = len(self.envs)
+        rewards = np.zeros(n, np.float64)
+        terminated = np.zeros(n, bool)
+        truncated = np.zeros(n, bool)
+        final = {}
+        for i, env in enumerate(self.envs):
+            frame, reward, term, trunc, _ = env.step(int(actions[i]))
+            rewards[i], terminated[i], truncated[i] = reward, term, trunc
+            if term or trunc:
+                final[i] = np.asarray(frame, self.spec.frame_dtype)
+                frame, _ = env.reset()
+            self._frames[i] = frame
+        return self._frames.copy(), rewards, terminated, truncated, final
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
