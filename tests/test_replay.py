@@ -204,3 +204,76 @@ def test_empty_replay_cannot_be_sampled():
 def test_constructor_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PrioritizedReplay(SPEC, **kwargs)
+
+
+# --- StackedReplay: frames stored once, stacks rebuilt at sample time
+
+from apex.replay import StackedReplay  # noqa: E402
+
+
+def frame_chunk(first_value: int, transitions: int, stack: int, n: int = 1) -> dict:
+    """A chunk whose frame i holds the value first_value + i everywhere."""
+    count = transitions + stack - 1 + n
+    frames = (first_value + np.arange(count))[:, None, None] * np.ones((1, 2, 2))
+    obs = np.arange(transitions)
+    return {
+        "frames": frames.astype(np.uint8),
+        "obs_frame": obs.astype(np.int32),
+        "next_obs_frame": (obs + n).astype(np.int32),
+        "action": np.zeros(transitions, np.int64),
+        "reward": obs.astype(np.float32),  # lets the test find each transition's frame
+        "discount": np.ones(transitions, np.float32),
+        "priority": np.ones(transitions, np.float32),
+    }
+
+
+def test_stacked_replay_rebuilds_stacks_from_frames_stored_once():
+    replay = StackedReplay((2, 2), np.uint8, stack=4, capacity=100, frame_capacity=1000, seed=0)
+    replay.add(frame_chunk(0, transitions=10, stack=4, n=3))
+    replay.add(frame_chunk(100, transitions=5, stack=4, n=3))
+    assert replay.frames.added == (10 + 3 + 3) + (5 + 3 + 3)  # each frame once
+    batch, _, _ = replay.sample(64, beta=0.4)
+    assert batch["obs"].shape == (64, 4, 2, 2) and batch["obs"].dtype == np.uint8
+    first = batch["obs"][:, :, 0, 0]
+    t = batch["reward"].astype(int)
+    base = np.where(first[:, 0] >= 100, 100, 0)
+    np.testing.assert_array_equal(first, (base + t)[:, None] + np.arange(4))
+    np.testing.assert_array_equal(batch["next_obs"][:, :, 0, 0], (base + t + 3)[:, None] + np.arange(4))
+
+
+def test_stacked_replay_evicts_transitions_whose_frames_were_overwritten():
+    replay = StackedReplay((2, 2), np.uint8, stack=4, capacity=1000, frame_capacity=30, seed=0)
+    for k in range(6):  # 6 chunks of 16 frames into a ring of 30: only the newest fit whole
+        replay.add(frame_chunk(40 * k, transitions=10, stack=4, n=3))
+    assert len(replay) <= 20
+    batch, indices, _ = replay.sample(200, beta=0.4)
+    # Every sampled stack is intact: consecutive frame values from one chunk.
+    first = batch["obs"][:, :, 0, 0].astype(int)
+    np.testing.assert_array_equal(np.diff(first, axis=1), np.ones((200, 3)))
+    assert set(first[:, 0] // 40) <= {4, 5}
+    assert replay.transitions.priorities(indices).min() > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda c: c.pop("priority"), "lacks"),
+        (lambda c: c.update(frames=c["frames"].astype(np.float32)), "frames are float32"),
+        (lambda c: c.update(obs_frame=c["obs_frame"] + 50), "must index stacks"),
+        (lambda c: c.update(next_obs_frame=-c["next_obs_frame"] - 1), "must index stacks"),
+        (lambda c: c.update(action=c["action"][:3]), "shape"),
+        (lambda c: c.update(action=c["action"].astype(np.float32)), "integers"),
+    ],
+)
+def test_stacked_replay_rejects_inconsistent_chunks(change, message):
+    replay = StackedReplay((2, 2), np.uint8, stack=4, capacity=100, frame_capacity=1000)
+    chunk = frame_chunk(0, transitions=10, stack=4, n=3)
+    change(chunk)
+    with pytest.raises(ValueError, match=message):
+        replay.add(chunk)
+    assert len(replay) == 0 and replay.frames.added == 0
+
+
+def test_atari_sized_replay_uses_a_seventh_of_naive_stacks():
+    replay = StackedReplay((84, 84), np.uint8, stack=4, capacity=10_000, frame_capacity=10_000 + 10_000 // 8 + 4096)
+    assert replay.bytes_per_transition < 56_448 / 5

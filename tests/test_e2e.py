@@ -1,0 +1,139 @@
+"""Real learner and actor processes on localhost, started the way a user starts them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from apex import protocol
+from tests.netutil import free_base_port
+
+CONTRACT_METRICS = {
+    "time", "env_steps", "learner_updates", "env_steps_per_s", "updates_per_s", "episodes",
+    "return_mean_100", "replay_size", "actors_connected", "weights_version", "rejected_messages",
+}
+FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
+        "--set", "learner.metrics_interval_s=0.5", "--set", "actor.num_envs=4"]
+
+
+def apex(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def metrics(logdir: Path) -> list[dict]:
+    path = logdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def processes_mentioning(text: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
+    logdir = tmp_path / "run"
+    proc = apex("run", "--actors", "2", "--logdir", str(logdir), "--port", str(free_base_port()),
+                "--stop-env-steps", "20000", *FAST)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["stop_reason"] == "20000 env steps"
+    assert summary["env_steps"] >= 20000 and summary["learner_updates"] > 0
+    assert {"wall_seconds", "return_mean_100", "best_return_mean_100"} <= summary.keys()
+    rows = metrics(logdir)
+    assert len(rows) >= 2 and all(CONTRACT_METRICS <= row.keys() for row in rows)
+    assert max(r["actors_connected"] for r in rows) == 2
+    assert rows[-1]["env_steps"] == summary["env_steps"]
+    assert list((logdir / "checkpoints").glob("ckpt-*.pt"))
+    time.sleep(0.5)
+    assert processes_mentioning(str(logdir)) == []
+
+
+def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
+    logdir = tmp_path / "hand"
+    port = free_base_port()
+    learner = apex("learner", "--logdir", str(logdir), "--bind-host", "127.0.0.1", "--port", str(port),
+                   "--stop-seconds", "120", *FAST)
+    actor_args = ["actor", "--learner", f"127.0.0.1:{port}", *FAST[:4]]
+    actors = [apex(*actor_args) for _ in range(2)]
+    try:
+        wait_for(lambda: any(r["actors_connected"] == 2 for r in metrics(logdir)), 60, "two actors")
+        actors[0].send_signal(signal.SIGKILL)
+        actors[0].wait()
+        wait_for(lambda: metrics(logdir)[-1]["actors_connected"] == 1, 30, "the killed actor to be dropped")
+
+        # A hostile sender on the trajectory port: garbage, and a well-formed batch with a bad action.
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        push.send_multipart([b"\x00garbage", b"x"])
+        push.send_multipart(protocol.encode(
+            "batch", {"actor_index": 9, "weights_version": 0, "info": {}},
+            {"frames": np.zeros((2, 4), np.float32), "obs_frame": np.array([0], np.int32),
+             "next_obs_frame": np.array([1], np.int32), "action": np.array([7]), "reward": np.ones(1, np.float32),
+             "discount": np.ones(1, np.float32), "priority": np.ones(1, np.float32)},
+        ))
+        push.close(linger=1000)
+
+        actors[0] = apex(*actor_args)  # restarted: it rejoins
+        wait_for(lambda: metrics(logdir)[-1]["actors_connected"] == 2, 60, "the restarted actor")
+        wait_for(lambda: metrics(logdir)[-1]["rejected_messages"] >= 2, 30, "the bad messages to be counted")
+        steps = metrics(logdir)[-1]["env_steps"]
+        wait_for(lambda: metrics(logdir)[-1]["env_steps"] > steps, 30, "training to go on")
+        assert learner.poll() is None
+
+        learner.send_signal(signal.SIGTERM)
+        learner.wait(timeout=60)
+        assert learner.returncode == 0
+        assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "signal SIGTERM"
+        for actor in actors:  # told to stop by the learner
+            actor.wait(timeout=30)
+            assert actor.returncode == 0
+    finally:
+        for p in [learner, *actors]:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "env.id=CartPole-v9"], "env.id 'CartPole-v9' is not a registered Gymnasium environment; did you mean CartPole-v1?"),
+        (["--set", "replay.capacty=5"], "unknown key replay.capacty; did you mean replay.capacity?"),
+        (["--config", "no/such.yaml"], "config file no/such.yaml not found"),
+    ],
+)
+def test_learner_bad_input_is_one_clear_line(args, message, tmp_path):
+    proc = apex("learner", "--logdir", str(tmp_path / "x"), "--port", str(free_base_port()), *args)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_actor_without_learner_address_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k != "APEX_LEARNER"}
+    proc = apex("actor", env=env)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "--learner HOST[:PORT] is required" in err
