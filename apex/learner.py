@@ -8,6 +8,7 @@ import copy
 import logging
 import math
 import os
+import resource
 import signal
 import threading
 import time
@@ -31,6 +32,19 @@ from apex.transport import LearnerEndpoint, RateLimitedLog, Rejected, options_fr
 log = logging.getLogger(__name__)
 
 MAX_ENVS_PER_ACTOR = 4096
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def pick_device(name: str) -> torch.device:
@@ -284,6 +298,8 @@ class LearnerProcess:
             metrics.close()
             self.save_checkpoint()
             write_json_atomic(self.logdir / "summary.json", {
+                "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
+                "replay_nbytes_mb": round(self.learner.replay.nbytes / 2**20, 1),
                 "env_steps": self.env_steps,
                 "learner_updates": self.learner.updates,
                 "wall_seconds": round(wall, 2),
@@ -342,6 +358,9 @@ class LearnerProcess:
             "policy_lag_max": int(max(lags)) if lags else None,
             "rejected_messages": (self.endpoint.rejected_messages + self.endpoint.receiver.rejected_messages
                                   + self.bad_batches),
+            "learner_rss_mb": round(rss_bytes() / 2**20, 1),
+            "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
+            "replay_nbytes_mb": round(self.learner.replay.nbytes / 2**20, 1),
             **{k: round(v, 5) for k, v in last.items()},
         })
         return row
