@@ -2,8 +2,10 @@
 
 Senders are real processes that replay one pre-encoded batch as fast as the socket takes
 it (encoding is `apex bench codec`'s business); the receiver decodes every batch fully into
-NumPy arrays, as the learner's ingest does. The baselines pickle the naive forms of the same
-batch (see apex.bench.batches) over the same plain PUSH/PULL socket.
+NumPy arrays, as the learner's ingest does. apex's stream runs with its own socket settings
+(high-water mark and small kernel buffers, apex.transport.TransportOptions); the baselines
+pickle the naive forms of the same batch (see apex.bench.batches) over a plain PUSH/PULL
+socket with ZeroMQ's defaults.
 """
 
 from __future__ import annotations
@@ -19,27 +21,42 @@ import zmq
 from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table
+from apex.transport import TransportOptions
 
 SENDERS = (1, 4)
 WARMUP_S = 0.5
 
 
-def _sender(address: str, frames: list[bytes]) -> None:
+def _sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
-    push.setsockopt(zmq.SNDHWM, 4)
+    for option, value in options.items():
+        push.setsockopt(option, value)
     push.connect(address)
     while True:
         push.send_multipart(frames, copy=False)
 
 
-def _receive(address: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
+def _socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
+    """(sender, receiver) options: apex's own for apex, ZeroMQ's defaults for the baselines."""
+    if method != "apex":
+        return {}, {}
+    options = TransportOptions()
+    return (
+        {zmq.SNDHWM: options.trajectory_hwm, zmq.SNDBUF: options.trajectory_buffer_bytes},
+        {zmq.RCVHWM: options.trajectory_hwm, zmq.RCVBUF: options.trajectory_buffer_bytes},
+    )
+
+
+def _receive(address: str, method: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
+    send_options, receive_options = _socket_options(method)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
-    pull.setsockopt(zmq.RCVHWM, 4)
+    for option, value in receive_options.items():
+        pull.setsockopt(option, value)
     pull.bind(address)
     spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_sender, args=(address, frames), daemon=True) for _ in range(senders)]
+    procs = [spawn.Process(target=_sender, args=(address, frames, send_options), daemon=True) for _ in range(senders)]
     for p in procs:
         p.start()
     try:
@@ -106,7 +123,7 @@ def run(seconds: float = 2.0) -> dict:
                             f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp"
                             else f"ipc://{os.path.join(tmp, f'{batch}-{method}-{senders}')}"
                         )
-                        figures = _receive(address, decode, senders, frames, seconds)
+                        figures = _receive(address, method, decode, senders, frames, seconds)
                         prefix = "" if method == "apex" else method + "_"
                         row.update({prefix + k: v for k, v in figures.items()})
                     row["speedup_vs_pickle"] = round(row["transitions_per_s"] / row["pickle_transitions_per_s"], 2)
