@@ -129,3 +129,21 @@ class VectorEnv:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+class FrameStacker:
+    """The last ``stack`` frames of each environment, as network input."""
+
+    def __init__(self, num_envs: int, stack: int, frame_shape: tuple[int, ...], dtype: np.dtype) -> None:
+        self.obs = np.zeros((num_envs, stack, *frame_shape), dtype)
+
+    def reset(self, i: int, frame: np.ndarray) -> None:
+        self.obs[i] = frame  # broadcast: the first frame repeated, as the chunker stores it
+
+    def push(self, i: int, frame: np.ndarray) -> None:
+        self.obs[i, :-1] = self.obs[i, 1:]
+        self.obs[i, -1] = frame
+
+    def peek(self, i: int, frame: np.ndarray) -> np.ndarray:
+        """Env i's observation if ``frame`` came next (for a final frame)."""
+        return np.concatenate([self.obs[i, 1:], frame[None]])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,6 +65,14 @@ class QNetwork(nn.Module):
         if self.value is None:
             return advantage
         return self.value(features) + advantage - advantage.mean(dim=1, keepdim=True)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device: through pinned memory and without blocking on CUDA."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
 
 
 def numpy_weights(model: nn.Module) -> dict:

@@ -8,7 +8,9 @@ import torch
 
 from apex.config import Config
 from apex.envs import EnvSpec
-from apex.learner import ApexLearner, LearnerProcess, RateLimiter, pick_device
+from apex.algos.apex_dqn import Learner as ApexLearner
+from apex.learner import LearnerProcess, pick_device
+from apex.replay import RateLimiter
 
 
 def test_rate_limiter_holds_the_ratio_within_the_slack():
@@ -50,7 +52,7 @@ def test_updates_learn_the_better_action_and_lower_priorities():
     config.learner.lr = 1e-2
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     learner = ApexLearner(config, spec, torch.device("cpu"))
-    learner.replay.add(bandit_chunk(500))
+    assert learner.insert(bandit_chunk(500)) == 500
     first = learner.step()
     for _ in range(200):
         last = learner.step()

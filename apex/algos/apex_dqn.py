@@ -20,6 +20,8 @@ return_mean_100.
 
 from __future__ import annotations
 
+import copy
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apex.config import ActorConfig
+from apex.config import ActorConfig, Config
+from apex.envs import EnvSpec, FrameStacker, VectorEnv
+from apex.models import QNetwork, load_numpy_weights, numpy_weights, to_device
+from apex.protocol import Message
+from apex.replay import RateLimiter, StackedReplay
 
 
 def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
@@ -191,3 +197,179 @@ def dqn_loss(
     td = td_target - q
     loss = (weights * F.huber_loss(q, td_target, reduction="none")).mean()
     return LossOutput(loss, td.detach().abs(), q.detach().mean(), td.detach().abs().mean())
+
+
+# ---------------------------------------------------------------------------------------
+# The learner core: owns the networks, the replay and its rate limiter.
+
+
+class Learner:
+    """Double dueling DQN over a prioritized replay of frame-deduplicated n-step transitions.
+
+    The generic learner process calls ``insert`` from its ingest thread and ``step`` from
+    its main loop; ``wait_to_insert`` / ``wait_to_step`` apply the sample-to-insert limit.
+    """
+
+    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.spec = spec
+        self.device = device
+        self.online = QNetwork(spec, config.model).to(device)
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+        # fused: one kernel for all parameters (measured: 2.3 -> 2.0 ms a CartPole update on CPU)
+        self.optimizer = torch.optim.Adam(
+            self.online.parameters(), lr=config.learner.lr, eps=config.learner.adam_eps, fused=True
+        )
+        self.replay = StackedReplay(
+            spec.frame_shape, spec.frame_dtype, spec.stack, config.replay.capacity, config.frame_capacity,
+            alpha=config.replay.alpha, eps=config.replay.eps, seed=config.seed,
+        )
+        self.limiter = RateLimiter(config.replay.samples_per_insert, config.replay.min_size, config.replay.rate_slack)
+        self.updates = 0
+        self.samples_per_update = config.learner.batch_size
+
+    def welcome(self, actor_index: int, num_envs: int) -> dict:
+        epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.actor)
+        return {"epsilons": epsilons, "eval_envs": eval_mask}
+
+    def wait_to_insert(self, timeout: float) -> bool:
+        return self.limiter.wait_to_insert(timeout)
+
+    def insert(self, arrays: dict) -> int:
+        check_batch(arrays, self.spec.num_actions)
+        self.replay.add(arrays)
+        count = len(arrays["priority"])
+        self.limiter.inserted(count)
+        return count
+
+    def wait_to_step(self, timeout: float) -> bool:
+        return self.limiter.wait_to_sample(self.config.learner.batch_size, timeout)
+
+    def step(self) -> dict[str, float]:
+        cfg = self.config
+        batch, indices, weights = self.replay.sample(cfg.learner.batch_size, cfg.replay.beta)
+        to = partial(to_device, device=self.device)
+        out = dqn_loss(
+            self.online, self.target,
+            obs=to(batch["obs"]), action=to(batch["action"]), reward=to(batch["reward"]),
+            discount=to(batch["discount"]), next_obs=to(batch["next_obs"]), weights=to(weights),
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.online.parameters(), cfg.learner.grad_clip)
+        self.optimizer.step()
+        self.replay.update_priorities(indices, out.priorities.cpu().numpy())
+        self.limiter.sampled(cfg.learner.batch_size)
+        self.updates += 1
+        if self.updates % cfg.learner.target_update_interval == 0:
+            self.target.load_state_dict(self.online.state_dict())
+        loss, q_mean, td = torch.stack([out.loss.detach(), out.q_mean, out.td_abs_mean]).cpu().tolist()
+        return {"loss": loss, "q_mean": q_mean, "td_abs_mean": td}
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return numpy_weights(self.online)
+
+    def state_dict(self) -> dict:
+        return {
+            "online": self.online.state_dict(),
+            "target": self.target.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates": self.updates,
+        }
+
+    @property
+    def memory_nbytes(self) -> int:
+        return self.replay.nbytes
+
+    def metrics(self) -> dict:
+        return {
+            "replay_size": len(self.replay),
+            "replay_bytes_per_transition": round(self.replay.bytes_per_transition, 1),
+            "replay_nbytes_mb": round(self.replay.nbytes / 2**20, 1),
+            "inserted": self.limiter.inserts,
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# The actor core: epsilon-greedy over K environments, n-step chunks out.
+
+
+class Actor:
+    """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
+
+    def __init__(self, config: Config, welcome: dict, seed: int) -> None:
+        torch.set_num_threads(1)
+        self.config = config
+        self.epsilons = np.asarray(welcome["epsilons"])
+        self.eval_mask = list(welcome["eval_envs"])
+        self.envs = VectorEnv(config.env, len(self.epsilons), seed)
+        self.spec = self.envs.spec
+        self.net = QNetwork(self.spec, config.model).eval()
+        self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
+        self.chunkers = [
+            NStepChunker(self.spec.stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
+                         clip_rewards=config.is_atari and config.env.clip_rewards)
+            for _ in range(self.num_envs)
+        ]
+        self.rng = np.random.default_rng(seed)
+        self.steps = 0  # vector steps taken
+        self.weights_version = -1
+        self._lengths = [0] * self.num_envs  # steps into each env's current episode
+        self._pending: list[dict] = []
+        for i, frame in enumerate(self.envs.reset()):
+            self.stacker.reset(i, frame)
+            self.chunkers[i].start(frame)
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.epsilons)
+
+    def set_weights(self, msg: Message) -> None:
+        load_numpy_weights(self.net, msg.arrays)
+        self.weights_version = msg.fields["version"]
+
+    def _q_values(self, obs: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return self.net(torch.from_numpy(obs)).numpy()
+
+    def act(self) -> tuple[dict | None, list[list]]:
+        """One step of every environment: (a batch to send, or None; finished episodes as
+        [return, length, is_eval])."""
+        q = self._q_values(self.stacker.obs)
+        explore = self.rng.random(self.num_envs) < self.epsilons
+        actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, self.num_envs), q.argmax(axis=1))
+        q_taken = q[np.arange(self.num_envs), actions]
+        values = q.max(axis=1)
+        for i, chunker in enumerate(self.chunkers):
+            chunk = chunker.record_action(actions[i], q_taken[i], values[i])
+            if chunk is not None:
+                self._pending.append(chunk)
+        frames, rewards, terminated, truncated, final = self.envs.step(actions)
+        self.steps += 1
+        truncated_only = [i for i in final if truncated[i] and not terminated[i]]
+        final_values = {}
+        if truncated_only:  # bootstrap values of the final observations
+            obs = np.stack([self.stacker.peek(i, final[i]) for i in truncated_only])
+            final_values = dict(zip(truncated_only, self._q_values(obs).max(axis=1)))
+        episodes = []
+        for i, chunker in enumerate(self.chunkers):
+            chunker.record_step(rewards[i], final.get(i, frames[i]))
+            self._lengths[i] += 1
+            if i in final:
+                chunk = chunker.end_episode(bool(terminated[i]), float(final_values.get(i, 0.0)))
+                if chunk is not None:
+                    self._pending.append(chunk)
+                episodes.append([chunker.episode_return, self._lengths[i], self.eval_mask[i]])
+                self._lengths[i] = 0
+                chunker.start(frames[i])
+                self.stacker.reset(i, frames[i])
+            else:
+                self.stacker.push(i, frames[i])
+        if sum(len(c["action"]) for c in self._pending) < self.config.actor.chunk_transitions:
+            return None, episodes
+        batch, self._pending = merge_chunks(self._pending), []
+        return batch, episodes
+
+    def close(self) -> None:
+        self.envs.close()
