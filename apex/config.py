@@ -118,6 +118,32 @@ class ActorConfig:
 
 
 @dataclass
+class ImpalaConfig:
+    unroll_length: int = 20
+    """Steps per unroll (T); consecutive unrolls share their bootstrap step."""
+    batch_unrolls: int = 32
+    """Unrolls per update (B)."""
+    queue_size: int = 128
+    """Unrolls the learner holds waiting to be trained on."""
+    queue_policy: str = "block"
+    """When the queue is full: ``block`` (actors wait) or ``drop_oldest`` (counted)."""
+    rho_bar: float = 1.0
+    """V-trace truncation of the importance weights in the value targets and advantages."""
+    c_bar: float = 1.0
+    """V-trace truncation of the traces."""
+    baseline_cost: float = 0.5
+    """Weight of the baseline loss (vs - V)^2 / 2."""
+    entropy_cost: float = 0.01
+    """Weight of the entropy bonus."""
+    optimizer: str = "rmsprop"
+    """``rmsprop`` (as in the paper) or ``adam``; learning rate from learner.lr."""
+    rmsprop_alpha: float = 0.99
+    """RMSProp decay."""
+    rmsprop_eps: float = 0.01
+    """RMSProp epsilon (the paper's 0.01)."""
+
+
+@dataclass
 class TransportConfig:
     port: int = 5550
     """Learner control port; trajectories use port+1 and weights port+2."""
@@ -144,6 +170,7 @@ class Config:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    impala: ImpalaConfig = field(default_factory=ImpalaConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
     @property
@@ -204,6 +231,15 @@ class Config:
         check(0 <= a.eval_epsilon <= 0.01, f"actor.eval_epsilon must be in [0, 0.01], got {a.eval_epsilon}")
         check(a.chunk_transitions >= 1, f"actor.chunk_transitions must be >= 1, got {a.chunk_transitions}")
         check(a.weights_update_steps >= 1, f"actor.weights_update_steps must be >= 1, got {a.weights_update_steps}")
+        im = self.impala
+        check(im.unroll_length >= 1, f"impala.unroll_length must be >= 1, got {im.unroll_length}")
+        check(im.batch_unrolls >= 1, f"impala.batch_unrolls must be >= 1, got {im.batch_unrolls}")
+        check(im.queue_size >= im.batch_unrolls,
+              f"impala.queue_size must be >= impala.batch_unrolls ({im.batch_unrolls}), got {im.queue_size}")
+        check(im.queue_policy in ("block", "drop_oldest"), f"impala.queue_policy must be block or drop_oldest, got {im.queue_policy!r}")
+        check(im.rho_bar > 0 and im.c_bar > 0, f"impala.rho_bar and impala.c_bar must be > 0, got {im.rho_bar}, {im.c_bar}")
+        check(im.baseline_cost >= 0 and im.entropy_cost >= 0, "impala.baseline_cost and impala.entropy_cost must be >= 0")
+        check(im.optimizer in ("rmsprop", "adam"), f"impala.optimizer must be rmsprop or adam, got {im.optimizer!r}")
         t = self.transport
         check(1 <= t.port <= 65533, f"transport.port must be in 1..65533 (port+1 and port+2 are used too), got {t.port}")
         check(t.trajectory_hwm >= 1, f"transport.trajectory_hwm must be >= 1, got {t.trajectory_hwm}")

@@ -1,4 +1,5 @@
-"""Networks: an MLP torso for vector observations, the Nature CNN for Atari, and Q heads."""
+"""Networks: an MLP torso for vector observations, the Nature CNN for Atari, a dueling Q
+head (Ape-X) and a policy-value head (IMPALA)."""
 
 from __future__ import annotations
 
@@ -42,18 +43,36 @@ class NatureCNN(nn.Module):
         return self.net(obs.float() / 255.0)
 
 
+def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
+    """The Nature CNN for image frames, an MLP for vectors."""
+    if len(spec.frame_shape) == 2:
+        return NatureCNN(spec.stack)
+    in_features = spec.stack
+    for d in spec.frame_shape:
+        in_features *= d
+    return MLP(in_features, config.hidden)
+
+
+class PolicyValueNetwork(nn.Module):
+    """Policy logits and a state value over a shared torso (IMPALA)."""
+
+    def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
+        super().__init__()
+        self.torso = make_torso(spec, config)
+        self.policy = nn.Linear(self.torso.out_features, spec.num_actions)
+        self.value = nn.Linear(self.torso.out_features, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> [B, A], [B]
+        features = self.torso(obs)
+        return self.policy(features), self.value(features).squeeze(-1)
+
+
 class QNetwork(nn.Module):
     """Q(s, ·) with a dueling head (V + A - mean A, Wang et al. 2016) or a plain one."""
 
     def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
-        if len(spec.frame_shape) == 2:
-            self.torso: nn.Module = NatureCNN(spec.stack)
-        else:
-            in_features = spec.stack
-            for d in spec.frame_shape:
-                in_features *= d
-            self.torso = MLP(in_features, config.hidden)
+        self.torso = make_torso(spec, config)
         features = self.torso.out_features
         self.dueling = config.dueling
         self.advantage = nn.Linear(features, spec.num_actions)

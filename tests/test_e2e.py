@@ -70,6 +70,21 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     assert processes_mentioning(str(logdir)) == []
 
 
+def test_impala_run_reports_policy_lag(tmp_path):
+    logdir = tmp_path / "impala"
+    config = Path(__file__).resolve().parent.parent / "configs" / "cartpole_impala.yaml"
+    proc = apex("run", "--config", str(config), "--actors", "1", "--logdir", str(logdir),
+                "--port", str(free_base_port()), "--stop-env-steps", "20000", *FAST)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    rows = metrics(logdir)
+    assert all(CONTRACT_METRICS <= row.keys() for row in rows)
+    trained = [r for r in rows if r["learner_updates"] > 0 and r["policy_lag_mean"] is not None]
+    assert trained and all(r["policy_lag_max"] >= r["policy_lag_mean"] >= 0 for r in trained)
+    assert {"queue_unrolls", "queue_dropped_unrolls", "entropy"} <= rows[-1].keys()
+    assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "20000 env steps"
+
+
 def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
     logdir = tmp_path / "hand"
     port = free_base_port()

@@ -1,0 +1,308 @@
+"""IMPALA (Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance
+Weighted Actor-Learner Architectures").
+
+V-trace (Sec. 4.1, eq. 1), for an unroll x_s .. x_{s+n} with behaviour policy mu and
+target policy pi, rho_t = min(rho_bar, pi/mu), c_t = min(c_bar, pi/mu):
+
+    v_s = V(x_s) + sum_{t=s}^{s+n-1} gamma^{t-s} (prod_{i=s}^{t-1} c_i) delta_t V,
+    delta_t V = rho_t (r_t + gamma V(x_{t+1}) - V(x_t)),
+
+computed backwards as v_s - V(x_s) = delta_s V + gamma_s c_s (v_{s+1} - V(x_{s+1})), with
+per-step discounts gamma_t (0 where the episode terminated). The policy gradient uses
+rho_s (r_s + gamma_s v_{s+1} - V(x_s)) (Sec. 4.2). Targets carry no gradient.
+
+Truncated episodes (time limits) are bootstrapped by the actor: the last reward gets
+gamma * V(final observation) from the actor's own value head, and the discount is cut.
+
+Where defaults differ from the paper (see configs/): unrolls of 20 and batches of 32 as in
+the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pong learner.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from apex.config import Config
+from apex.envs import EnvSpec, FrameStacker, VectorEnv
+from apex.models import PolicyValueNetwork, load_numpy_weights, numpy_weights, to_device
+from apex.protocol import Message
+from apex.replay import UnrollQueue
+
+
+class VTraceReturns(NamedTuple):
+    vs: torch.Tensor  # [T, B] value targets
+    pg_advantages: torch.Tensor  # [T, B] rho-clipped policy-gradient advantages
+
+
+@torch.no_grad()
+def vtrace(
+    behaviour_logp: torch.Tensor,  # [T, B] log mu(a_t | x_t)
+    target_logp: torch.Tensor,  # [T, B] log pi(a_t | x_t)
+    rewards: torch.Tensor,  # [T, B]
+    discounts: torch.Tensor,  # [T, B] gamma_t, 0 at termination
+    values: torch.Tensor,  # [T, B] V(x_t)
+    bootstrap_value: torch.Tensor,  # [B] V(x_T)
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+) -> VTraceReturns:
+    rhos = torch.exp(target_logp - behaviour_logp)
+    clipped_rhos = torch.clamp(rhos, max=rho_bar)
+    cs = torch.clamp(rhos, max=c_bar)
+    next_values = torch.cat([values[1:], bootstrap_value[None]])  # [T, B]
+    deltas = clipped_rhos * (rewards + discounts * next_values - values)
+    acc = torch.zeros_like(bootstrap_value)
+    vs_minus_v = torch.empty_like(values)
+    for t in reversed(range(values.shape[0])):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v[t] = acc
+    vs = vs_minus_v + values
+    next_vs = torch.cat([vs[1:], bootstrap_value[None]])
+    pg_advantages = clipped_rhos * (rewards + discounts * next_vs - values)
+    return VTraceReturns(vs, pg_advantages)
+
+
+class LossOutput(NamedTuple):
+    loss: torch.Tensor
+    pg_loss: torch.Tensor
+    baseline_loss: torch.Tensor
+    entropy: torch.Tensor
+
+
+def impala_loss(
+    logits: torch.Tensor,  # [T+1, B, A] (the last step only bootstraps)
+    values: torch.Tensor,  # [T+1, B]
+    actions: torch.Tensor,  # [T, B]
+    behaviour_logp: torch.Tensor,  # [T, B]
+    rewards: torch.Tensor,  # [T, B]
+    discounts: torch.Tensor,  # [T, B]
+    rho_bar: float,
+    c_bar: float,
+    baseline_cost: float,
+    entropy_cost: float,
+) -> LossOutput:
+    log_policy = F.log_softmax(logits[:-1], dim=-1)  # [T, B, A]
+    target_logp = log_policy.gather(-1, actions[..., None]).squeeze(-1)  # [T, B]
+    returns = vtrace(behaviour_logp, target_logp.detach(), rewards, discounts, values[:-1].detach(),
+                     values[-1].detach(), rho_bar, c_bar)
+    pg_loss = -(target_logp * returns.pg_advantages).mean()
+    baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
+    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
+    loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * entropy
+    return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), entropy.detach())
+
+
+def check_batch(arrays: dict, spec: EnvSpec, unroll_length: int) -> int:
+    """Validates an actor's batch of unrolls; returns how many unrolls it holds."""
+    frames = arrays["frames"]
+    if frames.shape[1:] != spec.frame_shape or frames.dtype != spec.frame_dtype:
+        raise ValueError(f"frames are {frames.dtype}{list(frames.shape[1:])}, expected {spec.frame_dtype}{list(spec.frame_shape)}")
+    obs_frame = arrays["obs_frame"]
+    unrolls = obs_frame.shape[0] if obs_frame.ndim == 2 else -1
+    if obs_frame.shape != (unrolls, unroll_length + 1) or obs_frame.dtype.kind not in "iu":
+        raise ValueError(f"obs_frame must be an integer array [unrolls, {unroll_length + 1}], got {obs_frame.shape}")
+    if unrolls and (obs_frame.min() < 0 or obs_frame.max() > len(frames) - spec.stack):
+        raise ValueError(f"obs_frame must index stacks within the {len(frames)} frames")
+    for name in ("action", "reward", "discount", "behaviour_logp"):
+        if arrays[name].shape != (unrolls, unroll_length):
+            raise ValueError(f"{name} must have shape [{unrolls}, {unroll_length}], got {arrays[name].shape}")
+    action = arrays["action"]
+    if action.dtype.kind not in "iu" or (action.size and (action.min() < 0 or action.max() >= spec.num_actions)):
+        raise ValueError(f"actions must be integers in [0, {spec.num_actions})")
+    for name in ("reward", "discount", "behaviour_logp"):
+        if not np.all(np.isfinite(arrays[name])):
+            raise ValueError(f"{name} holds non-finite values")
+    if arrays["discount"].size and (arrays["discount"].min() < 0 or arrays["discount"].max() > 1):
+        raise ValueError("discounts must be in [0, 1]")
+    if arrays["behaviour_logp"].size and arrays["behaviour_logp"].max() > 1e-6:
+        raise ValueError("behaviour_logp must be log-probabilities (<= 0)")
+    return unrolls
+
+
+# ---------------------------------------------------------------------------------------
+# The learner core: a bounded queue of unrolls and V-trace updates.
+
+
+class Learner:
+    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.spec = spec
+        self.device = device
+        im = config.impala
+        self.net = PolicyValueNetwork(spec, config.model).to(device)
+        if im.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(self.net.parameters(), lr=config.learner.lr, eps=config.learner.adam_eps, fused=True)
+        else:
+            self.optimizer = torch.optim.RMSprop(self.net.parameters(), lr=config.learner.lr, alpha=im.rmsprop_alpha, eps=im.rmsprop_eps)
+        self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
+        self.updates = 0
+        self.samples_per_update = im.batch_unrolls * im.unroll_length
+        self._offsets = np.arange(spec.stack)
+
+    def welcome(self, actor_index: int, num_envs: int) -> dict:
+        return {}
+
+    def wait_to_insert(self, timeout: float) -> bool:
+        return self.queue.wait_for_room(timeout)
+
+    def insert(self, arrays: dict) -> int:
+        unrolls = check_batch(arrays, self.spec, self.config.impala.unroll_length)
+        obs = arrays["frames"][arrays["obs_frame"][..., None] + self._offsets]  # [K, T+1, stack, ...]
+        self.queue.put([
+            {"obs": obs[k], "action": arrays["action"][k], "reward": arrays["reward"][k],
+             "discount": arrays["discount"][k], "behaviour_logp": arrays["behaviour_logp"][k]}
+            for k in range(unrolls)
+        ])
+        return unrolls * self.config.impala.unroll_length
+
+    def wait_to_step(self, timeout: float) -> bool:
+        return self.queue.wait_for(self.config.impala.batch_unrolls, timeout)
+
+    def step(self) -> dict[str, float]:
+        im = self.config.impala
+        unrolls = self.queue.take(im.batch_unrolls)
+        batch = {name: np.stack([u[name] for u in unrolls], axis=1) for name in unrolls[0]}  # time-major
+        to = lambda name: to_device(batch[name], self.device)  # noqa: E731
+        obs = to("obs")  # [T+1, B, stack, ...]
+        steps, size = obs.shape[:2]
+        logits, values = self.net(obs.reshape(steps * size, *obs.shape[2:]))
+        out = impala_loss(
+            logits.reshape(steps, size, -1), values.reshape(steps, size), to("action"), to("behaviour_logp"),
+            to("reward"), to("discount"), im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.config.learner.grad_clip)
+        self.optimizer.step()
+        self.updates += 1
+        figures = torch.stack([out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy]).cpu().tolist()
+        return dict(zip(("loss", "pg_loss", "baseline_loss", "entropy"), figures))
+
+    def weights(self) -> dict[str, np.ndarray]:
+        return numpy_weights(self.net)
+
+    def state_dict(self) -> dict:
+        return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
+
+    @property
+    def memory_nbytes(self) -> int:
+        """Upper bound of the queued unrolls' observations."""
+        frame = int(np.prod(self.spec.frame_shape)) * self.spec.frame_dtype.itemsize
+        per_unroll = (self.config.impala.unroll_length + 1) * self.spec.stack * frame
+        return per_unroll * (self.queue.capacity + self.config.actor.num_envs)
+
+    def metrics(self) -> dict:
+        return {
+            "queue_unrolls": len(self.queue),
+            "queue_dropped_unrolls": self.queue.dropped,
+            "inserted_unrolls": self.queue.inserted,
+            "replay_size": len(self.queue),
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# The actor core: K environments sampling from the policy, unrolls of T steps out.
+
+
+class Actor:
+    def __init__(self, config: Config, welcome: dict, seed: int) -> None:
+        torch.set_num_threads(1)
+        self.config = config
+        self.envs = VectorEnv(config.env, welcome["num_envs"], seed)
+        self.spec = self.envs.spec
+        self.net = PolicyValueNetwork(self.spec, config.model).eval()
+        self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
+        self.rng = np.random.default_rng(seed)
+        self.gamma = config.learner.gamma
+        self.clip_rewards = config.is_atari and config.env.clip_rewards
+        T, K = config.impala.unroll_length, self.num_envs
+        self.action = np.zeros((K, T), np.int64)
+        self.reward = np.zeros((K, T), np.float32)
+        self.discount = np.zeros((K, T), np.float32)
+        self.behaviour_logp = np.zeros((K, T), np.float32)
+        self.t = 0
+        self.steps = 0
+        self.weights_version = -1
+        self._returns = np.zeros(K)
+        self._lengths = np.zeros(K, np.int64)
+        frames = self.envs.reset()
+        self._frames: list[list[np.ndarray]] = []  # per env, from the first stack of the unroll
+        self._obs_frame: list[list[int]] = []  # per env: where each step's stack starts
+        for i, frame in enumerate(frames):
+            self.stacker.reset(i, frame)
+            self._frames.append([frame] * self.spec.stack)
+            self._obs_frame.append([0])
+
+    @property
+    def num_envs(self) -> int:
+        return self.envs.num_envs
+
+    def set_weights(self, msg: Message) -> None:
+        load_numpy_weights(self.net, msg.arrays)
+        self.weights_version = msg.fields["version"]
+
+    def _forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            logits, values = self.net(torch.from_numpy(obs))
+            return torch.log_softmax(logits, dim=-1).numpy(), values.numpy()
+
+    def act(self) -> tuple[dict | None, list[list]]:
+        log_policy, _ = self._forward(self.stacker.obs)
+        actions = np.argmax(log_policy + self.rng.gumbel(size=log_policy.shape), axis=1)  # a ~ pi
+        K, t = self.num_envs, self.t
+        self.action[:, t] = actions
+        self.behaviour_logp[:, t] = log_policy[np.arange(K), actions]
+        frames, rewards, terminated, truncated, final = self.envs.step(actions)
+        self.steps += 1
+        self._returns += rewards
+        self._lengths += 1
+        train_rewards = np.sign(rewards) if self.clip_rewards else rewards
+        discount = np.where(terminated | truncated, 0.0, self.gamma)
+        truncated_only = [i for i in final if truncated[i] and not terminated[i]]
+        if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
+            _, final_values = self._forward(np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]))
+            train_rewards = train_rewards.astype(np.float64)
+            train_rewards[truncated_only] += self.gamma * final_values
+        self.reward[:, t] = train_rewards
+        self.discount[:, t] = discount
+        episodes = []
+        for i in range(K):
+            if i in final:
+                episodes.append([float(self._returns[i]), int(self._lengths[i]), True])
+                self._returns[i], self._lengths[i] = 0.0, 0
+                self.stacker.reset(i, frames[i])
+                self._frames[i] += [frames[i]] * self.spec.stack
+                self._obs_frame[i].append(len(self._frames[i]) - self.spec.stack)
+            else:
+                self.stacker.push(i, frames[i])
+                self._frames[i].append(frames[i])
+                self._obs_frame[i].append(self._obs_frame[i][-1] + 1)
+        self.t += 1
+        if self.t < self.config.impala.unroll_length:
+            return None, episodes
+        return self._emit(), episodes
+
+    def _emit(self) -> dict:
+        offsets = np.cumsum([0] + [len(f) for f in self._frames[:-1]])
+        batch = {
+            "frames": np.stack([frame for env_frames in self._frames for frame in env_frames]),
+            "obs_frame": (np.asarray(self._obs_frame) + offsets[:, None]).astype(np.int32),
+            "action": self.action.copy(),
+            "reward": self.reward.copy(),
+            "discount": self.discount.copy(),
+            "behaviour_logp": self.behaviour_logp.copy(),
+        }
+        stack = self.spec.stack
+        for i in range(self.num_envs):  # the next unroll starts at this one's bootstrap step
+            start = self._obs_frame[i][-1]
+            self._frames[i] = self._frames[i][start : start + stack]
+            self._obs_frame[i] = [0]
+        self.t = 0
+        return batch
+
+    def close(self) -> None:
+        self.envs.close()
