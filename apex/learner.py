@@ -75,6 +75,7 @@ class LearnerProcess:
         self.stats = EpisodeStats()
         self._stats_lock = threading.Lock()
         self.env_steps = 0
+        self.env_steps_by_host: dict[str, int] = {}  # by the sending actor's address
         self.bad_batches = 0
         self._lags: list[int] = []
         self._bad_log = RateLimitedLog(log)
@@ -115,6 +116,8 @@ class LearnerProcess:
                 continue
             with self._stats_lock:
                 self.env_steps += env_steps
+                host = msg.peer or "unknown"
+                self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + env_steps
                 for episode_return, _length, is_eval in episodes:
                     self.stats.add(episode_return, is_eval)
                 self._lags.append(self._version - msg.fields["weights_version"])
@@ -163,7 +166,7 @@ class LearnerProcess:
                 if now >= next_metrics:
                     next_metrics = now + self.config.learner.metrics_interval_s
                     metrics.write(self._metrics_row(now - start, step_rate, update_rate, last))
-                    stop_reason = self._stop_reason(now - start)
+                stop_reason = self._stop_reason(now - start)
                 if now >= next_checkpoint:
                     next_checkpoint = now + self.config.learner.checkpoint_interval_s
                     self.save_checkpoint()
@@ -186,6 +189,7 @@ class LearnerProcess:
                 "return_mean_100": self.stats.return_mean,
                 "best_return_mean_100": self.stats.best_return_mean if self.stats.full_window else None,
                 "stop_reason": stop_reason or "error",
+                "env_steps_by_host": dict(self.env_steps_by_host),
             })
             self._linger_for_stops()
             self.endpoint.close()

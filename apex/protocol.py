@@ -90,6 +90,7 @@ class Message:
     type: str
     fields: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    peer: str | None = None  # sender's address, where the transport knows it
 
 
 def encode(

@@ -393,6 +393,10 @@ class TrajectoryReceiver:
                 continue
             self.received_messages += 1
             self.received_bytes += sum(len(f.buffer) for f in frames)
+            try:
+                msg.peer = frames[0].get("Peer-Address")  # the sending host's IP (TCP)
+            except zmq.ZMQError:
+                pass
             return msg
 
 
