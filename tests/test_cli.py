@@ -85,3 +85,27 @@ def test_bench_codec_and_transport_report_against_pickle(tmp_path):
         (t, s, b) for t in ("tcp", "ipc") for s in (1, 4) for b in ("cartpole", "atari")
     }
     assert all(r["transitions_per_s"] > 0 and r["pickle_transitions_per_s"] > 0 for r in rows)
+
+
+def test_flags_default_to_environment_variables(monkeypatch):
+    from apex.cli import build_parser
+
+    monkeypatch.setenv("APEX_LEARNER", "10.0.0.5:6000")
+    monkeypatch.setenv("APEX_NUM_ENVS", "8")
+    monkeypatch.setenv("APEX_PORT", "7000")
+    monkeypatch.setenv("APEX_LOGDIR", "/tmp/somewhere")
+    monkeypatch.setenv("APEX_CURVE_DIR", "/keys")
+    parser = build_parser()
+    actor = parser.parse_args(["actor"])
+    assert (actor.learner, actor.num_envs, actor.curve_dir) == ("10.0.0.5:6000", 8, "/keys")
+    learner = parser.parse_args(["learner"])
+    assert (learner.port, learner.logdir) == (7000, "/tmp/somewhere")
+    assert parser.parse_args(["learner", "--port", "7100"]).port == 7100  # a flag wins
+
+
+def test_bad_environment_variable_is_a_clear_error(monkeypatch):
+    from apex.cli import build_parser
+
+    monkeypatch.setenv("APEX_PORT", "fifty")
+    with pytest.raises(SystemExit, match="APEX_PORT='fifty' is not a valid int"):
+        build_parser()
