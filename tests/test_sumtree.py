@@ -98,7 +98,7 @@ def test_min_counts_leaves_given_zero_and_ignores_unset_leaves():
 
 
 def test_clear_returns_leaves_to_never_set():
-    tree, ref = SumTree(9), ReferenceSumTree(9)
+    tree = SumTree(9)
     prio = np.arange(1.0, 10.0)
     tree.update(np.arange(9), prio)
     tree.clear(np.array([0, 4, 4]))

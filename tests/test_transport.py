@@ -259,8 +259,7 @@ def test_actor_reconnects_to_a_restarted_learner(port):
         try:
             assert wait_for(lambda: new.endpoint.actors_connected == 1, tick=client.tick)
             assert client.send_batch({"x": np.arange(5)}, weights_version=0, timeout_s=5)
-            msg = None
-            assert wait_for(lambda: (msg := new.endpoint.receiver.recv(50)) is not None)
+            assert wait_for(lambda: new.endpoint.receiver.recv(50) is not None)
         finally:
             new.close()
     finally:

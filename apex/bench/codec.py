@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from functools import partial
 
 from apex import protocol
 from apex.bench import batches
@@ -21,8 +22,8 @@ def run(seconds: float = 1.0) -> dict:
         frames = protocol.encode("batch", batches.BATCH_FIELDS, arrays)
         transitions = batches.naive_transitions(columns)
         methods = {"apex": (
-            lambda: protocol.encode("batch", batches.BATCH_FIELDS, arrays),
-            lambda: protocol.decode(frames),
+            partial(protocol.encode, "batch", batches.BATCH_FIELDS, arrays),
+            partial(protocol.decode, frames),
             sum(len(f) for f in frames),
         )}
         for method, naive in (("pickle", transitions), ("pickle_columns", columns)):

@@ -48,50 +48,55 @@ def _fill(replay: PrioritizedReplay, rng: np.random.Generator) -> None:
         replay.add(chunk, rng.random(FILL_CHUNK))
 
 
+def _measure(name: str, capacity: int, spec: dict, seconds: float) -> list[dict]:
+    rng = np.random.default_rng(0)
+    replay = PrioritizedReplay(spec, capacity, seed=0)
+    _fill(replay, rng)
+    storage = {field: replay._storage[field] for field in spec}  # baseline reads the same arrays
+    row_bytes = sum(a[0].nbytes for a in storage.values())
+    new_priorities = rng.random(BATCH)
+
+    def sample() -> None:
+        replay.sample(BATCH, beta=0.4)
+
+    def learner_step() -> None:
+        _, indices, _ = replay.sample(BATCH, beta=0.4)
+        replay.update_priorities(indices, new_priorities)
+
+    def uniform_gather() -> None:
+        slots = np.sort(rng.integers(0, capacity, BATCH))
+        {field: np.take(array, slots, axis=0) for field, array in storage.items()}
+
+    figures = {
+        op: summarize(time_calls(fn, seconds=seconds))
+        for op, fn in [("sample", sample), ("sample_update", learner_step), ("uniform_gather", uniform_gather)]
+    }
+    baseline_us = figures["uniform_gather"]["p50_us"]
+    rows = []
+    for op in ("sample", "sample_update"):
+        p50 = figures[op]["p50_us"]
+        rows.append(
+            {
+                "transition": name,
+                "op": op,
+                "capacity": capacity,
+                "batch": BATCH,
+                "bytes_per_transition": row_bytes,
+                "replay_nbytes": replay.nbytes,
+                "p50_us": p50,
+                "transitions_per_s": round(BATCH * 1e6 / p50),
+                "mb_per_s": round(BATCH * row_bytes / p50, 1),
+                "uniform_gather_p50_us": baseline_us,
+                "overhead_vs_uniform_gather": round(p50 / baseline_us, 2),
+            }
+        )
+    return rows
+
+
 def run(seconds: float = 1.0) -> dict:
     rows = []
     for name, (capacity, spec) in SPECS.items():
-        rng = np.random.default_rng(0)
-        replay = PrioritizedReplay(spec, capacity, seed=0)
-        _fill(replay, rng)
-        storage = {field: replay._storage[field] for field in spec}  # baseline reads the same arrays
-        row_bytes = sum(a[0].nbytes for a in storage.values())
-        new_priorities = rng.random(BATCH)
-
-        def sample() -> None:
-            replay.sample(BATCH, beta=0.4)
-
-        def learner_step() -> None:
-            _, indices, _ = replay.sample(BATCH, beta=0.4)
-            replay.update_priorities(indices, new_priorities)
-
-        def uniform_gather() -> None:
-            slots = np.sort(rng.integers(0, capacity, BATCH))
-            {field: np.take(array, slots, axis=0) for field, array in storage.items()}
-
-        figures = {
-            op: summarize(time_calls(fn, seconds=seconds))
-            for op, fn in [("sample", sample), ("sample_update", learner_step), ("uniform_gather", uniform_gather)]
-        }
-        baseline_us = figures["uniform_gather"]["p50_us"]
-        for op in ("sample", "sample_update"):
-            p50 = figures[op]["p50_us"]
-            rows.append(
-                {
-                    "transition": name,
-                    "op": op,
-                    "capacity": capacity,
-                    "batch": BATCH,
-                    "bytes_per_transition": row_bytes,
-                    "replay_nbytes": replay.nbytes,
-                    "p50_us": p50,
-                    "transitions_per_s": round(BATCH * 1e6 / p50),
-                    "mb_per_s": round(BATCH * row_bytes / p50, 1),
-                    "uniform_gather_p50_us": baseline_us,
-                    "overhead_vs_uniform_gather": round(p50 / baseline_us, 2),
-                }
-            )
-        del replay, storage
+        rows += _measure(name, capacity, spec, seconds)
     print_table(
         "replay: PrioritizedReplay.sample(512) with the data gather (median per call)",
         ["transition", "op", "bytes/transition", "µs", "transitions/s", "MB/s", "uniform gather µs"],
