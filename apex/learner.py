@@ -80,6 +80,8 @@ class LearnerProcess:
         self._lags: list[int] = []
         self._bad_log = RateLimitedLog(log)
         self._stop_ingest = threading.Event()
+        self._ingest_thread: threading.Thread | None = None
+        self._version = 0  # of the weights last published
         self._signal: int | None = None
         self.endpoint = LearnerEndpoint(
             bind_host, port if port is not None else config.transport.port, self._welcome,
@@ -98,6 +100,19 @@ class LearnerProcess:
             "seed": self.config.seed * 1_000_003 + 10_007 * (index + 1),
             **self.learner.welcome(index, num_envs),
         }
+
+    def start_ingest(self) -> None:
+        """Starts the ingest thread: batches from the trajectory stream into the learner core.
+        (One thread: a second one that decoded while this one inserted measured slower,
+        the two fighting over the GIL.)"""
+        self._stop_ingest.clear()
+        self._ingest_thread = threading.Thread(target=self._ingest, name="ingest", daemon=True)
+        self._ingest_thread.start()
+
+    def stop_ingest(self) -> None:
+        self._stop_ingest.set()
+        if self._ingest_thread is not None:
+            self._ingest_thread.join(timeout=5)
 
     def _ingest(self) -> None:
         receiver = self.endpoint.receiver
@@ -141,10 +156,8 @@ class LearnerProcess:
             signal.signal(signum, self._on_signal)
         self.logdir.mkdir(parents=True, exist_ok=True)
         metrics = MetricsWriter(self.logdir)
-        self._version = 0
         self.endpoint.publish_weights(0, self.learner.weights())
-        ingest = threading.Thread(target=self._ingest, name="ingest", daemon=True)
-        ingest.start()
+        self.start_ingest()
         start = time.monotonic()
         next_metrics = start + self.config.learner.metrics_interval_s
         next_checkpoint = start + self.config.learner.checkpoint_interval_s
@@ -174,8 +187,7 @@ class LearnerProcess:
                     stop_reason = f"signal {signal.Signals(self._signal).name}"
         finally:
             self.endpoint.stop_actors(stop_reason or "learner error")
-            self._stop_ingest.set()
-            ingest.join(timeout=5)
+            self.stop_ingest()
             wall = time.monotonic() - start
             metrics.write(self._metrics_row(wall, step_rate, update_rate, last))
             metrics.close()

@@ -365,7 +365,6 @@ class TrajectoryReceiver:
         self.options = options
         self.rejected_messages = 0
         self.received_messages = 0
-        self.received_bytes = 0
         self._bad_log = RateLimitedLog(log)
 
     def recv(self, timeout_ms: int = 0) -> Message | None:
@@ -373,12 +372,17 @@ class TrajectoryReceiver:
 
         A malformed message is counted in ``rejected_messages``, logged, and skipped.
         """
-        deadline = time.monotonic() + timeout_ms / 1000
+        deadline = None
         while True:
-            remaining = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(remaining):
-                return None
-            frames = self.socket.recv_multipart(copy=False)
+            try:  # the common case under load: a message is already waiting, no poll needed
+                frames = self.socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if deadline is None:
+                    deadline = time.monotonic() + timeout_ms / 1000
+                remaining = max(0, int((deadline - time.monotonic()) * 1000))
+                if not self.socket.poll(remaining):
+                    return None
+                continue
             try:
                 msg = protocol.decode(
                     frames,
@@ -392,7 +396,6 @@ class TrajectoryReceiver:
                 self._bad_log.warning("rejected trajectory message: %s", e)
                 continue
             self.received_messages += 1
-            self.received_bytes += sum(len(f.buffer) for f in frames)
             try:
                 msg.peer = frames[0].get("Peer-Address")  # the sending host's IP (TCP)
             except zmq.ZMQError:

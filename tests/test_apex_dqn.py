@@ -135,6 +135,7 @@ def test_merge_chunks_offsets_frame_indices():
         ({"action": np.array([-1])}, "actions must be in"),
         ({"reward": np.array([np.nan])}, "non-finite"),
         ({"discount": np.array([1.5])}, "discounts"),
+        ({"discount": np.array([np.nan])}, "discounts"),
     ],
 )
 def test_check_batch_rejects_what_would_break_training(arrays, message):

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import codec, replay, sumtree, transport
+from apex.bench import codec, ingest, replay, sumtree, transport
 from apex.bench.timing import machine_info
 from apex.malloc import keep_large_blocks
 
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "replay": replay.run,
     "codec": codec.run,
     "transport": transport.run,
+    "ingest": ingest.run,
 }
 
 

@@ -43,6 +43,21 @@ def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict, dict]:
     return arrays, dict(arrays)
 
 
+def cartpole_chunk(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> dict:
+    """n consecutive CartPole transitions as an Ape-X actor sends them: each observation once."""
+    rng = np.random.default_rng(seed)
+    first = np.arange(n, dtype=np.int32)
+    return {
+        "frames": rng.standard_normal((n + N_STEP, 4)).astype(np.float32),
+        "obs_frame": first,
+        "next_obs_frame": first + N_STEP,
+        "action": rng.integers(0, 2, n).astype(np.int64),
+        "reward": np.full(n, 2.97, np.float32),
+        "discount": np.full(n, 0.99**N_STEP, np.float32),
+        "priority": rng.random(n).astype(np.float32),
+    }
+
+
 def atari_frames(count: int, seed: int = 0) -> tuple[np.ndarray, str]:
     """``count`` 84x84 grayscale frames: real Pong frames where ale-py is installed."""
     try:

@@ -27,7 +27,7 @@ SENDERS = (1, 4)
 WARMUP_S = 0.5
 
 
-def _sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
+def sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     for option, value in options.items():
@@ -37,7 +37,7 @@ def _sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
         push.send_multipart(frames, copy=False)
 
 
-def _socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
+def socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
     """(sender, receiver) options: apex's own for apex, ZeroMQ's defaults for the baselines."""
     if method != "apex":
         return {}, {}
@@ -49,14 +49,14 @@ def _socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
 
 
 def _receive(address: str, method: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
-    send_options, receive_options = _socket_options(method)
+    send_options, receive_options = socket_options(method)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     for option, value in receive_options.items():
         pull.setsockopt(option, value)
     pull.bind(address)
     spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_sender, args=(address, frames, send_options), daemon=True) for _ in range(senders)]
+    procs = [spawn.Process(target=sender, args=(address, frames, send_options), daemon=True) for _ in range(senders)]
     for p in procs:
         p.start()
     try:
@@ -120,7 +120,7 @@ def run(seconds: float = 2.0) -> dict:
                     row = {"transport": transport, "senders": senders, "batch": batch}
                     for method, (frames, decode) in methods.items():
                         address = (
-                            f"tcp://127.0.0.1:{_free_port()}" if transport == "tcp"
+                            f"tcp://127.0.0.1:{free_port()}" if transport == "tcp"
                             else f"ipc://{os.path.join(tmp, f'{batch}-{method}-{senders}')}"
                         )
                         figures = _receive(address, method, decode, senders, frames, seconds)
@@ -147,9 +147,25 @@ def run(seconds: float = 2.0) -> dict:
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_base_port() -> int:
+    """A free port whose two successors are free too (a learner binds P, P+1, P+2)."""
+    import socket
+
+    for _ in range(100):
+        base = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports found")

@@ -1,0 +1,114 @@
+"""`apex bench ingest`: how many transitions a learner absorbs into its replay.
+
+A real learner process core (the same ingest thread, decode, checks and replay insert that
+`apex learner` runs, rate limiting off) receives from sender processes that replay one
+pre-encoded Ape-X batch (each frame once) as fast as the transport allows. Measured twice:
+with the train loop paused (ingest alone) and with it training flat out in the same process.
+The projection divides by the transitions an Ape-X paper actor produces: 139 frames/s at a
+frame skip of 4, 34.75 transitions/s.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+from apex import config as config_module
+from apex import protocol
+from apex.bench import batches
+from apex.bench.timing import print_table
+from apex.bench.transport import free_base_port, sender, socket_options
+from apex.errors import ConfigError
+from apex.learner import LearnerProcess, StopConditions
+
+SENDERS = 2
+WARMUP_S = 0.5
+APE_X_ACTOR_TRANSITIONS_PER_S = 139 / 4
+
+CASES = {
+    # name: (config overrides, the batch, its transitions)
+    "cartpole": (["env.id=CartPole-v1", "replay.capacity=1000000"], batches.cartpole_chunk, batches.CARTPOLE_TRANSITIONS),
+    "atari": (["env.id=ALE/Pong-v5", "replay.capacity=100000", "learner.batch_size=64"],
+              lambda: batches.atari()[0], batches.ATARI_TRANSITIONS),
+}
+UNLIMITED = ["replay.samples_per_insert=1e-9", "replay.rate_slack=1000000000000", "replay.min_size=1000",
+             "learner.metrics_interval_s=5"]
+
+
+def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, port: int) -> dict:
+    config = config_module.load(None, overrides + UNLIMITED)
+    frames = protocol.encode("batch", {"actor_index": 0, "weights_version": 0, "info": {}}, batch)
+    with tempfile.TemporaryDirectory(prefix="apex-ingest-") as logdir:
+        process = LearnerProcess(config, Path(logdir), "127.0.0.1", port, StopConditions())
+        core = process.learner
+        send_options, _ = socket_options("apex")
+        address = f"tcp://127.0.0.1:{process.endpoint.ports.trajectories}"
+        spawn = mp.get_context("spawn")
+        senders = [spawn.Process(target=sender, args=(address, frames, send_options), daemon=True) for _ in range(SENDERS)]
+        process.start_ingest()
+        for p in senders:
+            p.start()
+        try:
+            deadline = time.monotonic() + 60
+            while core.limiter.inserts < config.replay.min_size + 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            end_warmup = time.monotonic() + WARMUP_S
+            while time.monotonic() < end_warmup:
+                if train:
+                    core.step()
+                else:
+                    time.sleep(0.01)
+            inserts0, updates0, start = core.limiter.inserts, core.updates, time.monotonic()
+            while (now := time.monotonic()) - start < seconds:
+                if train:
+                    core.step()
+                else:
+                    time.sleep(0.01)
+            elapsed = now - start
+            inserted, updates = core.limiter.inserts - inserts0, core.updates - updates0
+        finally:
+            for p in senders:
+                p.terminate()
+            for p in senders:
+                p.join()
+            process.stop_ingest()
+            process.endpoint.close()
+    return {
+        "transitions_per_s": round(inserted / elapsed),
+        "updates_per_s": round(updates / elapsed, 1),
+        "rejected_messages": process.bad_batches + process.endpoint.receiver.rejected_messages,
+    }
+
+
+def run(seconds: float = 2.0) -> dict:
+    rows, skipped = [], {}
+    for name, (overrides, make_batch, transitions) in CASES.items():
+        try:
+            batch = make_batch()
+            paused = _measure(overrides, batch, train=False, seconds=seconds, port=free_base_port())
+            training = _measure(overrides, batch, train=True, seconds=seconds, port=free_base_port())
+        except ConfigError as e:  # e.g. Atari without ale-py
+            skipped[name] = str(e)
+            continue
+        rows.append({
+            "batch": name,
+            "transitions_per_batch": transitions,
+            "senders": SENDERS,
+            "transitions_per_s": paused["transitions_per_s"],
+            "training_transitions_per_s": training["transitions_per_s"],
+            "training_updates_per_s": training["updates_per_s"],
+            "ape_x_actors_served": round(paused["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S),
+            "ape_x_actors_served_while_training": round(training["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S),
+            "rejected_messages": paused["rejected_messages"] + training["rejected_messages"],
+        })
+    print_table(
+        f"ingest: {SENDERS} sender processes -> one learner's replay (train loop paused / running)",
+        ["batch", "transitions/s paused", "transitions/s training", "updates/s", "Ape-X actors served"],
+        [[r["batch"], r["transitions_per_s"], r["training_transitions_per_s"], r["training_updates_per_s"],
+          r["ape_x_actors_served"]] for r in rows],
+    )
+    for name, reason in skipped.items():
+        print(f"ingest {name}: skipped ({reason})")
+    return {"baseline": "the same learner with its train loop running (training_*)", "results": rows, "skipped": skipped}
