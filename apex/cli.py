@@ -83,9 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--seconds",
         type=float,
-        default=1.0,
-        help="time spent on each measured operation (default: 1.0)",
+        default=None,
+        help="time per measured operation, or per actor count for e2e (default: each benchmark's own)",
     )
+    e2e = bench.add_argument_group("e2e options")
+    e2e.add_argument("--algo", choices=["apex_dqn", "impala"], default="apex_dqn", help="algorithm (default: apex_dqn)")
+    e2e.add_argument("--env", metavar="ID", help="Gymnasium id (default: the config's, CartPole-v1)")
+    e2e.add_argument("--actors", default="1,2,4", metavar="N,N,...", help="actor counts to run (default: 1,2,4)")
+    e2e.add_argument("--plot", metavar="FILE.png", help="also draw the scaling curves")
     bench.set_defaults(handler=_bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
@@ -137,9 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench(args: argparse.Namespace) -> int:
     from apex import bench
 
-    if args.seconds <= 0:
+    if args.seconds is not None and args.seconds <= 0:
         raise ApexError(f"--seconds must be positive, got {args.seconds}")
-    bench.run(args.names or ["all"], json_path=args.json, seconds=args.seconds)
+    try:
+        actors = tuple(int(n) for n in args.actors.split(","))
+    except ValueError:
+        raise ApexError(f"--actors takes a comma-separated list of counts, e.g. 1,2,4; got {args.actors!r}") from None
+    if not actors or min(actors) < 1:
+        raise ApexError(f"--actors counts must be >= 1, got {args.actors!r}")
+    e2e_options = {"algo": args.algo, "env": args.env, "actors": actors, "plot": args.plot}
+    bench.run(args.names or ["all"], json_path=args.json, seconds=args.seconds, e2e_options=e2e_options)
     return 0
 
 

@@ -109,3 +109,30 @@ def test_bad_environment_variable_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("APEX_PORT", "fifty")
     with pytest.raises(SystemExit, match="APEX_PORT='fifty' is not a valid int"):
         build_parser()
+
+
+def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
+    report_path = tmp_path / "bench.json"
+    plot = tmp_path / "scaling.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "apex.cli", "bench", "ingest", "learner", "e2e", "--seconds", "4",
+         "--actors", "1", "--plot", str(plot), "--json", str(report_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    ingest = {r["batch"]: r for r in report["ingest"]["results"]}
+    assert ingest["cartpole"]["transitions_per_s"] > 0 and ingest["cartpole"]["training_updates_per_s"] > 0
+    assert ingest["cartpole"]["rejected_messages"] == 0
+    assert "atari" in ingest or "atari" in report["ingest"]["skipped"]
+    learner = {(r["model"], r["device"]): r for r in report["learner"]["results"]}
+    assert learner[("mlp", "cpu")]["batches_per_s"] > 0 and learner[("nature_cnn", "cpu")]["batch"] == 512
+    (row,) = report["e2e"]["results"]
+    assert row["actors"] == 1 and row["env_steps_per_s"] > 0 and row["updates_per_s"] > 0
+    assert row["learner_cpu_percent"] > 0 and row["actor_peak_rss_mb"] > 0
+    assert plot.stat().st_size > 1000
+
+
+def test_bench_rejects_bad_actor_counts(capsys):
+    assert main(["bench", "e2e", "--actors", "0,2"]) == 2
+    assert "--actors counts must be >= 1" in capsys.readouterr().err

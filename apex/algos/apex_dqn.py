@@ -21,7 +21,6 @@ return_mean_100.
 from __future__ import annotations
 
 import copy
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -247,25 +246,31 @@ class Learner:
         return self.limiter.wait_to_sample(self.config.learner.batch_size, timeout)
 
     def step(self) -> dict[str, float]:
+        """One update: sample, move to the device, train, write the priorities back."""
         cfg = self.config
         batch, indices, weights = self.replay.sample(cfg.learner.batch_size, cfg.replay.beta)
-        to = partial(to_device, device=self.device)
-        out = dqn_loss(
-            self.online, self.target,
-            obs=to(batch["obs"]), action=to(batch["action"]), reward=to(batch["reward"]),
-            discount=to(batch["discount"]), next_obs=to(batch["next_obs"]), weights=to(weights),
-        )
+        tensors = self.to_device({**batch, "weights": weights})
+        priorities, metrics = self.train_on(tensors)
+        self.replay.update_priorities(indices, priorities.cpu().numpy())
+        self.limiter.sampled(cfg.learner.batch_size)
+        return metrics
+
+    def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        return {name: to_device(array, self.device) for name, array in batch.items()}
+
+    def train_on(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The gradient step on a batch already on the device: (new priorities, metrics)."""
+        out = dqn_loss(self.online, self.target, batch["obs"], batch["action"], batch["reward"],
+                       batch["discount"], batch["next_obs"], batch["weights"])
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.online.parameters(), cfg.learner.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.config.learner.grad_clip)
         self.optimizer.step()
-        self.replay.update_priorities(indices, out.priorities.cpu().numpy())
-        self.limiter.sampled(cfg.learner.batch_size)
         self.updates += 1
-        if self.updates % cfg.learner.target_update_interval == 0:
+        if self.updates % self.config.learner.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
         loss, q_mean, td = torch.stack([out.loss.detach(), out.q_mean, out.td_abs_mean]).cpu().tolist()
-        return {"loss": loss, "q_mean": q_mean, "td_abs_mean": td}
+        return out.priorities, {"loss": loss, "q_mean": q_mean, "td_abs_mean": td}
 
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.online)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import codec, ingest, replay, sumtree, transport
+from apex.bench import codec, e2e, ingest, learner, replay, sumtree, transport
 from apex.bench.timing import machine_info
 from apex.malloc import keep_large_blocks
 
@@ -22,18 +22,27 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "codec": codec.run,
     "transport": transport.run,
     "ingest": ingest.run,
+    "learner": learner.run,
+    "e2e": e2e.run,
 }
 
 
-def run(names: list[str], json_path: str | None = None, seconds: float = 1.0) -> dict:
-    """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked."""
+def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None) -> dict:
+    """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
+
+    ``seconds``: time per measured operation (each benchmark's own default when None);
+    ``e2e_options``: algo, env, actors and plot for the e2e benchmark.
+    """
     selected = list(BENCHMARKS) if "all" in names else names
     keep_large_blocks()  # as the learner does: large decoded arrays stay off fresh mmap pages
     machine = machine_info()
     report = {}
     for name in selected:
         started = time.perf_counter()
-        result = BENCHMARKS[name](seconds=seconds)
+        kwargs = {} if seconds is None else {"seconds": seconds}
+        if name == "e2e":
+            kwargs.update(e2e_options or {})
+        result = BENCHMARKS[name](**kwargs)
         result["machine"] = machine
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
         report[name] = result
