@@ -71,7 +71,17 @@ class LearnerProcess:
         self.device = pick_device(config.learner.device)
         torch.set_num_threads(config.learner.torch_threads)
         keep_large_blocks()
-        self.learner = algos.get(config.algo).Learner(config, self.spec, self.device)
+        # Bind before building the core: a taken port fails at once, not after the replay
+        # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
+        self.endpoint = LearnerEndpoint(
+            bind_host, port if port is not None else config.transport.port, self._welcome,
+            options_from_config(config.transport),
+        )
+        try:
+            self.learner = algos.get(config.algo).Learner(config, self.spec, self.device)
+        except BaseException:
+            self.endpoint.close()
+            raise
         self.stats = EpisodeStats()
         self._stats_lock = threading.Lock()
         self.env_steps = 0
@@ -83,10 +93,6 @@ class LearnerProcess:
         self._ingest_thread: threading.Thread | None = None
         self._version = 0  # of the weights last published
         self._signal: int | None = None
-        self.endpoint = LearnerEndpoint(
-            bind_host, port if port is not None else config.transport.port, self._welcome,
-            options_from_config(config.transport),
-        )
 
     # -- actors
 
