@@ -29,6 +29,7 @@ from apex.transport import LearnerEndpoint, RateLimitedLog, Rejected, options_fr
 log = logging.getLogger(__name__)
 
 MAX_ENVS_PER_ACTOR = 4096
+INGEST_GROUP = 8  # batches already waiting that are inserted together
 
 
 def rss_bytes() -> int:
@@ -82,6 +83,8 @@ class LearnerProcess:
         except BaseException:
             self.endpoint.close()
             raise
+        # The cores decompress frames themselves, straight into their storage.
+        self.endpoint.receiver.lazy = True
         self.stats = EpisodeStats()
         self._stats_lock = threading.Lock()
         self.env_steps = 0
@@ -121,6 +124,14 @@ class LearnerProcess:
             self._ingest_thread.join(timeout=5)
 
     def _ingest(self) -> None:
+        while not self._stop_ingest.is_set():
+            try:
+                self._ingest_some()
+            except Exception:  # a bug must not silently end ingestion: log, count, go on
+                self.bad_batches += 1
+                log.exception("ingest failed; continuing")
+
+    def _ingest_some(self) -> None:
         receiver = self.endpoint.receiver
         while not self._stop_ingest.is_set():
             if not self.learner.wait_to_insert(timeout=0.05):
@@ -128,20 +139,33 @@ class LearnerProcess:
             msg = receiver.recv(timeout_ms=50)
             if msg is None:
                 continue
-            try:
-                episodes, env_steps = self._check_info(msg.fields["info"])
-                self.learner.insert(msg.arrays)
-            except (ValueError, KeyError, TypeError) as e:
-                self.bad_batches += 1
-                self._bad_log.warning("rejected a batch from actor %s: %s", msg.fields.get("actor_index"), e)
-                continue
+            # Whatever else is already waiting goes in with it: one insert for several
+            # small batches pays the checks and bookkeeping once.
+            group = [msg]
+            while len(group) < INGEST_GROUP and (more := receiver.recv(timeout_ms=0)) is not None:
+                group.append(more)
+            accepted = []
+            for m in group:
+                try:
+                    accepted.append((m, *self._check_info(m.fields["info"])))
+                except (ValueError, KeyError, TypeError) as e:
+                    self._reject(m, e)
+            errors = self.learner.insert_many([m.arrays for m, _, _ in accepted])
             with self._stats_lock:
-                self.env_steps += env_steps
-                host = msg.peer or "unknown"
-                self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + env_steps
-                for episode_return, _length, is_eval in episodes:
-                    self.stats.add(episode_return, is_eval)
-                self._lags.append(self._version - msg.fields["weights_version"])
+                for (m, episodes, env_steps), error in zip(accepted, errors):
+                    if error is not None:
+                        self._reject(m, error)
+                        continue
+                    self.env_steps += env_steps
+                    host = m.peer or "unknown"
+                    self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + env_steps
+                    for episode_return, _length, is_eval in episodes:
+                        self.stats.add(episode_return, is_eval)
+                    self._lags.append(self._version - m.fields["weights_version"])
+
+    def _reject(self, msg: Message, error: Exception) -> None:
+        self.bad_batches += 1
+        self._bad_log.warning("rejected a batch from actor %s: %s", msg.fields.get("actor_index"), error)
 
     @staticmethod
     def _check_info(info: dict) -> tuple[list, int]:

@@ -30,6 +30,8 @@ channel sends ``pack(frames)``: the same frames joined into one, split again by 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,6 +83,71 @@ MAX_NDIM = 8
 DEFAULT_MAX_ARRAY_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 LZ4_MIN_BYTES = 4096  # smaller arrays go raw: compressing them costs more than it saves
+
+
+def _load_liblz4() -> Any:
+    """The system's liblz4 (decompresses into a buffer we own), or None: then a copy."""
+    path = ctypes.util.find_library("lz4")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        function = lib.LZ4_decompress_safe
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_LZ4_DECOMPRESS_SAFE = _load_liblz4()
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A validated lz4 array not yet decompressed (``decode(..., lazy=True)``)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    payload: Any  # the received frame's bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def decompress(self) -> np.ndarray:
+        try:
+            data = lz4.block.decompress(self.payload, uncompressed_size=self.nbytes)
+        except Exception as e:
+            raise ProtocolError(f"array {self.name!r}: corrupt lz4 payload ({e})") from None
+        if len(data) != self.nbytes:
+            raise ProtocolError(f"array {self.name!r}: lz4 payload holds {len(data)} bytes, layout says {self.nbytes}")
+        return np.frombuffer(data, self.dtype).reshape(self.shape)
+
+    def decompress_into(self, out: np.ndarray) -> None:
+        """Decompresses into ``out`` (C-contiguous, this dtype and shape) without an
+        intermediate copy; on ProtocolError ``out`` holds garbage."""
+        if out.dtype != self.dtype or out.shape != self.shape or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"decompress_into needs a writable C-contiguous {self.dtype}{list(self.shape)} array")
+        if _LZ4_DECOMPRESS_SAFE is None or self.nbytes == 0:
+            out[...] = self.decompress()
+            return
+        source = np.frombuffer(self.payload, np.uint8)
+        if len(source) > 2**31 - 1 or self.nbytes > 2**31 - 1:
+            out[...] = self.decompress()
+            return
+        written = _LZ4_DECOMPRESS_SAFE(source.ctypes.data, out.ctypes.data, len(source), self.nbytes)
+        if written != self.nbytes:
+            raise ProtocolError(f"array {self.name!r}: corrupt lz4 payload (decoded {written} of {self.nbytes} bytes)")
+
+
+def materialize(arrays: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of a lazily decoded message, every one decompressed."""
+    return {k: (v.decompress() if isinstance(v, Compressed) else v) for k, v in arrays.items()}
 
 
 @dataclass
@@ -148,10 +215,15 @@ def decode(
     *,
     max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    lazy: bool = False,
 ) -> Message:
-    """Decodes frames (bytes, memoryviews or zmq.Frame) into a Message, or raises ProtocolError."""
+    """Decodes frames (bytes, memoryviews or zmq.Frame) into a Message, or raises ProtocolError.
+
+    With ``lazy`` lz4 arrays stay ``Compressed`` (validated, not yet decompressed), for a
+    consumer that decompresses straight into its own storage.
+    """
     try:
-        return _decode(list(frames), max_array_bytes, max_message_bytes)
+        return _decode(list(frames), max_array_bytes, max_message_bytes, lazy)
     except ProtocolError:
         raise
     except Exception as e:  # any other failure is still the sender's malformed message
@@ -230,7 +302,7 @@ def _raw_offsets(sizes: Sequence[int]) -> list[int]:
     return [*offsets, end]
 
 
-def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int) -> Message:
+def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, lazy: bool) -> Message:
     if not frames:
         raise ProtocolError("empty message: no header frame")
     header_bytes = _buffer(frames[0])
@@ -274,15 +346,12 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int) -> 
         if codec == "raw":
             array = np.frombuffer(raw_frame, dtype, nbytes // dtype.itemsize, offset) if nbytes else np.empty(shape, dtype)
         else:
-            payload = _buffer(frames[next_lz4])
+            compressed = Compressed(name, dtype, shape, _buffer(frames[next_lz4]))
             next_lz4 += 1
-            try:
-                data = lz4.block.decompress(payload, uncompressed_size=nbytes)
-            except Exception as e:
-                raise ProtocolError(f"array {name!r}: corrupt lz4 payload ({e})") from None
-            if len(data) != nbytes:
-                raise ProtocolError(f"array {name!r}: lz4 payload holds {len(data)} bytes, layout says {nbytes}")
-            array = np.frombuffer(data, dtype)
+            if lazy:
+                arrays[name] = compressed
+                continue
+            array = compressed.decompress()
         array = array.reshape(shape)
         array.flags.writeable = False
         arrays[name] = array

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from apex.native import SumTree
+from apex.protocol import Compressed
 
 
 def _committed(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -132,10 +133,13 @@ class PrioritizedReplay:
             head = min(n, self.capacity - slot)  # items before the ring wraps
             for name, array in arrays.items():
                 storage = self._storage[name]
-                storage[slot : slot + head] = array[:head]
-                storage[: n - head] = array[head:]
+                if head == n:  # the common case: no wrap (an empty slice still costs)
+                    storage[slot : slot + n] = array
+                else:
+                    storage[slot : slot + head] = array[:head]
+                    storage[: n - head] = array[head:]
             indices = np.arange(start, start + n, dtype=np.int64)
-            self._tree.update(indices % self.capacity, priorities)
+            self._tree.update(indices - (start - slot) if head == n else indices % self.capacity, priorities)
             self._added = start + n
         return indices
 
@@ -282,6 +286,8 @@ class RateLimiter:
             self._cond.notify_all()
 
     def wait_to_insert(self, timeout: float) -> bool:
+        if self.can_insert():  # the common case, without taking the lock
+            return True
         with self._cond:
             return self._cond.wait_for(self.can_insert, timeout)
 
@@ -354,14 +360,24 @@ class FrameRing:
         """Id of the oldest frame still held."""
         return max(0, self.added - self.capacity)
 
-    def add(self, frames: np.ndarray) -> int:
-        """Stores frames (at most ``capacity``); returns the id of the first."""
+    def add(self, frames: np.ndarray | Compressed) -> int:
+        """Stores frames (at most ``capacity``); returns the id of the first.
+
+        Compressed frames are decompressed straight into their slots (no intermediate
+        copy). If that fails the slots are consumed all the same, holding garbage that no
+        transition refers to, and the ProtocolError propagates.
+        """
         n, first = len(frames), self.added
         slot = first % self.capacity
         head = min(n, self.capacity - slot)
+        self.added += n  # before writing: whatever happens, these slots now hold new frames
+        if isinstance(frames, Compressed):
+            if head == n:
+                frames.decompress_into(self.storage[slot : slot + n])
+                return first
+            frames = frames.decompress()  # the rare batch that wraps around the ring
         self.storage[slot : slot + head] = frames[:head]
         self.storage[: n - head] = frames[head:]
-        self.added += n
         return first
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
@@ -435,19 +451,22 @@ class StackedReplay:
 
     def add(self, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
         """Stores one chunk (see the class docstring); raises ValueError if it is inconsistent."""
-        frames, count = self._check_chunk(chunk)
+        frames, count = self.check_chunk(chunk)
         priorities = self.transitions._transform(chunk["priority"])
         if count > self.capacity:
             raise ValueError(f"a chunk of {count} transitions exceeds the replay's capacity {self.capacity}")
         with self._lock:
-            first = self.frames.add(frames)
-            # Transitions whose frames were just overwritten go first; chunk by chunk
-            # (transitions and frames are both added in order, so they are the oldest).
-            evict_to = None
-            while self._chunks and self._chunks[0][1] < self.frames.oldest:
-                evict_to = self._chunks.popleft()[0]
-            if evict_to is not None:
-                self.transitions.evict_until(evict_to)
+            try:
+                first = self.frames.add(frames)
+            finally:
+                # Transitions whose frames were just overwritten go first, chunk by chunk
+                # (transitions and frames are both added in order, so they are the oldest);
+                # also when decompressing failed half way through their slots.
+                evict_to = None
+                while self._chunks and self._chunks[0][1] < self.frames.oldest:
+                    evict_to = self._chunks.popleft()[0]
+                if evict_to is not None:
+                    self.transitions.evict_until(evict_to)
             # Already checked field by field above: skip the generic re-validation.
             indices = self.transitions._write(
                 {
@@ -477,7 +496,8 @@ class StackedReplay:
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
         return self.transitions.update_priorities(indices, priorities)
 
-    def _check_chunk(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
+    def check_chunk(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
+        """Raises ValueError unless ``add`` would accept the chunk; returns (frames, count)."""
         needed = ("frames", "obs_frame", "next_obs_frame", "action", "reward", "discount", "priority")
         missing = [k for k in needed if k not in chunk]
         if missing:

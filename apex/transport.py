@@ -365,6 +365,7 @@ class TrajectoryReceiver:
         self.options = options
         self.rejected_messages = 0
         self.received_messages = 0
+        self.lazy = False  # leave lz4 arrays compressed (protocol.decode(lazy=True))
         self._bad_log = RateLimitedLog(log)
 
     def recv(self, timeout_ms: int = 0) -> Message | None:
@@ -388,6 +389,7 @@ class TrajectoryReceiver:
                     frames,
                     max_array_bytes=self.options.max_array_bytes,
                     max_message_bytes=self.options.max_message_bytes,
+                    lazy=self.lazy,
                 )
                 if msg.type != "batch":
                     raise ProtocolError(f"a {msg.type!r} message on the trajectory stream")

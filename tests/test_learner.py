@@ -87,3 +87,19 @@ def test_batch_info_is_validated(info):
     with pytest.raises(ValueError):
         LearnerProcess._check_info(info)
     assert LearnerProcess._check_info({"episodes": [[3.0, 10, True]], "env_steps": 16}) == ([[3.0, 10, True]], 16)
+
+
+def test_insert_many_merges_good_batches_and_reports_bad_ones():
+    config = Config()
+    spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
+    learner = ApexLearner(config, spec, torch.device("cpu"))
+    good = bandit_chunk(10)
+    bad_action = {**bandit_chunk(10), "action": np.full(10, 5)}
+    # Indices past its own 11 frames: merged with others they would point into a neighbour's.
+    stray = {**bandit_chunk(10), "next_obs_frame": np.full(10, 15, np.int32)}
+    errors = learner.insert_many([good, bad_action, bandit_chunk(10), stray])
+    assert errors[0] is None and errors[2] is None
+    assert "actions must be in" in str(errors[1]) and "must index stacks" in str(errors[3])
+    assert len(learner.replay) == 20 and learner.replay.frames.added == 22
+    batch, _, _ = learner.replay.sample(64, 0.4)
+    assert set(batch["reward"].tolist()) <= {0.0, 1.0}

@@ -322,3 +322,19 @@ def test_fuzz_corrupt_lz4(data):
     except ProtocolError:
         return
     assert msg.arrays["obs"].shape == (64, 84, 84)  # a flip lz4 cannot see still decodes to the declared size
+
+
+def test_lazy_decode_leaves_lz4_arrays_for_decompress_into():
+    frames = _valid_batch()
+    msg = decode(frames, lazy=True)
+    compressed = msg.arrays["obs"]
+    assert isinstance(compressed, protocol.Compressed) and compressed.shape == (64, 84, 84)
+    assert isinstance(msg.arrays["a"], np.ndarray)  # raw arrays are views as usual
+    out = np.full(compressed.shape, 7, np.uint8)
+    compressed.decompress_into(out)
+    np.testing.assert_array_equal(out, decode(frames).arrays["obs"])
+    corrupt = protocol.Compressed("obs", compressed.dtype, compressed.shape, bytes(compressed.payload)[:-3])
+    with pytest.raises(ProtocolError, match="corrupt lz4"):
+        corrupt.decompress_into(out)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        compressed.decompress_into(np.zeros((64, 84, 85), np.uint8)[:, :, :84])

@@ -277,3 +277,32 @@ def test_stacked_replay_rejects_inconsistent_chunks(change, message):
 def test_atari_sized_replay_uses_a_seventh_of_naive_stacks():
     replay = StackedReplay((84, 84), np.uint8, stack=4, capacity=10_000, frame_capacity=10_000 + 10_000 // 8 + 4096)
     assert replay.bytes_per_transition < 56_448 / 5
+
+
+def test_stacked_replay_takes_compressed_frames_straight_into_its_ring():
+    from apex.protocol import decode, encode
+
+    def lazily(chunk):
+        fields = {"actor_index": 0, "weights_version": 0, "info": {}}
+        big = {**chunk, "frames": np.repeat(np.repeat(chunk["frames"], 32, 1), 32, 2)}  # 64x64: lz4-sized
+        return decode(encode("batch", fields, big), lazy=True).arrays
+
+    replay = StackedReplay((64, 64), np.uint8, stack=4, capacity=1000, frame_capacity=40, seed=0)
+    for k in range(5):  # 16 frames a chunk into a ring of 40: wraps, and evicts
+        arrays = lazily(frame_chunk(40 * k, transitions=10, stack=4, n=3))
+        assert type(arrays["frames"]).__name__ == "Compressed"
+        replay.add(arrays)
+    batch, _, _ = replay.sample(100, beta=0.4)
+    first = batch["obs"][:, :, 0, 0].astype(int)
+    np.testing.assert_array_equal(np.diff(first, axis=1), np.ones((100, 3)))
+    assert set(first[:, 0] // 40) <= {3, 4}
+
+    # A payload that fails to decompress: refused, its slots consumed, the ring still sound.
+    arrays = lazily(frame_chunk(200, transitions=10, stack=4, n=3))
+    good = arrays["frames"]
+    arrays["frames"] = type(good)(good.name, good.dtype, good.shape, bytes(good.payload)[:-4])
+    with pytest.raises(ValueError, match="corrupt lz4"):
+        replay.add(arrays)
+    batch, _, _ = replay.sample(100, beta=0.4)
+    first = batch["obs"][:, :, 0, 0].astype(int)
+    np.testing.assert_array_equal(np.diff(first, axis=1), np.ones((100, 3)))

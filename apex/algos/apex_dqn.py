@@ -31,7 +31,7 @@ from torch import nn
 from apex.config import ActorConfig, Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.models import QNetwork, load_numpy_weights, numpy_weights, to_device
-from apex.protocol import Message
+from apex.protocol import Compressed, Message
 from apex.replay import RateLimiter, StackedReplay
 
 
@@ -236,11 +236,45 @@ class Learner:
         return self.limiter.wait_to_insert(timeout)
 
     def insert(self, arrays: dict) -> int:
+        """Stores a received batch; frames may still be lz4-compressed (decode(lazy=True)):
+        the replay decompresses them straight into its frame ring."""
+        arrays = {k: (v.decompress() if isinstance(v, Compressed) and k != "frames" else v) for k, v in arrays.items()}
         check_batch(arrays, self.spec.num_actions)
         self.replay.add(arrays)
         count = len(arrays["priority"])
         self.limiter.inserted(count)
         return count
+
+    def insert_many(self, batches: list[dict]) -> list[Exception | None]:
+        """Inserts several batches; returns each one's error, or None. Batches with plain
+        frames that pass their own checks go in merged, as one insert (the checks and
+        bookkeeping of a small CartPole batch cost more than its data); compressed frames go
+        in one by one, straight into the frame ring. A bad batch never costs the others."""
+        errors: list[Exception | None] = [None] * len(batches)
+        mergeable = []
+        for i, batch in enumerate(batches):
+            if isinstance(batch.get("frames"), Compressed):
+                continue
+            try:
+                check_batch(batch, self.spec.num_actions)
+                self.replay.check_chunk(batch)  # its indices stay within its own frames
+                mergeable.append(i)
+            except (ValueError, KeyError, TypeError) as e:
+                errors[i] = e
+        merged = False
+        if len(mergeable) > 1:
+            try:
+                self.insert(merge_chunks([batches[i] for i in mergeable]))
+                merged = True
+            except (ValueError, KeyError, TypeError):
+                pass  # e.g. together too large for the replay: one by one below
+        for i, batch in enumerate(batches):
+            if errors[i] is None and (isinstance(batch.get("frames"), Compressed) or not merged):
+                try:
+                    self.insert(batch)
+                except (ValueError, KeyError, TypeError) as e:
+                    errors[i] = e
+        return errors
 
     def wait_to_step(self, timeout: float) -> bool:
         return self.limiter.wait_to_sample(self.config.learner.batch_size, timeout)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from apex.config import Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.models import PolicyValueNetwork, load_numpy_weights, numpy_weights, to_device
-from apex.protocol import Message
+from apex.protocol import Message, materialize
 from apex.replay import UnrollQueue
 
 
@@ -150,6 +150,7 @@ class Learner:
         return self.queue.wait_for_room(timeout)
 
     def insert(self, arrays: dict) -> int:
+        arrays = materialize(arrays)
         unrolls = check_batch(arrays, self.spec, self.config.impala.unroll_length)
         obs = arrays["frames"][arrays["obs_frame"][..., None] + self._offsets]  # [K, T+1, stack, ...]
         self.queue.put([
@@ -158,6 +159,16 @@ class Learner:
             for k in range(unrolls)
         ])
         return unrolls * self.config.impala.unroll_length
+
+    def insert_many(self, batches: list[dict]) -> list[Exception | None]:
+        errors: list[Exception | None] = []
+        for batch in batches:
+            try:
+                self.insert(batch)
+                errors.append(None)
+            except (ValueError, KeyError, TypeError) as e:
+                errors.append(e)
+        return errors
 
     def wait_to_step(self, timeout: float) -> bool:
         return self.queue.wait_for(self.config.impala.batch_unrolls, timeout)
