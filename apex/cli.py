@@ -125,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stop_flags(run)
     run.set_defaults(handler=_run)
 
+    evaluate = commands.add_parser("eval", help="play a checkpoint's policy and report its returns",
+                                   description="Play a learner checkpoint greedily (Ape-X: epsilon 0 by default).")
+    evaluate.add_argument("--checkpoint", required=True, metavar="PATH", help="a LOGDIR/checkpoints/ckpt-*.pt file")
+    evaluate.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to play (default: 10)")
+    evaluate.add_argument("--epsilon", type=float, default=0.0, help="random-action probability (default: 0)")
+    evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
+    evaluate.add_argument("--video", metavar="DIR", help="also record every episode to DIR (needs moviepy)")
+    evaluate.add_argument("--json", metavar="FILE", help="also write the result to FILE")
+    evaluate.set_defaults(handler=_eval)
+
+    plot = commands.add_parser("plot", help="draw learning curves and throughput of runs",
+                               description="Draw return vs env steps and wall time, and throughput, from metrics.jsonl.")
+    plot.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="run directories (each with metrics.jsonl)")
+    plot.add_argument("-o", "--output", default="apex-runs.png", metavar="FILE.png", help="output image (default: apex-runs.png)")
+    plot.set_defaults(handler=_plot)
+
     keygen = commands.add_parser(
         "keygen",
         help="create CURVE key pairs for the learner and the actors",
@@ -221,6 +237,27 @@ def _run(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.transport.port
     print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}", file=sys.stderr)
     return launch.run(config, args.actors, logdir, stop, port)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from apex.evaluate import evaluate
+
+    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video)
+    print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
+          f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
+          f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from apex.plot import plot
+
+    print(f"wrote {plot(args.logdirs, args.output)}")
+    return 0
 
 
 def _keygen(args: argparse.Namespace) -> int:

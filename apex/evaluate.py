@@ -1,0 +1,117 @@
+"""`apex eval`: play a checkpoint's policy greedily and report the returns.
+
+Ape-X checkpoints act with epsilon (0 by default) on the online Q network; IMPALA
+checkpoints take the most likely action of the policy. Atari frames are stacked as the
+actors stack them; rewards are reported unclipped.
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from apex import config as config_module
+from apex.envs import FrameStacker, env_spec, make_env
+from apex.errors import ApexError
+from apex.models import PolicyValueNetwork, QNetwork
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A learner checkpoint, or ApexError saying why it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
+    if not isinstance(state, dict) or "config" not in state:
+        raise ApexError(f"{path} is not an apex learner checkpoint (no config inside)")
+    return state
+
+
+def policy_from_checkpoint(state: dict):
+    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action."""
+    config = config_module.from_dict(state["config"])
+    spec = env_spec(config.env)
+    if config.algo == "impala":
+        net = PolicyValueNetwork(spec, config.model)
+        net.load_state_dict(state["net"])
+
+        def act(obs: torch.Tensor) -> int:
+            return int(net(obs)[0].argmax(dim=1)[0])
+    else:
+        net = QNetwork(spec, config.model)
+        net.load_state_dict(state["online"])
+
+        def act(obs: torch.Tensor) -> int:
+            return int(net(obs).argmax(dim=1)[0])
+    net.eval()
+    return config, spec, act
+
+
+def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: int = 12345,
+             video_dir: str | None = None) -> dict:
+    """Plays ``episodes`` episodes; returns the returns and their mean and std."""
+    if episodes < 1:
+        raise ApexError(f"--episodes must be >= 1, got {episodes}")
+    if not 0 <= epsilon <= 1:
+        raise ApexError(f"--epsilon must be in [0, 1], got {epsilon}")
+    state = load_checkpoint(checkpoint)
+    config, spec, act = policy_from_checkpoint(state)
+    env = make_env(config.env, seed)
+    if video_dir is not None:
+        env = _recorder(env, config, video_dir)
+    rng = np.random.default_rng(seed)
+    stacker = FrameStacker(1, spec.stack, spec.frame_shape, spec.frame_dtype)
+    returns, lengths = [], []
+    try:
+        for episode in range(episodes):
+            frame, _ = env.reset(seed=seed + episode)
+            stacker.reset(0, frame)
+            total, steps, done = 0.0, 0, False
+            while not done:
+                with torch.no_grad():
+                    action = act(torch.from_numpy(stacker.obs))
+                if rng.random() < epsilon:
+                    action = int(rng.integers(spec.num_actions))
+                frame, reward, terminated, truncated, _ = env.step(action)
+                stacker.push(0, frame)
+                total += float(reward)
+                steps += 1
+                done = terminated or truncated
+            returns.append(total)
+            lengths.append(steps)
+    finally:
+        env.close()
+    return {
+        "checkpoint": str(checkpoint),
+        "env": config.env.id,
+        "algo": config.algo,
+        "updates": state.get("updates"),
+        "episodes": episodes,
+        "epsilon": epsilon,
+        "return_mean": float(np.mean(returns)),
+        "return_std": float(np.std(returns)),
+        "length_mean": float(np.mean(lengths)),
+        "returns": returns,
+    }
+
+
+def _recorder(env, config, video_dir: str):
+    try:
+        import gymnasium as gym
+
+        import moviepy  # noqa: F401  (RecordVideo's writer)
+    except ImportError:
+        raise ApexError("--video needs moviepy: pip install moviepy") from None
+    # RecordVideo renders frames; recreate the environment with rgb_array rendering.
+    base = gym.make(config.env.id, render_mode="rgb_array", **({"frameskip": 1} if config.is_atari else {}))
+    if config.is_atari:
+        base = gym.wrappers.AtariPreprocessing(base, noop_max=config.env.noop_max, frame_skip=config.env.frame_skip)
+    env.close()
+    return gym.wrappers.RecordVideo(base, video_dir, episode_trigger=lambda _: True, disable_logger=True)
