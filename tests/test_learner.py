@@ -103,3 +103,22 @@ def test_insert_many_merges_good_batches_and_reports_bad_ones():
     assert len(learner.replay) == 20 and learner.replay.frames.added == 22
     batch, _, _ = learner.replay.sample(64, 0.4)
     assert set(batch["reward"].tolist()) <= {0.0, 1.0}
+
+
+def test_lazily_decoded_batches_with_compressed_small_fields_go_in():
+    """Large batches: actions and rewards compress too, not only frames (found with Acrobot)."""
+    from apex.protocol import decode, encode
+
+    config = Config()
+    spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
+    learner = ApexLearner(config, spec, torch.device("cpu"))
+    fields = {"actor_index": 0, "weights_version": 0, "info": {}}
+    big = bandit_chunk(2048)
+    big["action"] = np.zeros(2048, np.int64)  # 16 kB of zeros: lz4
+    lazy = decode(encode("batch", fields, big), lazy=True).arrays
+    assert type(lazy["action"]).__name__ == "Compressed"
+    broken = dict(lazy, reward="not an array")
+    errors = learner.insert_many([lazy, broken, decode(encode("batch", fields, bandit_chunk(10)), lazy=True).arrays])
+    assert errors[0] is None and errors[1] is not None and errors[2] is None
+    assert len(learner.replay) == 2058
+    assert learner.insert(decode(encode("batch", fields, big), lazy=True).arrays) == 2048

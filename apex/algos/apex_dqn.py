@@ -156,6 +156,12 @@ def merge_chunks(chunks: list[dict]) -> dict:
     return merged
 
 
+def _expand(arrays: dict) -> dict:
+    """Decompresses what a lazy decode left compressed, except the frames: the replay
+    decompresses those straight into its ring."""
+    return {k: (v.decompress() if isinstance(v, Compressed) and k != "frames" else v) for k, v in arrays.items()}
+
+
 def check_batch(arrays: dict, num_actions: int) -> None:
     """Algorithm-level checks on a received batch (the replay checks its structure and
     priorities). On the ingest hot path: a few whole-array reductions, no per-element work."""
@@ -238,7 +244,7 @@ class Learner:
     def insert(self, arrays: dict) -> int:
         """Stores a received batch; frames may still be lz4-compressed (decode(lazy=True)):
         the replay decompresses them straight into its frame ring."""
-        arrays = {k: (v.decompress() if isinstance(v, Compressed) and k != "frames" else v) for k, v in arrays.items()}
+        arrays = _expand(arrays)
         check_batch(arrays, self.spec.num_actions)
         self.replay.add(arrays)
         count = len(arrays["priority"])
@@ -250,16 +256,18 @@ class Learner:
         frames that pass their own checks go in merged, as one insert (the checks and
         bookkeeping of a small CartPole batch cost more than its data); compressed frames go
         in one by one, straight into the frame ring. A bad batch never costs the others."""
+        batches = list(batches)
         errors: list[Exception | None] = [None] * len(batches)
         mergeable = []
         for i, batch in enumerate(batches):
-            if isinstance(batch.get("frames"), Compressed):
-                continue
             try:
+                batch = batches[i] = _expand(batch)
+                if isinstance(batch.get("frames"), Compressed):
+                    continue
                 check_batch(batch, self.spec.num_actions)
                 self.replay.check_chunk(batch)  # its indices stay within its own frames
                 mergeable.append(i)
-            except (ValueError, KeyError, TypeError) as e:
+            except Exception as e:  # whatever is wrong with it, it is this batch's fault
                 errors[i] = e
         merged = False
         if len(mergeable) > 1:
@@ -272,7 +280,7 @@ class Learner:
             if errors[i] is None and (isinstance(batch.get("frames"), Compressed) or not merged):
                 try:
                     self.insert(batch)
-                except (ValueError, KeyError, TypeError) as e:
+                except Exception as e:
                     errors[i] = e
         return errors
 
