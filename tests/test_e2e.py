@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from apex import protocol
-from tests.netutil import free_base_port
+from apex.bench.transport import free_base_port
 
 CONTRACT_METRICS = {
     "time", "env_steps", "learner_updates", "env_steps_per_s", "updates_per_s", "episodes",

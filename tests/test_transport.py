@@ -19,7 +19,7 @@ from apex.transport import (
     TransportOptions,
     generate_keys,
 )
-from tests.netutil import free_base_port
+from apex.bench.transport import free_base_port
 
 FAST = TransportOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
 SPEC = {"env": {"id": "CartPole-v1"}, "algo": "apex_dqn"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import tempfile
 import time
 
@@ -148,8 +149,6 @@ def run(seconds: float = 2.0) -> dict:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -157,8 +156,6 @@ def free_port() -> int:
 
 def free_base_port() -> int:
     """A free port whose two successors are free too (a learner binds P, P+1, P+2)."""
-    import socket
-
     for _ in range(100):
         base = free_port()
         try:
