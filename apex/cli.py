@@ -22,6 +22,7 @@ ENV = {
     "actor_index": "APEX_ACTOR_INDEX",
     "num_envs": "APEX_NUM_ENVS",
     "curve_dir": "APEX_CURVE_DIR",
+    "resume": "APEX_RESUME",
 }
 
 
@@ -49,6 +50,13 @@ def _add_stop_flags(p: argparse.ArgumentParser) -> None:
                    help="stop once return_mean_100 (100 evaluation episodes) reaches R")
     p.add_argument("--stop-seconds", type=float, metavar="S", help="stop after S seconds")
     p.add_argument("--stop-env-steps", type=int, metavar="N", help="stop after N environment steps")
+
+
+def _add_resume(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", default=_env_default("resume"), metavar="DIR",
+                   help="continue the run in DIR (a --logdir) from its newest valid checkpoint: networks, "
+                        "optimizer, counters, episode returns and replay; the config is the checkpoint's "
+                        f"(plus --set) unless --config is given; logs go on in DIR (env {ENV['resume']})")
 
 
 def _add_logdir(p: argparse.ArgumentParser) -> None:
@@ -102,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
                          help=f"control port; P+1 and P+2 are used too (default: transport.port, 5550; env {ENV['port']})")
     _add_stop_flags(learner)
+    _add_resume(learner)
     learner.set_defaults(handler=_learner)
 
     actor = commands.add_parser("actor", help="run one actor process against a learner",
@@ -123,11 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
                      help="learner control port on 127.0.0.1; P+1 and P+2 are used too (default: transport.port)")
     _add_stop_flags(run)
+    _add_resume(run)
+    run.add_argument("--learner-restarts", type=int, default=10, metavar="N",
+                     help="times a learner that dies is restarted from its newest checkpoint (default: 10; 0: never)")
     run.set_defaults(handler=_run)
 
     evaluate = commands.add_parser("eval", help="play a checkpoint's policy and report its returns",
                                    description="Play a learner checkpoint greedily (Ape-X: epsilon 0 by default).")
-    evaluate.add_argument("--checkpoint", required=True, metavar="PATH", help="a LOGDIR/checkpoints/ckpt-*.pt file")
+    evaluate.add_argument("--checkpoint", required=True, metavar="PATH",
+                          help="a LOGDIR/checkpoints/ckpt-*.pt file, or a LOGDIR (its newest valid checkpoint)")
     evaluate.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to play (default: 10)")
     evaluate.add_argument("--epsilon", type=float, default=0.0, help="random-action probability (default: 0)")
     evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
@@ -171,13 +184,24 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_config(args: argparse.Namespace):
+def _load_config(args: argparse.Namespace, resume=None):
+    """The config of --config (or the embedded default) with --set; when resuming without
+    --config, the checkpoint's with --set."""
     from apex import config
 
     overrides = list(args.overrides)
     if args.curve_dir:
         overrides.append(f"transport.curve_dir={args.curve_dir}")
+    if resume is not None and not args.config:
+        return config.load_dict(resume.config, overrides)
     return config.load(args.config, overrides)
+
+
+def _resume(args: argparse.Namespace):
+    """The newest valid checkpoint of --resume DIR (None without --resume)."""
+    from apex.checkpoint import find_latest
+
+    return find_latest(Path(args.resume)) if args.resume else None
 
 
 def _stop(args: argparse.Namespace):
@@ -198,10 +222,11 @@ def _logdir(args: argparse.Namespace, config) -> Path:
 def _learner(args: argparse.Namespace) -> int:
     from apex.learner import LearnerProcess
 
-    config = _load_config(args)
+    resume = _resume(args)
+    config = _load_config(args, resume)
     stop = _stop(args)
-    logdir = _logdir(args, config)
-    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop)
+    logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)
+    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume)
     print(f"apex learner: {config.env.id} ({config.algo}) on {process.device}; logdir {logdir}; "
           f"ports {process.endpoint.ports.control}-{process.endpoint.ports.weights}", file=sys.stderr)
     return process.run()
@@ -229,14 +254,21 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.actors < 1:
         raise ApexError(f"--actors must be >= 1, got {args.actors}")
-    config = _load_config(args)
+    if args.learner_restarts < 0:
+        raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
+    resume = _resume(args)
+    config = _load_config(args, resume)
     if not any(o.startswith("actor.num_actors=") for o in args.overrides):
         config.actor.num_actors = args.actors
     stop = _stop(args)
-    logdir = _logdir(args, config)
+    if resume is not None and args.logdir and Path(args.logdir).resolve() != resume.logdir.resolve():
+        raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
+    logdir = resume.logdir if resume else _logdir(args, config)
     port = args.port if args.port is not None else config.transport.port
-    print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}", file=sys.stderr)
-    return launch.run(config, args.actors, logdir, stop, port)
+    print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}"
+          + (f"; resuming from {resume.name}" if resume else ""), file=sys.stderr)
+    return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
+                      learner_restarts=args.learner_restarts)
 
 
 def _eval(args: argparse.Namespace) -> int:

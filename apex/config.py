@@ -8,6 +8,7 @@ ConfigError that lists them all.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -95,6 +96,13 @@ class LearnerConfig:
     """Seconds between lines of metrics.jsonl (and console status lines)."""
     checkpoint_interval_s: float = 600.0
     """Seconds between periodic checkpoints (one is always written at stop)."""
+    checkpoint_interval_updates: int = 0
+    """Updates between periodic checkpoints as well (0: by time only)."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept in LOGDIR/checkpoints; older ones are deleted."""
+    checkpoint_replay: bool = True
+    """Ape-X: save the replay contents with their priorities in every checkpoint, so that a
+    resumed run does not start from an empty replay (IMPALA keeps no replay)."""
 
 
 @dataclass
@@ -157,6 +165,9 @@ class TransportConfig:
     """Silence after which a peer counts as gone."""
     curve_dir: str | None = None
     """Directory from ``apex keygen``: encrypt and authenticate every socket."""
+    give_up_after_s: float = 600.0
+    """Seconds an actor keeps reconnecting to a silent learner before it exits with an
+    error (0: forever). Long enough for a learner to be restarted and load its replay."""
 
 
 @dataclass
@@ -222,6 +233,9 @@ class Config:
         check(lr.torch_threads >= 1, f"learner.torch_threads must be >= 1, got {lr.torch_threads}")
         check(0 < lr.metrics_interval_s <= 5, f"learner.metrics_interval_s must be in (0, 5], got {lr.metrics_interval_s}")
         check(lr.checkpoint_interval_s > 0, f"learner.checkpoint_interval_s must be > 0, got {lr.checkpoint_interval_s}")
+        check(lr.checkpoint_interval_updates >= 0,
+              f"learner.checkpoint_interval_updates must be >= 0 (0: by time only), got {lr.checkpoint_interval_updates}")
+        check(lr.keep_checkpoints >= 1, f"learner.keep_checkpoints must be >= 1, got {lr.keep_checkpoints}")
         a = self.actor
         check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
         check(a.num_actors >= 1, f"actor.num_actors must be >= 1, got {a.num_actors}")
@@ -247,6 +261,8 @@ class Config:
         check(t.heartbeat_interval_s > 0, f"transport.heartbeat_interval_s must be > 0, got {t.heartbeat_interval_s}")
         check(t.heartbeat_timeout_s > t.heartbeat_interval_s,
               f"transport.heartbeat_timeout_s must exceed heartbeat_interval_s ({t.heartbeat_interval_s}), got {t.heartbeat_timeout_s}")
+        check(t.give_up_after_s == 0 or t.give_up_after_s > t.heartbeat_timeout_s,
+              f"transport.give_up_after_s must be 0 (never) or exceed heartbeat_timeout_s ({t.heartbeat_timeout_s}), got {t.give_up_after_s}")
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
@@ -268,6 +284,12 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    return load_dict(raw, overrides)
+
+
+def load_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Like ``load``, from nested dicts (e.g. the config saved in a checkpoint)."""
+    raw = copy.deepcopy(raw)
     for override in overrides:
         _apply_override(raw, override)
     return from_dict(raw)

@@ -15,16 +15,22 @@ import numpy as np
 import torch
 
 from apex import config as config_module
+from apex.checkpoint import find_latest, verify
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 from apex.models import PolicyValueNetwork, QNetwork
 
 
 def load_checkpoint(path: str | Path) -> dict:
-    """A learner checkpoint, or ApexError saying why it cannot be used."""
+    """A learner checkpoint (a ckpt-*.pt file, or the newest valid one of a run directory),
+    or ApexError saying why it cannot be used."""
     path = Path(path)
-    if not path.is_file():
-        raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/")
+    if path.is_dir():
+        path = find_latest(path).state_path
+    elif not path.is_file():
+        raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/ or a LOGDIR")
+    elif path.with_suffix(".json").is_file():
+        verify(path.with_suffix(".json"))  # size and CRC-32: torch.load would not notice a flipped byte
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:

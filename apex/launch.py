@@ -1,7 +1,9 @@
 """`apex run`: a learner and N actors as separate OS processes on this machine, supervised.
 
-Actors that die are restarted (with a growing delay if they keep dying); when the learner
-exits, for a stop condition or otherwise, the actors are stopped and `apex run` exits with
+Actors that die are restarted (with a growing delay if they keep dying). A learner that dies
+is restarted from its newest checkpoint (replay included) while the actors keep their
+environments and reconnect; when the learner stops for good (a stop condition, Ctrl-C, a
+configuration error, or too many restarts) the actors are stopped and `apex run` exits with
 the learner's code. Children get their own session, so Ctrl-C reaches only this process,
 which then stops the learner cleanly; and they are told by the kernel to terminate should
 this process die, so that nothing is left behind.
@@ -25,6 +27,9 @@ from apex.learner import StopConditions
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# Learner exits that are not restarted: done (0), a usage or configuration error (2, it would
+# fail again), interrupted by the user (130).
+_FINAL_EXITS = (0, 2, 130)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -53,30 +58,71 @@ def stop_args(stop: StopConditions) -> list[str]:
     return args
 
 
-def run(config: Config, actors: int, logdir: Path, stop: StopConditions, port: int) -> int:
-    """Runs learner + actors until the learner exits; returns the learner's exit code."""
+def _has_checkpoint(logdir: Path) -> bool:
+    return any((logdir / "checkpoints").glob("ckpt-*.json"))
+
+
+def run(
+    config: Config,
+    actors: int,
+    logdir: Path,
+    stop: StopConditions,
+    port: int,
+    *,
+    resume: bool = False,
+    learner_restarts: int = 10,
+) -> int:
+    """Runs learner + actors until the learner exits for good; returns its exit code.
+
+    A learner that dies (a non-zero exit other than a usage error or an interrupt) is
+    started again, from its newest checkpoint when there is one, up to ``learner_restarts``
+    times; the actors stay up meanwhile and reconnect by themselves.
+    """
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    learner = _spawn(["learner", "--config", str(config_file), "--logdir", str(logdir),
-                      "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop)])
+    learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
+                    "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop)]
+
+    def start_learner() -> subprocess.Popen:
+        from_checkpoint = resume or _has_checkpoint(logdir)
+        return _spawn([*learner_args, *(["--resume", str(logdir)] if from_checkpoint else [])])
+
+    learner = start_learner()
     actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
                   for i in range(actors)]
     procs = [_spawn(args) for args in actor_args]
     restarts = [0] * actors
     restart_at = [0.0] * actors
-    interrupted = {"signal": None}
+    learner_restarted = 0
+    learner_restart_at = 0.0
+    interrupted = {"signal": None, "sent": False}
 
     def on_signal(signum, _frame):
         interrupted["signal"] = signum
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while learner.poll() is None:
-            if interrupted["signal"] is not None:
-                learner.send_signal(interrupted["signal"])  # the learner stops its actors and exits
-                interrupted["signal"] = None
+        while True:
             now = time.monotonic()
+            if interrupted["signal"] is not None and learner_restart_at == 0.0:
+                learner.send_signal(interrupted["signal"])  # the learner stops its actors and exits
+                interrupted["signal"], interrupted["sent"] = None, True
+            if learner_restart_at == 0.0 and learner.poll() is not None:
+                code = learner.returncode
+                if code in _FINAL_EXITS or interrupted["sent"] or learner_restarted >= learner_restarts:
+                    return code
+                delay = min(30.0, 2.0 * 2 ** learner_restarted)
+                log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
+                            code, " from its newest checkpoint" if resume or _has_checkpoint(logdir) else "",
+                            delay, learner_restarted + 1, learner_restarts)
+                learner_restart_at = now + delay
+            elif learner_restart_at and (now >= learner_restart_at or interrupted["signal"] is not None):
+                if interrupted["signal"] is not None:  # interrupted while the learner was down
+                    return 130 if interrupted["signal"] == signal.SIGINT else 0
+                learner = start_learner()
+                learner_restarted += 1
+                learner_restart_at = 0.0
             for i, proc in enumerate(procs):
                 if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
                     continue
@@ -89,12 +135,11 @@ def run(config: Config, actors: int, logdir: Path, stop: StopConditions, port: i
                     restarts[i] += 1
                     restart_at[i] = 0.0
             time.sleep(0.2)
-        return learner.returncode
     finally:
         for proc in [learner, *procs]:
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a learner writes its last checkpoint (with the replay)
         for proc in [learner, *procs]:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))

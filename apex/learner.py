@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from apex import algos
+from apex.checkpoint import Checkpoint, CheckpointWriter
 from apex.config import Config
 from apex.envs import env_spec
 from apex.errors import ApexError
@@ -64,7 +65,15 @@ class StopConditions:
 class LearnerProcess:
     """Owns the sockets, threads, signals and files around a learner core."""
 
-    def __init__(self, config: Config, logdir: Path, bind_host: str, port: int | None, stop: StopConditions) -> None:
+    def __init__(
+        self,
+        config: Config,
+        logdir: Path,
+        bind_host: str,
+        port: int | None,
+        stop: StopConditions,
+        resume: Checkpoint | None = None,
+    ) -> None:
         self.config = config
         self.logdir = Path(logdir)
         self.stop = stop
@@ -96,6 +105,41 @@ class LearnerProcess:
         self._ingest_thread: threading.Thread | None = None
         self._version = 0  # of the weights last published
         self._signal: int | None = None
+        self._elapsed_before = 0.0  # run time of the checkpoint resumed from
+        self.checkpoints = CheckpointWriter(self.logdir / "checkpoints", config.learner.keep_checkpoints)
+        self.resumed_from = None
+        if resume is not None:
+            try:
+                self._restore(resume)
+            except BaseException:
+                self.endpoint.close()
+                raise
+
+    def _restore(self, checkpoint: Checkpoint) -> None:
+        """Continues from a verified checkpoint: networks, optimizer, counters, episode
+        returns and, when it holds one, the replay."""
+        start = time.monotonic()
+        state = checkpoint.load_state()
+        replay = self.learner.checkpoint_replay
+        if replay is not None and checkpoint.replay_path is not None:
+            try:
+                checkpoint.load_replay(replay)
+            except ValueError as e:
+                raise ApexError(f"cannot restore the replay of {checkpoint.name}: {e}") from None
+        try:
+            self.learner.load_state_dict(state)
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise ApexError(f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
+                            f"({str(e).splitlines()[0]}): resume without changing algo, env or model") from None
+        self.env_steps = state["env_steps"]
+        self.env_steps_by_host = dict(state.get("env_steps_by_host", {}))
+        self.stats.load_state_dict(state["episode_stats"])
+        self._elapsed_before = state["time"]
+        self._version = self.learner.updates
+        self.resumed_from = checkpoint.name
+        log.info("resumed from %s in %.1fs: %d updates, %d env steps, replay of %d",
+                 checkpoint.name, time.monotonic() - start, self.learner.updates, self.env_steps,
+                 len(replay) if replay is not None else 0)
 
     # -- actors
 
@@ -186,11 +230,14 @@ class LearnerProcess:
             signal.signal(signum, self._on_signal)
         self.logdir.mkdir(parents=True, exist_ok=True)
         metrics = MetricsWriter(self.logdir)
-        self.endpoint.publish_weights(0, self.learner.weights())
+        self.endpoint.publish_weights(self._version, self.learner.weights())
         self.start_ingest()
-        start = time.monotonic()
-        next_metrics = start + self.config.learner.metrics_interval_s
-        next_checkpoint = start + self.config.learner.checkpoint_interval_s
+        # The run's clock goes on from the checkpoint's: metrics, stop conditions, summary.
+        start = time.monotonic() - self._elapsed_before
+        every_updates = self.config.learner.checkpoint_interval_updates
+        next_metrics = time.monotonic() + self.config.learner.metrics_interval_s
+        next_checkpoint = time.monotonic() + self.config.learner.checkpoint_interval_s
+        next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
         step_rate, update_rate = Rate(), Rate()
         last: dict[str, float] = {}
         stop_reason = None
@@ -210,9 +257,11 @@ class LearnerProcess:
                     next_metrics = now + self.config.learner.metrics_interval_s
                     metrics.write(self._metrics_row(now - start, step_rate, update_rate, last))
                 stop_reason = self._stop_reason(now - start)
-                if now >= next_checkpoint:
+                due_by_updates = next_checkpoint_updates is not None and self.learner.updates >= next_checkpoint_updates
+                if (now >= next_checkpoint or due_by_updates) and self.save_checkpoint(now - start, background=True):
                     next_checkpoint = now + self.config.learner.checkpoint_interval_s
-                    self.save_checkpoint()
+                    if every_updates:
+                        next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates
                 if self._signal is not None:
                     stop_reason = f"signal {signal.Signals(self._signal).name}"
         finally:
@@ -221,7 +270,8 @@ class LearnerProcess:
             wall = time.monotonic() - start
             metrics.write(self._metrics_row(wall, step_rate, update_rate, last))
             metrics.close()
-            self.save_checkpoint()
+            self.checkpoints.wait()
+            self.save_checkpoint(wall)
             write_json_atomic(self.logdir / "summary.json", {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
                 "data_nbytes_mb": round(self.learner.memory_nbytes / 2**20, 1),
@@ -231,6 +281,8 @@ class LearnerProcess:
                 "return_mean_100": self.stats.return_mean,
                 "best_return_mean_100": self.stats.best_return_mean if self.stats.full_window else None,
                 "stop_reason": stop_reason or "error",
+                "resumed_from": self.resumed_from,
+                "checkpoints_written": self.checkpoints.written,
                 "env_steps_by_host": dict(self.env_steps_by_host),
             })
             self._linger_for_stops()
@@ -282,23 +334,25 @@ class LearnerProcess:
             "policy_lag_max": int(max(lags)) if lags else None,
             "rejected_messages": (self.endpoint.rejected_messages + self.endpoint.receiver.rejected_messages
                                   + self.bad_batches),
+            "checkpoints_written": self.checkpoints.written,
+            "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
             "learner_rss_mb": round(rss_bytes() / 2**20, 1),
             "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
             **{k: round(v, 5) for k, v in last.items()},
         })
         return row
 
-    def save_checkpoint(self, keep: int = 3) -> Path:
-        directory = self.logdir / "checkpoints"
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"ckpt-{self.learner.updates:09d}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        state = {**self.learner.state_dict(), "env_steps": self.env_steps, "config": self.config.to_dict()}
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        for old in sorted(directory.glob("ckpt-*.pt"))[:-keep]:
-            old.unlink()
-        return path
+    def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
+        """Writes a checkpoint (in the background: the replay is copied piece by piece while
+        training and ingest go on). False if the previous one is still being written."""
+        with self._stats_lock:
+            state = {
+                **self.learner.state_dict(),
+                "env_steps": self.env_steps,
+                "env_steps_by_host": dict(self.env_steps_by_host),
+                "episode_stats": self.stats.state_dict(),
+                "time": elapsed,
+                "config": self.config.to_dict(),
+            }
+        name = f"ckpt-{self.learner.updates:09d}"
+        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background)

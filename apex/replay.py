@@ -19,6 +19,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -345,6 +346,25 @@ class UnrollQueue:
         return items
 
 
+def _slot_runs(first: int, last: int, capacity: int) -> list[tuple[int, int]]:
+    """The contiguous slot ranges of a ring holding ids ``first..last-1`` (at most two)."""
+    if last <= first:
+        return []
+    a, n = first % capacity, last - first
+    if a + n <= capacity:
+        return [(a, a + n)]
+    return [(a, capacity), (0, a + n - capacity)]
+
+
+def _read_into(f: BinaryIO, array: np.ndarray) -> None:
+    view = memoryview(array).cast("B")
+    while view.nbytes:
+        n = f.readinto(view)
+        if not n:
+            raise ValueError("the saved replay ends early: the file is truncated")
+        view = view[n:]
+
+
 class FrameRing:
     """A ring of frames addressed by ever-growing frame ids (id ``i`` in slot ``i % capacity``)."""
 
@@ -495,6 +515,98 @@ class StackedReplay:
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
         return self.transitions.update_priorities(indices, priorities)
+
+    def priority_stats(self) -> dict[str, float]:
+        """Mean and min of the stored (transformed) priorities: how surprising the replay is."""
+        t = self.transitions
+        with t._lock:
+            n = len(t)
+            return {"priority_mean": t._tree.total / n, "priority_min": t._tree.min} if n else {}
+
+    # -- snapshots (checkpoints)
+
+    def save(self, f: BinaryIO, lock_bytes: int = 16 << 20) -> dict:
+        """Writes the replay's contents and priorities to ``f``; returns the header that
+        ``load`` needs with them.
+
+        Ingest and sampling go on meanwhile: the lock is held for one piece of at most
+        ``lock_bytes`` at a time, oldest items first. An item overwritten before its piece
+        was copied (the writer chases the copy from the oldest end) cannot be told apart from
+        its successor, so every item up to the highest one that might have been is left out:
+        the snapshot is the replay as it was when saving began, less that oldest margin (in
+        practice nothing: copying runs far faster than actors fill the ring).
+        """
+        transitions, frames = self.transitions, self.frames
+        with self._lock:
+            frames_end, items_end = frames.added, transitions._added
+            frames_start, items_start = frames.oldest, transitions._oldest_live
+            chunks = [list(c) for c in self._chunks]
+        frame_bytes = max(1, frames.storage[0].nbytes)
+        frames_valid = frames_start
+        for first in range(frames_start, frames_end, max(1, lock_bytes // frame_bytes)):
+            with self._lock:
+                last = min(frames_end, first + max(1, lock_bytes // frame_bytes))
+                for a, b in _slot_runs(first, last, frames.capacity):
+                    f.write(memoryview(frames.storage[a:b]).cast("B"))
+                frames_valid = max(frames_valid, min(last, frames.added - frames.capacity))
+        fields = transitions.spec
+        item_bytes = sum(int(np.prod(fd.shape, dtype=np.int64)) * fd.dtype.itemsize for fd in fields.values()) + 8
+        step = max(1, lock_bytes // item_bytes)
+        items_valid = items_start
+        for first in range(items_start, items_end, step):
+            with self._lock, transitions._lock:
+                last = min(items_end, first + step)
+                runs = _slot_runs(first, last, transitions.capacity)
+                for name in fields:
+                    for a, b in runs:
+                        f.write(memoryview(np.ascontiguousarray(transitions._storage[name][a:b])).cast("B"))
+                for a, b in runs:
+                    f.write(transitions._tree.get(np.arange(a, b, dtype=np.int64)).tobytes())
+                items_valid = max(items_valid, min(last, transitions._added - transitions.capacity))
+        return {
+            "frame_shape": list(self.frame_shape), "frame_dtype": self.frame_dtype.str, "stack": self.stack,
+            "capacity": self.capacity, "frame_capacity": frames.capacity, "chunk_items": step,
+            "frames": [frames_start, frames_valid, frames_end],
+            "items": [items_start, items_valid, items_end],
+            "chunks": chunks,
+        }
+
+    def load(self, f: BinaryIO, header: dict) -> None:
+        """Restores what ``save`` wrote into this (new, empty) replay of the same shape."""
+        expected = {"frame_shape": list(self.frame_shape), "frame_dtype": self.frame_dtype.str,
+                    "stack": self.stack, "capacity": self.capacity, "frame_capacity": self.frames.capacity}
+        for key, value in expected.items():
+            if header[key] != value:
+                raise ValueError(f"the saved replay has {key} {header[key]}, this run's has {value}: "
+                                 "resume with the configuration the checkpoint was made with")
+        transitions, frames = self.transitions, self.frames
+        frames_start, frames_valid, frames_end = header["frames"]
+        items_start, items_valid, items_end = header["items"]
+        for a, b in _slot_runs(frames_start, frames_end, frames.capacity):
+            _read_into(f, frames.storage[a:b])
+        priorities = np.zeros(transitions.capacity, np.float64)
+        step = header["chunk_items"]
+        for first in range(items_start, items_end, step):
+            runs = _slot_runs(first, min(items_end, first + step), transitions.capacity)
+            for name in transitions.spec:
+                for a, b in runs:
+                    _read_into(f, transitions._storage[name][a:b])
+            for a, b in runs:
+                _read_into(f, priorities[a:b])
+        # Items overwritten while saving are gone, and so are those whose frames were.
+        live = np.arange(items_valid, items_end, dtype=np.int64)
+        slots = live % transitions.capacity
+        storage = transitions._storage
+        first_frame = np.minimum(storage["obs_frame"][slots], storage["next_obs_frame"][slots])
+        keep = first_frame >= frames_valid  # frame ids only grow with insertion: a suffix
+        live, slots = live[keep], slots[keep]
+        kept_from = int(live[0]) if len(live) else items_end
+        with self._lock, transitions._lock:
+            frames.added = frames_end
+            transitions._added = items_end
+            transitions._evicted_until = kept_from
+            transitions._tree.update(slots, priorities[slots])
+            self._chunks = deque((end, first) for end, first in header["chunks"] if end > kept_from)
 
     def check_chunk(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
         """Raises ValueError unless ``add`` would accept the chunk; returns (frames, count)."""

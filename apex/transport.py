@@ -79,6 +79,9 @@ class TransportOptions:
     """Largest total of arrays a received message may declare."""
     curve_dir: str | None = None
     """Directory made by `apex keygen`; enables CURVE encryption and authentication."""
+    give_up_after_s: float = 600.0
+    """An actor that has not heard from the learner for this long stops trying and exits
+    (LearnerGone); 0: it keeps trying forever."""
 
 
 def options_from_config(transport: Any) -> TransportOptions:
@@ -89,7 +92,12 @@ def options_from_config(transport: Any) -> TransportOptions:
         heartbeat_interval_s=transport.heartbeat_interval_s,
         heartbeat_timeout_s=transport.heartbeat_timeout_s,
         curve_dir=transport.curve_dir,
+        give_up_after_s=transport.give_up_after_s,
     )
+
+
+class LearnerGone(ApexError):
+    """No learner answered for ``give_up_after_s``: it stopped for good, or never came."""
 
 
 class HandshakeRejected(ApexError):
@@ -315,6 +323,11 @@ class LearnerEndpoint:
         previous = self.actors.pop(identity, None)
         if requested is None and previous is not None:
             requested = previous.index
+        if requested is None:
+            # The same process saying hello again from a fresh socket (it retries while a
+            # learner starts up): the same index, not a second one and a ghost.
+            host, pid = msg.fields["host"], msg.fields["pid"]
+            requested = next((r.index for r in self.actors.values() if (r.host, r.pid) == (host, pid)), None)
         if requested is not None and requested < 0:
             self._send(identity, "reject", {"reason": f"actor index must be >= 0, got {requested}"})
             return
@@ -451,10 +464,20 @@ class LearnerClient:
         return self.welcome is not None
 
     def handshake(self, timeout_s: float | None = None) -> Message:
-        """Says hello until welcomed; returns the welcome. Retries with backoff forever
-        unless ``timeout_s`` is given (then raises TimeoutError). A reject raises
-        HandshakeRejected with the learner's reason.
+        """Says hello until welcomed; returns the welcome. Retries with backoff until
+        ``timeout_s`` (then raises TimeoutError) or, without it, until the learner has been
+        silent for ``options.give_up_after_s`` (then raises LearnerGone; 0: forever). A
+        reject raises HandshakeRejected with the learner's reason.
         """
+        if timeout_s is None and self.options.give_up_after_s > 0:
+            left = self.options.give_up_after_s - (time.monotonic() - self._last_heard)
+            try:
+                return self.handshake(timeout_s=max(1.0, left))
+            except TimeoutError:
+                raise LearnerGone(
+                    f"no learner answered at {self.host}:{self.ports.control} for "
+                    f"{self.options.give_up_after_s:.0f}s (transport.give_up_after_s): giving up"
+                ) from None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         wait = 0.25
         while True:

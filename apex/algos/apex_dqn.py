@@ -323,7 +323,24 @@ class Learner:
             "target": self.target.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "updates": self.updates,
+            "limiter": {"inserts": self.limiter.inserts, "samples": self.limiter.samples},
         }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Networks, optimizer and counters of a checkpoint. Call after the replay was
+        restored (if it was): the sample-to-insert limit then goes on where it was instead of
+        waiting for replay.min_size new transitions."""
+        self.online.load_state_dict(state["online"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = state["updates"]
+        if len(self.replay) > 0:
+            self.limiter.inserts, self.limiter.samples = state["limiter"]["inserts"], state["limiter"]["samples"]
+
+    @property
+    def checkpoint_replay(self) -> StackedReplay | None:
+        """The replay that checkpoints hold, or None when learner.checkpoint_replay is off."""
+        return self.replay if self.config.learner.checkpoint_replay else None
 
     @property
     def memory_nbytes(self) -> int:
@@ -332,6 +349,8 @@ class Learner:
     def metrics(self) -> dict:
         return {
             "replay_size": len(self.replay),
+            "replay_capacity": self.replay.capacity,
+            **self.replay.priority_stats(),
             "replay_bytes_per_transition": round(self.replay.bytes_per_transition, 1),
             "replay_nbytes_mb": round(self.replay.nbytes / 2**20, 1),
             "inserted": self.limiter.inserts,

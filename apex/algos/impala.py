@@ -199,6 +199,13 @@ class Learner:
     def state_dict(self) -> dict:
         return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
 
+    def load_state_dict(self, state: dict) -> None:
+        self.net.load_state_dict(state["net"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates = state["updates"]
+
+    checkpoint_replay = None  # the unroll queue is short-lived: not worth saving
+
     @property
     def memory_nbytes(self) -> int:
         """Upper bound of the queued unrolls' observations."""
@@ -212,6 +219,7 @@ class Learner:
             "queue_dropped_unrolls": self.queue.dropped,
             "inserted_unrolls": self.queue.inserted,
             "replay_size": len(self.queue),
+            "replay_capacity": self.queue.capacity,
         }
 
 
