@@ -13,7 +13,7 @@ import time
 
 from apex import algos
 from apex import config as config_module
-from apex.transport import LearnerClient, TransportOptions
+from apex.transport import HandshakeRejected, LearnerClient, TransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,25 @@ def run_actor(
 
     signal.signal(signal.SIGTERM, on_signal)
     client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options)
-    core = None
     try:
-        spec = client.handshake().fields["spec"]
-        config = config_module.from_dict(spec["config"])
-        core = algos.get(config.algo).Actor(config, spec, spec["seed"])
+        try:
+            _act(client, stopping)
+        except HandshakeRejected:
+            if client.stop_reason is None:
+                raise
+            # Said hello again just as the learner was stopping for good: that is a stop too.
+        log.info("actor %s stopping: %s", client.actor_index, client.stop_reason or f"signal {stopping['signal']}")
+        return 0
+    finally:
+        client.close()
+
+
+def _act(client: LearnerClient, stopping: dict) -> None:
+    """Handshake, then step the algorithm's actor core and send its batches until a stop."""
+    spec = client.handshake().fields["spec"]
+    config = config_module.from_dict(spec["config"])
+    core = algos.get(config.algo).Actor(config, spec, spec["seed"])
+    try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         episodes: list[list] = []
         env_steps = 0
@@ -63,9 +77,5 @@ def run_actor(
                 if not client.send_batch(batch, weights_version=core.weights_version, info=info):
                     break  # a stop arrived while waiting to send
                 episodes, env_steps, sent = [], 0, True
-        log.info("actor %s stopping: %s", client.actor_index, client.stop_reason or f"signal {stopping['signal']}")
-        return 0
     finally:
-        if core is not None:
-            core.close()
-        client.close()
+        core.close()

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["all"],
         choices=[*BENCHMARKS, "all"],
         metavar="BENCHMARK",
-        help=f"benchmarks to run: {', '.join(BENCHMARKS)} or all (default: all)",
+        help=f"benchmarks to run: {', '.join(BENCHMARKS)} or all (default: all; all leaves out the soak)",
     )
     bench.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     bench.add_argument(
@@ -97,8 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     e2e = bench.add_argument_group("e2e options")
     e2e.add_argument("--algo", choices=["apex_dqn", "impala"], default="apex_dqn", help="algorithm (default: apex_dqn)")
     e2e.add_argument("--env", metavar="ID", help="Gymnasium id (default: the config's, CartPole-v1)")
-    e2e.add_argument("--actors", default="1,2,4", metavar="N,N,...", help="actor counts to run (default: 1,2,4)")
-    e2e.add_argument("--plot", metavar="FILE.png", help="also draw the scaling curves")
+    e2e.add_argument("--actors", default=None, metavar="N,N,...",
+                     help="actor counts to run (e2e default: 1,2,4; soak: one count, default 3)")
+    e2e.add_argument("--plot", metavar="FILE.png", help="also draw the scaling curves (soak: the RSS curve)")
+    soak = bench.add_argument_group("soak options (not part of all; --seconds default 600)")
+    soak.add_argument("--churn-seconds", type=float, default=10.0, metavar="S",
+                      help="mean seconds between actor kills (default: 10)")
+    soak.add_argument("--checkpoint-seconds", type=float, default=60.0, metavar="S",
+                      help="learner checkpoint interval, replay included (default: 60)")
+    soak.add_argument("--logdir", metavar="DIR", help="keep the soak's run directory here (default: a temporary one)")
+    soak.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a learner config value, e.g. --set replay.capacity=50000")
     bench.set_defaults(handler=_bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
@@ -111,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"control port; P+1 and P+2 are used too (default: transport.port, 5550; env {ENV['port']})")
     _add_stop_flags(learner)
     _add_resume(learner)
+    learner.add_argument("--auto-resume", action="store_true",
+                         help="resume from --logdir's newest valid checkpoint if it has one, else start afresh "
+                              "(for a container or service manager that restarts the learner)")
     learner.set_defaults(handler=_learner)
 
     actor = commands.add_parser("actor", help="run one actor process against a learner",
@@ -174,13 +186,20 @@ def _bench(args: argparse.Namespace) -> int:
     if args.seconds is not None and args.seconds <= 0:
         raise ApexError(f"--seconds must be positive, got {args.seconds}")
     try:
-        actors = tuple(int(n) for n in args.actors.split(","))
+        actors = tuple(int(n) for n in args.actors.split(",")) if args.actors else None
     except ValueError:
         raise ApexError(f"--actors takes a comma-separated list of counts, e.g. 1,2,4; got {args.actors!r}") from None
-    if not actors or min(actors) < 1:
+    if actors is not None and (not actors or min(actors) < 1):
         raise ApexError(f"--actors counts must be >= 1, got {args.actors!r}")
-    e2e_options = {"algo": args.algo, "env": args.env, "actors": actors, "plot": args.plot}
-    bench.run(args.names or ["all"], json_path=args.json, seconds=args.seconds, e2e_options=e2e_options)
+    names = args.names or ["all"]
+    if "soak" in names and actors is not None and len(actors) != 1:
+        raise ApexError(f"bench soak takes one actor count, e.g. --actors 3; got {args.actors!r}")
+    if args.churn_seconds <= 0 or args.checkpoint_seconds <= 0:
+        raise ApexError("--churn-seconds and --checkpoint-seconds must be positive")
+    e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
+    soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
+                    "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
+    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options)
     return 0
 
 
@@ -222,7 +241,14 @@ def _logdir(args: argparse.Namespace, config) -> Path:
 def _learner(args: argparse.Namespace) -> int:
     from apex.learner import LearnerProcess
 
-    resume = _resume(args)
+    from apex.checkpoint import find_latest
+
+    if args.auto_resume:
+        if args.resume or not args.logdir:
+            raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
+        if any((Path(args.logdir) / "checkpoints").glob("ckpt-*.json")):
+            args.resume = args.logdir
+    resume = find_latest(Path(args.resume)) if args.resume else None
     config = _load_config(args, resume)
     stop = _stop(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)

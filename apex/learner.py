@@ -238,7 +238,7 @@ class LearnerProcess:
         next_metrics = time.monotonic() + self.config.learner.metrics_interval_s
         next_checkpoint = time.monotonic() + self.config.learner.checkpoint_interval_s
         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
-        step_rate, update_rate = Rate(), Rate()
+        step_rate, update_rate = Rate(self.env_steps), Rate(self.learner.updates)
         last: dict[str, float] = {}
         stop_reason = None
         log.info("learner on %s: %s %s, ports %d-%d, %.1f MB for data", self.device, self.config.algo,

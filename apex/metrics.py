@@ -133,9 +133,9 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 class Rate:
     """Events per second between successive reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int = 0) -> None:
         self._last_time = time.monotonic()
-        self._last_count = 0
+        self._last_count = count
 
     def __call__(self, count: int) -> float:
         now = time.monotonic()

@@ -148,3 +148,33 @@ def test_tensorboard_reads_the_scalars(tmp_path):
             "replay/priority_mean", "replay/queue_unrolls", "loss/loss", "system/actors_connected"} <= tags
     returns = events.Scalars("return/return_mean_100")
     assert [(e.step, e.value) for e in returns] == [(5000, 21.5), (9000, 30.0)]
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_a_stopped_run_resumed_goes_on_from_its_counters(tmp_path, algo):
+    logdir, port = tmp_path / "run", free_base_port()
+    first = apex("run", "--actors", "1", "--logdir", str(logdir), "--port", str(port), "--stop-env-steps", "8000",
+                 "--set", f"algo={algo}", "--set", "replay.min_size=1000", *FAST)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    before = json.loads((logdir / "summary.json").read_text())
+    second = apex("run", "--actors", "1", "--resume", str(logdir), "--port", str(port), "--stop-env-steps", "16000")
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    after = json.loads((logdir / "summary.json").read_text())
+    assert after["resumed_from"] == f"ckpt-{before['learner_updates']:09d}"
+    assert after["env_steps"] >= 16000 and after["learner_updates"] > before["learner_updates"]
+    assert after["wall_seconds"] > before["wall_seconds"]  # the run's clock went on
+    manifest = newest_manifest(logdir)
+    assert (manifest["replay_header"] is not None) == (algo == "apex_dqn")
+
+
+def test_soak_with_churning_actors_keeps_the_learner_flat_and_leaves_nothing(tmp_path):
+    from apex.bench import soak
+
+    result = soak.run(seconds=35, actors=2, churn_s=3, checkpoint_s=5,
+                      overrides=("replay.capacity=20000", "actor.num_envs=4"), logdir=str(tmp_path / "soak"))
+    assert result["passed"], result["problems"]
+    assert result["actor_kills"] >= 3 and result["checkpoints_written"] >= 3
+    assert result["learner_exit"] == 0 and result["leftover_pids"] == []
+    assert result["rss_variation_percent"] < soak.RSS_LIMIT_PERCENT

@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import codec, e2e, ingest, learner, replay, sumtree, transport
+from apex.bench import codec, e2e, ingest, learner, replay, soak, sumtree, transport
 from apex.bench.timing import machine_info
+from apex.errors import ApexError
 from apex.malloc import keep_large_blocks
 
 BENCHMARKS: dict[str, Callable[..., dict]] = {
@@ -24,16 +25,22 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "ingest": ingest.run,
     "learner": learner.run,
     "e2e": e2e.run,
+    "soak": soak.run,
 }
+# Not part of `all`: minutes long, and a check (pass/fail) more than a throughput figure.
+LONG = ("soak",)
 
 
-def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None) -> dict:
+def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,
+        soak_options: dict | None = None) -> dict:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
 
     ``seconds``: time per measured operation (each benchmark's own default when None);
-    ``e2e_options``: algo, env, actors and plot for the e2e benchmark.
+    ``e2e_options``: algo, env, actors and plot for the e2e benchmark; ``soak_options``:
+    actors, churn_s, overrides and plot for the soak. Raises ApexError (after writing the
+    report) if a benchmark that checks something (the soak) failed.
     """
-    selected = list(BENCHMARKS) if "all" in names else names
+    selected = [n for n in BENCHMARKS if n not in LONG] if "all" in names else names
     keep_large_blocks()  # as the learner does: large decoded arrays stay off fresh mmap pages
     machine = machine_info()
     report = {}
@@ -42,6 +49,8 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
         kwargs = {} if seconds is None else {"seconds": seconds}
         if name == "e2e":
             kwargs.update(e2e_options or {})
+        if name == "soak":
+            kwargs.update(soak_options or {})
         result = BENCHMARKS[name](**kwargs)
         result["machine"] = machine
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
@@ -53,4 +62,7 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
         tmp.write_text(json.dumps(report, indent=2) + "\n")
         os.replace(tmp, path)
         print(f"\nwrote {path}")
+    failed = [f"{name}: {'; '.join(r['problems'])}" for name, r in report.items() if r.get("passed") is False]
+    if failed:
+        raise ApexError(" | ".join(failed))
     return report
