@@ -198,6 +198,10 @@ class LearnerEndpoint:
         try:
             curve = self._start_curve() if options.curve_dir else None
             self.control = self._bind(zmq.ROUTER, host, self.ports.control, curve)
+            # An actor keeps its routing id across the fresh sockets it opens while retrying
+            # (lazy pirate); the newest connection takes that id over, so its hellos are known
+            # as one actor's, with one index, instead of leaving ghosts behind.
+            self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
             self._weights_socket = self._bind(zmq.PUB, host, self.ports.weights, curve, sndhwm=1)
             pull = self._bind(zmq.PULL, host, self.ports.trajectories, curve, rcvhwm=options.trajectory_hwm,
                               buffer_bytes=options.trajectory_buffer_bytes)
@@ -323,11 +327,6 @@ class LearnerEndpoint:
         previous = self.actors.pop(identity, None)
         if requested is None and previous is not None:
             requested = previous.index
-        if requested is None:
-            # The same process saying hello again from a fresh socket (it retries while a
-            # learner starts up): the same index, not a second one and a ghost.
-            host, pid = msg.fields["host"], msg.fields["pid"]
-            requested = next((r.index for r in self.actors.values() if (r.host, r.pid) == (host, pid)), None)
         if requested is not None and requested < 0:
             self._send(identity, "reject", {"reason": f"actor index must be >= 0, got {requested}"})
             return
@@ -454,6 +453,7 @@ class LearnerClient:
         self._bad_log = RateLimitedLog(log)
         self.context = zmq.Context()
         self._curve = self._load_curve() if options.curve_dir else None
+        self._routing_id = b"actor-" + os.urandom(8).hex().encode()
         self.control = self._control_socket()
         self.trajectories = self._connect(zmq.PUSH, self.ports.trajectories, sndhwm=options.trajectory_hwm,
                                           buffer_bytes=options.trajectory_buffer_bytes)
@@ -596,9 +596,11 @@ class LearnerClient:
         return public, secret, _load_public(directory / "learner.key")
 
     def _connect(self, kind: int, port: int, *, sndhwm: int = 0, conflate: bool = False,
-                 buffer_bytes: int = 0) -> zmq.Socket:
+                 buffer_bytes: int = 0, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
         if buffer_bytes:
             sock.setsockopt(zmq.SNDBUF, buffer_bytes)
         if sndhwm:
@@ -612,7 +614,7 @@ class LearnerClient:
         return sock
 
     def _control_socket(self) -> zmq.Socket:
-        return self._connect(zmq.DEALER, self.ports.control)
+        return self._connect(zmq.DEALER, self.ports.control, routing_id=self._routing_id)
 
     def _reconnect(self) -> None:
         self.reconnects += 1

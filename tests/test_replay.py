@@ -312,12 +312,12 @@ def test_stacked_replay_takes_compressed_frames_straight_into_its_ring():
 # -- snapshots (checkpoints)
 
 
-def id_chunk(first_frame: int, first_item: int, transitions: int, stack: int = 2, n: int = 1) -> dict:
+def id_chunk(first_frame: int, first_item: int, transitions: int, stack: int = 2, n: int = 1, width: int = 1) -> dict:
     """A chunk whose frames hold their own frame id and whose rewards hold their item id."""
     count = transitions + stack - 1 + n
     obs = np.arange(transitions)
     return {
-        "frames": (first_frame + np.arange(count, dtype=np.int64))[:, None],
+        "frames": np.repeat((first_frame + np.arange(count, dtype=np.int64))[:, None], width, axis=1),
         "obs_frame": obs.astype(np.int32),
         "next_obs_frame": (obs + n).astype(np.int32),
         "action": np.zeros(transitions, np.int64),
@@ -329,13 +329,15 @@ def id_chunk(first_frame: int, first_item: int, transitions: int, stack: int = 2
 
 def fill(replay: StackedReplay, chunks: int, transitions: int = 9) -> None:
     for _ in range(chunks):
-        replay.add(id_chunk(replay.frames.added, replay.total_added, transitions))
+        replay.add(id_chunk(replay.frames.added, replay.total_added, transitions, width=replay.frame_shape[0]))
 
 
 def assert_stacks_are_their_own(replay: StackedReplay, n: int = 400) -> np.ndarray:
-    """Every sampled stack holds consecutive frame ids (no frame overwritten under it)."""
+    """Every sampled stack holds the frames its item was stored with (none overwritten)."""
     batch, indices, _ = replay.sample(n, beta=0.4)
     obs = batch["obs"][:, :, 0]
+    first_frames = replay.transitions._storage["obs_frame"][indices % replay.capacity]
+    np.testing.assert_array_equal(obs[:, 0], first_frames)
     np.testing.assert_array_equal(np.diff(obs, axis=1), 1)
     np.testing.assert_array_equal(batch["next_obs"][:, :, 0], obs + 1)
     np.testing.assert_array_equal(batch["reward"], indices.astype(np.float32))  # the item it claims to be
@@ -373,7 +375,23 @@ def test_snapshot_round_trip_restores_items_priorities_and_eviction_state():
     assert_stacks_are_their_own(restored)
 
 
-def test_snapshot_taken_while_inserting_keeps_only_items_intact_at_the_start():
+def restore_and_check(replay: StackedReplay, buffer, header: dict) -> StackedReplay:
+    """Loads a snapshot taken while ``replay`` was overwritten; checks that some items were
+    given up and that every item kept is the one stored when saving began, frames and all."""
+    items_start, _, items_end = header["items"]  # live when saving began
+    assert replay.total_added > items_end, "the test should have overwritten items while saving"
+    buffer.seek(0)
+    restored = new_like(replay)
+    restored.load(buffer, header)
+    assert 0 < len(restored) < items_end - items_start
+    indices = assert_stacks_are_their_own(restored)
+    assert items_start <= indices.min() and indices.max() < items_end
+    return restored
+
+
+def test_snapshot_while_a_thread_inserts_keeps_only_intact_items():
+    """A slow disk while the items are copied: the inserting thread overwrites the oldest
+    items before they are copied."""
     import io
     import threading
 
@@ -382,9 +400,6 @@ def test_snapshot_taken_while_inserting_keeps_only_items_intact_at_the_start():
     stop = threading.Event()
 
     class SlowFile(io.BytesIO):
-        """Slow for the first pieces (frames are copied before items), so that the inserting
-        thread overwrites the oldest items before they are copied."""
-
         writes = 0
 
         def write(self, data):
@@ -406,14 +421,33 @@ def test_snapshot_taken_while_inserting_keeps_only_items_intact_at_the_start():
     finally:
         stop.set()
         thread.join()
-    items_start, _, items_end = header["items"]  # live when saving began
-    assert replay.total_added > items_end, "the inserting thread should have overwritten items"
-    buffer.seek(0)
-    restored = new_like(replay)
-    restored.load(buffer, header)
-    assert 0 < len(restored) < items_end - items_start
-    indices = assert_stacks_are_their_own(restored)
-    assert items_start <= indices.min() and indices.max() < items_end
+    restore_and_check(replay, buffer, header)
+
+
+def test_snapshot_overtaken_during_a_disk_stall_drops_items_whose_frames_were_overwritten():
+    """Frames are copied in pieces after the items; while one piece is written out (outside
+    the lock) the actors fill more of the ring than is left ahead of the copy."""
+    import io
+
+    replay = StackedReplay((16,), np.int64, stack=2, capacity=300, frame_capacity=400, seed=0)
+    fill(replay, 60)
+
+    class StallingFile(io.BytesIO):
+        frame_writes = 0
+
+        def write(self, data):
+            if memoryview(data).nbytes > 4000:  # a piece of frames (items are smaller)
+                self.frame_writes += 1
+                if self.frame_writes == 3:
+                    assert not replay._lock.locked(), "this piece should be written outside the lock"
+                    fill(replay, 30)  # 330 frames: past the next uncopied piece
+            return super().write(data)
+
+    buffer = StallingFile()
+    header = replay.save(buffer, lock_bytes=12000)  # 93 frames of 128 bytes a piece
+    frames_start, frames_valid, frames_end = header["frames"]
+    assert frames_start < frames_valid < frames_end
+    restore_and_check(replay, buffer, header)
 
 
 def test_snapshot_load_refuses_another_shape_and_a_truncated_file():
