@@ -185,7 +185,7 @@ class CheckpointWriter:
     def _prune(self) -> None:
         manifests = sorted(self.directory.glob("ckpt-*.json"))
         for old in manifests[: -self.keep]:
-            for suffix in (".replay", ".pt", ".json"):  # the manifest last: never a complete-looking ruin
+            for suffix in (".json", ".replay", ".pt"):  # the manifest first: no manifest without its files
                 old.with_suffix(suffix).unlink(missing_ok=True)
         # Files of checkpoints whose manifest was never written (a learner killed while
         # writing); this writer is the only one, and its own checkpoint is complete by now.

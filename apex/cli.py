@@ -241,14 +241,12 @@ def _logdir(args: argparse.Namespace, config) -> Path:
 def _learner(args: argparse.Namespace) -> int:
     from apex.learner import LearnerProcess
 
-    from apex.checkpoint import find_latest
-
     if args.auto_resume:
         if args.resume or not args.logdir:
             raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
         if any((Path(args.logdir) / "checkpoints").glob("ckpt-*.json")):
             args.resume = args.logdir
-    resume = find_latest(Path(args.resume)) if args.resume else None
+    resume = _resume(args)
     config = _load_config(args, resume)
     stop = _stop(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)

@@ -30,6 +30,7 @@ _PR_SET_PDEATHSIG = 1
 # Learner exits that are not restarted: done (0), a usage or configuration error (2, it would
 # fail again), interrupted by the user (130).
 _FINAL_EXITS = (0, 2, 130)
+_HEALTHY_S = 300.0  # a learner that ran this long before dying starts a fresh count of restarts
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -76,7 +77,8 @@ def run(
 
     A learner that dies (a non-zero exit other than a usage error or an interrupt) is
     started again, from its newest checkpoint when there is one, up to ``learner_restarts``
-    times; the actors stay up meanwhile and reconnect by themselves.
+    times in a row (a learner that ran for 5 minutes starts the count afresh); the actors stay
+    up meanwhile and reconnect by themselves.
     """
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
@@ -89,6 +91,7 @@ def run(
         return _spawn([*learner_args, *(["--resume", str(logdir)] if from_checkpoint else [])])
 
     learner = start_learner()
+    learner_started = time.monotonic()
     actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
                   for i in range(actors)]
     procs = [_spawn(args) for args in actor_args]
@@ -110,6 +113,8 @@ def run(
                 interrupted["signal"], interrupted["sent"] = None, True
             if learner_restart_at == 0.0 and learner.poll() is not None:
                 code = learner.returncode
+                if now - learner_started > _HEALTHY_S:
+                    learner_restarted = 0  # a crash hours into a run is not a crash loop
                 if code in _FINAL_EXITS or interrupted["sent"] or learner_restarted >= learner_restarts:
                     return code
                 delay = min(30.0, 2.0 * 2 ** learner_restarted)
@@ -121,6 +126,7 @@ def run(
                 if interrupted["signal"] is not None:  # interrupted while the learner was down
                     return 130 if interrupted["signal"] == signal.SIGINT else 0
                 learner = start_learner()
+                learner_started = time.monotonic()
                 learner_restarted += 1
                 learner_restart_at = 0.0
             for i, proc in enumerate(procs):

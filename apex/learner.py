@@ -336,6 +336,7 @@ class LearnerProcess:
                                   + self.bad_batches),
             "checkpoints_written": self.checkpoints.written,
             "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
+            "checkpoint_failures": self.checkpoints.failures,
             "learner_rss_mb": round(rss_bytes() / 2**20, 1),
             "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
             **{k: round(v, 5) for k, v in last.items()},
