@@ -34,7 +34,8 @@ def load_checkpoint(path: str | Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
+        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
+        raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}") from None
     if not isinstance(state, dict) or "config" not in state:
         raise ApexError(f"{path} is not an apex learner checkpoint (no config inside)")
     return state

@@ -240,6 +240,10 @@ class LearnerProcess:
         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
         step_rate, update_rate = Rate(self.env_steps), Rate(self.learner.updates)
         last: dict[str, float] = {}
+        if self.resumed_from is not None:
+            # A row at the resume point: `apex plot` drops what a killed predecessor logged
+            # after it (times at or past this one), a history that was rolled back.
+            metrics.write(self._metrics_row(self._elapsed_before, step_rate, update_rate, last))
         stop_reason = None
         log.info("learner on %s: %s %s, ports %d-%d, %.1f MB for data", self.device, self.config.algo,
                  self.config.env.id, self.endpoint.ports.control, self.endpoint.ports.weights,

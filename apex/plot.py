@@ -23,7 +23,29 @@ def read_metrics(logdir: str | Path) -> list[dict]:
             raise ApexError(f"{path}:{number} is not JSON: is this an apex metrics file?") from None
     if not rows:
         raise ApexError(f"{path} holds no metrics yet")
-    return rows
+    return surviving_timeline(rows)
+
+
+def surviving_timeline(rows: list[dict]) -> list[dict]:
+    """The rows of the run as it went on: a learner resumed from a checkpoint continues the
+    run's clock from there, so the rows its killed predecessor wrote after that checkpoint
+    (same or later times) belong to a history that was rolled back, and are dropped."""
+    kept: list[dict] = []
+    for row in rows:
+        while kept and kept[-1]["time"] >= row["time"]:
+            kept.pop()
+        kept.append(row)
+    return kept
+
+
+def _labels(logdirs: list[str]) -> list[str]:
+    """Run directory names, with their parents where the names alone are not unique."""
+    paths = [Path(d).resolve() for d in logdirs]
+    for depth in range(1, 4):
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
 
 
 def plot(logdirs: list[str], output: str) -> Path:
@@ -35,10 +57,9 @@ def plot(logdirs: list[str], output: str) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ApexError("apex plot needs matplotlib: pip install 'apex[plot]'") from None
-    runs = {str(d): read_metrics(d) for d in logdirs}
+    runs = {label: read_metrics(d) for label, d in zip(_labels(logdirs), logdirs)}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for name, rows in runs.items():
-        label = Path(name).name or name
+    for label, rows in runs.items():
         scored = [r for r in rows if r.get("return_mean_100") is not None]
         axes[0].plot([r["env_steps"] for r in scored], [r["return_mean_100"] for r in scored], label=label)
         axes[1].plot([r["time"] for r in scored], [r["return_mean_100"] for r in scored], label=label)

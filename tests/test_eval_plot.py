@@ -63,3 +63,14 @@ def test_plot_draws_several_runs(tmp_path, capsys):
     (tmp_path / "a" / "metrics.jsonl").write_text("not json\n")
     assert main(["plot", logdirs[0], "-o", str(output)]) == 2
     assert "is not JSON" in capsys.readouterr().err
+
+
+def test_plot_keeps_the_timeline_a_resumed_run_went_on_with():
+    from apex.plot import _labels, surviving_timeline
+
+    # Killed at t=10 after a checkpoint at t=6; the resumed learner logs the resume point
+    # and goes on from there.
+    times = [2, 4, 6, 8, 10, 6, 8.1, 10.1, 12]
+    kept = surviving_timeline([{"time": t, "n": i} for i, t in enumerate(times)])
+    assert [(r["time"], r["n"]) for r in kept] == [(2, 0), (4, 1), (6, 5), (8.1, 6), (10.1, 7), (12, 8)]
+    assert _labels(["/a/s1/run", "/a/s2/run", "/b/other"]) == ["s1/run", "s2/run", "b/other"]
