@@ -11,6 +11,7 @@ import pickle
 import zipfile
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 
@@ -93,6 +94,8 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
                 done = terminated or truncated
             returns.append(total)
             lengths.append(steps)
+    except gym.error.DependencyNotInstalled as e:  # rendering for --video, e.g. pygame
+        raise ApexError(f"--video: {e}") from None
     finally:
         env.close()
     return {
@@ -111,8 +114,6 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
 
 def _recorder(env, config, video_dir: str):
     try:
-        import gymnasium as gym
-
         import moviepy  # noqa: F401  (RecordVideo's writer)
     except ImportError:
         raise ApexError("--video needs moviepy: pip install moviepy") from None
