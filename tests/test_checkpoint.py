@@ -141,3 +141,13 @@ def test_eval_refuses_a_corrupt_checkpoint_with_one_line(tmp_path):
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(ApexError, match="truncated"):
         load_checkpoint(path)
+
+
+def test_checkpoint_benchmark_reports_a_full_restore_while_inserting():
+    from apex.bench import checkpoint as bench
+
+    result = bench.run(seconds=0.2, capacity=20_000)
+    assert result["replay_transitions"] == 20_000
+    assert result["restored_transitions"] >= 0.9 * 20_000
+    assert result["checkpoint_bytes"] > result["replay_nbytes"] * 0.8  # frames and items, not a stub
+    assert result["inserts_before"]["inserts_per_s"] > 0 and result["inserts_during"]["median_ms"] is not None

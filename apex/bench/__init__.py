@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import codec, e2e, ingest, learner, replay, soak, sumtree, transport
+from apex.bench import checkpoint, codec, e2e, ingest, learner, replay, soak, sumtree, transport
 from apex.bench.timing import machine_info
 from apex.errors import ApexError
 from apex.malloc import keep_large_blocks
@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, Callable[..., dict]] = {
     "codec": codec.run,
     "transport": transport.run,
     "ingest": ingest.run,
+    "checkpoint": checkpoint.run,
     "learner": learner.run,
     "e2e": e2e.run,
     "soak": soak.run,
