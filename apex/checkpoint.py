@@ -33,6 +33,7 @@ from apex.errors import ApexError
 log = logging.getLogger(__name__)
 
 FORMAT = 1
+MANIFESTS = "ckpt-*.json"  # one per complete checkpoint
 _READ_BYTES = 16 << 20
 
 
@@ -183,16 +184,21 @@ class CheckpointWriter:
             log.exception("writing checkpoint %s failed", name)
 
     def _prune(self) -> None:
-        manifests = sorted(self.directory.glob("ckpt-*.json"))
+        manifests = sorted(self.directory.glob(MANIFESTS))
         for old in manifests[: -self.keep]:
             for suffix in (".json", ".replay", ".pt"):  # the manifest first: no manifest without its files
                 old.with_suffix(suffix).unlink(missing_ok=True)
         # Files of checkpoints whose manifest was never written (a learner killed while
         # writing); this writer is the only one, and its own checkpoint is complete by now.
-        committed = {m.stem for m in self.directory.glob("ckpt-*.json")}
+        committed = {m.stem for m in self.directory.glob(MANIFESTS)}
         for orphan in [*self.directory.glob("ckpt-*.pt"), *self.directory.glob("ckpt-*.replay")]:
             if orphan.stem not in committed:
                 orphan.unlink(missing_ok=True)
+
+
+def has_checkpoint(logdir: Path) -> bool:
+    """Whether a run directory holds a complete checkpoint (verified only when resuming)."""
+    return any((Path(logdir) / "checkpoints").glob(MANIFESTS))
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -200,7 +206,7 @@ def checkpoint_dir(path: Path) -> Path:
     path = Path(path)
     if (path / "checkpoints").is_dir():
         return path / "checkpoints"
-    if path.is_dir() and any(path.glob("ckpt-*.json")):
+    if path.is_dir() and any(path.glob(MANIFESTS)):
         return path
     raise ApexError(f"no checkpoints in {path}: pass the --logdir of a run that wrote some "
                     "(LOGDIR/checkpoints/ckpt-*.json), or start without --resume")
@@ -235,7 +241,7 @@ def find_latest(path: Path) -> Checkpoint:
     """The newest checkpoint under ``path`` whose files all verify. Bad ones are reported
     and renamed ``*.corrupt``, so that neither this nor a later resume tries them again."""
     directory = checkpoint_dir(path)
-    for manifest_path in sorted(directory.glob("ckpt-*.json"), reverse=True):
+    for manifest_path in sorted(directory.glob(MANIFESTS), reverse=True):
         try:
             return verify(manifest_path)
         except CorruptCheckpoint as e:

@@ -239,12 +239,13 @@ def _logdir(args: argparse.Namespace, config) -> Path:
 
 
 def _learner(args: argparse.Namespace) -> int:
+    from apex.checkpoint import has_checkpoint
     from apex.learner import LearnerProcess
 
     if args.auto_resume:
         if args.resume or not args.logdir:
             raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
-        if any((Path(args.logdir) / "checkpoints").glob("ckpt-*.json")):
+        if has_checkpoint(Path(args.logdir)):
             args.resume = args.logdir
     resume = _resume(args)
     config = _load_config(args, resume)

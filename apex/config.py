@@ -269,6 +269,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def save(self, path: Path) -> Path:
+        """Writes the config as YAML that ``load`` reads back (for child processes)."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        return Path(path)
+
 
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Reads a YAML file (or the defaults when ``path`` is None), applies ``key=value``

@@ -25,10 +25,6 @@ class EnvSpec:
     stack: int
     num_actions: int
 
-    @property
-    def obs_shape(self) -> tuple[int, ...]:
-        return (self.stack, *self.frame_shape)
-
 
 def _register_atari() -> None:
     try:
@@ -38,8 +34,9 @@ def _register_atari() -> None:
     gym.register_envs(ale_py)
 
 
-def make_env(config: EnvConfig, seed: int | None = None) -> gym.Env:
-    """Creates one environment; raises ConfigError for an unknown id or an unusable one."""
+def make_env(config: EnvConfig, seed: int | None = None, render_mode: str | None = None) -> gym.Env:
+    """Creates one environment; raises ConfigError for an unknown id or an unusable one.
+    ``render_mode`` (e.g. ``rgb_array`` for recording videos) is passed to gymnasium."""
     is_atari = config.id.startswith("ALE/")
     if is_atari:
         _register_atari()
@@ -52,7 +49,7 @@ def make_env(config: EnvConfig, seed: int | None = None) -> gym.Env:
         close = difflib.get_close_matches(config.id, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; see gymnasium.registry for the ids installed"
         raise ConfigError(f"env.id {config.id!r} is not a registered Gymnasium environment{hint}") from None
-    kwargs = {}
+    kwargs = {} if render_mode is None else {"render_mode": render_mode}
     if config.max_episode_steps is not None:
         kwargs["max_episode_steps"] = config.max_episode_steps
     if is_atari:

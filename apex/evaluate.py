@@ -71,9 +71,10 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
         raise ApexError(f"--epsilon must be in [0, 1], got {epsilon}")
     state = load_checkpoint(checkpoint)
     config, spec, act = policy_from_checkpoint(state)
-    env = make_env(config.env, seed)
-    if video_dir is not None:
-        env = _recorder(env, config, video_dir)
+    if video_dir is None:
+        env = make_env(config.env, seed)
+    else:  # the same environment, rendered and recorded
+        env = _recorder(make_env(config.env, seed, render_mode="rgb_array"), video_dir)
     rng = np.random.default_rng(seed)
     stacker = FrameStacker(1, spec.stack, spec.frame_shape, spec.frame_dtype)
     returns, lengths = [], []
@@ -112,14 +113,10 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
     }
 
 
-def _recorder(env, config, video_dir: str):
+def _recorder(env, video_dir: str):
     try:
         import moviepy  # noqa: F401  (RecordVideo's writer)
     except ImportError:
+        env.close()
         raise ApexError("--video needs moviepy: pip install moviepy") from None
-    # RecordVideo renders frames; recreate the environment with rgb_array rendering.
-    base = gym.make(config.env.id, render_mode="rgb_array", **({"frameskip": 1} if config.is_atari else {}))
-    if config.is_atari:
-        base = gym.wrappers.AtariPreprocessing(base, noop_max=config.env.noop_max, frame_skip=config.env.frame_skip)
-    env.close()
-    return gym.wrappers.RecordVideo(base, video_dir, episode_trigger=lambda _: True, disable_logger=True)
+    return gym.wrappers.RecordVideo(env, video_dir, episode_trigger=lambda _: True, disable_logger=True)

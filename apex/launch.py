@@ -19,8 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
+from apex.checkpoint import has_checkpoint
 from apex.config import Config
 from apex.learner import StopConditions
 
@@ -59,10 +58,6 @@ def stop_args(stop: StopConditions) -> list[str]:
     return args
 
 
-def _has_checkpoint(logdir: Path) -> bool:
-    return any((logdir / "checkpoints").glob("ckpt-*.json"))
-
-
 def run(
     config: Config,
     actors: int,
@@ -82,13 +77,15 @@ def run(
     """
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
-    config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    config.save(config_file)
     learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
                     "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop)]
 
+    def resumable() -> bool:
+        return resume or has_checkpoint(logdir)
+
     def start_learner() -> subprocess.Popen:
-        from_checkpoint = resume or _has_checkpoint(logdir)
-        return _spawn([*learner_args, *(["--resume", str(logdir)] if from_checkpoint else [])])
+        return _spawn([*learner_args, *(["--resume", str(logdir)] if resumable() else [])])
 
     learner = start_learner()
     learner_started = time.monotonic()
@@ -119,7 +116,7 @@ def run(
                     return code
                 delay = min(30.0, 2.0 * 2 ** learner_restarted)
                 log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
-                            code, " from its newest checkpoint" if resume or _has_checkpoint(logdir) else "",
+                            code, " from its newest checkpoint" if resumable() else "",
                             delay, learner_restarted + 1, learner_restarts)
                 learner_restart_at = now + delay
             elif learner_restart_at and (now >= learner_restart_at or interrupted["signal"] is not None):

@@ -95,8 +95,10 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def numpy_weights(model: nn.Module) -> dict:
-    """The model's parameters and buffers as NumPy arrays (copies on the host)."""
-    return {name: t.detach().to("cpu", copy=True).numpy() for name, t in model.state_dict().items()}
+    """The model's parameters and buffers as NumPy arrays on the host. On a CPU learner these
+    are views of the live tensors: the publisher copies them as it encodes (no torn weights),
+    so a copy here would be a second one."""
+    return {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()}
 
 
 def load_numpy_weights(model: nn.Module, arrays: dict) -> None:

@@ -145,9 +145,11 @@ class Compressed:
             raise ProtocolError(f"array {self.name!r}: corrupt lz4 payload (decoded {written} of {self.nbytes} bytes)")
 
 
-def materialize(arrays: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The arrays of a lazily decoded message, every one decompressed."""
-    return {k: (v.decompress() if isinstance(v, Compressed) else v) for k, v in arrays.items()}
+def materialize(arrays: dict[str, Any], keep_compressed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The arrays of a lazily decoded message decompressed, but those named in
+    ``keep_compressed`` (which a consumer decompresses into place itself)."""
+    return {k: (v.decompress() if isinstance(v, Compressed) and k not in keep_compressed else v)
+            for k, v in arrays.items()}
 
 
 @dataclass

@@ -46,6 +46,14 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def kill_leftovers(procs: list[subprocess.Popen]) -> None:
+    """Kills and reaps the processes still running (when a test failed half way)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
 def processes_mentioning(text: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
@@ -125,10 +133,7 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
             actor.wait(timeout=30)
             assert actor.returncode == 0
     finally:
-        for p in [learner, *actors]:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+        kill_leftovers([learner, *actors])
 
 
 @pytest.mark.parametrize(

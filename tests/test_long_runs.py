@@ -13,7 +13,7 @@ import pytest
 
 from apex.bench.transport import free_base_port
 from apex.metrics import MetricsWriter, status_line
-from tests.test_e2e import FAST, apex, metrics, processes_mentioning, wait_for
+from tests.test_e2e import FAST, apex, kill_leftovers, metrics, processes_mentioning, wait_for
 
 CHECKPOINT_OFTEN = ["--set", "learner.checkpoint_interval_s=1", "--set", "replay.capacity=20000"]
 
@@ -64,9 +64,7 @@ def test_learner_killed_and_resumed_keeps_its_replay_and_its_actors(tmp_path):
             assert "new handshake" in actor_err or "reconnecting" in actor_err
             assert actor_err.count(" envs of ") == 1, "the same process, its environments kept"
     finally:
-        for p in [learner, *actors]:
-            if p.poll() is None:
-                p.kill()
+        kill_leftovers([learner, *actors])
 
 
 def test_run_restarts_a_killed_learner_from_its_checkpoint(tmp_path):
@@ -80,8 +78,7 @@ def test_run_restarts_a_killed_learner_from_its_checkpoint(tmp_path):
         os.kill(int(learners[0].split()[0]), signal.SIGKILL)
         out, err = run.communicate(timeout=150)
     finally:
-        if run.poll() is None:
-            run.kill()
+        kill_leftovers([run])
     assert run.returncode == 0, err
     assert "learner exited with -9; restarting it from its newest checkpoint" in err
     summary = json.loads((logdir / "summary.json").read_text())

@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 
+from tests.test_e2e import kill_leftovers
+
 
 def sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
@@ -68,10 +70,7 @@ def test_actors_on_two_hosts_train_one_learner(hosts, tmp_path):
             actor.communicate(timeout=60)
             assert actor.returncode == 0
     finally:
-        for p in [learner, *actors]:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        kill_leftovers([learner, *actors])
     summary = json.loads((logdir / "summary.json").read_text())
     by_host = summary["env_steps_by_host"]
     assert set(by_host) == {"10.231.1.2", "10.231.2.2"}, by_host

@@ -31,7 +31,7 @@ from torch import nn
 from apex.config import ActorConfig, Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.models import QNetwork, load_numpy_weights, numpy_weights, to_device
-from apex.protocol import Compressed, Message
+from apex.protocol import Compressed, Message, materialize
 from apex.replay import RateLimiter, StackedReplay
 
 
@@ -149,17 +149,18 @@ def merge_chunks(chunks: list[dict]) -> dict:
     """Concatenates chunks into one batch, offsetting frame indices."""
     if len(chunks) == 1:
         return chunks[0]
-    offsets = np.cumsum([0] + [len(c["frames"]) for c in chunks[:-1]])
-    merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0]}
-    for name in ("obs_frame", "next_obs_frame"):
-        merged[name] = np.concatenate([c[name] + off for c, off in zip(chunks, offsets)]).astype(np.int32)
+    offsets = np.cumsum([0] + [len(c["frames"]) for c in chunks[:-1]], dtype=np.int32)
+    indices = ("obs_frame", "next_obs_frame")
+    merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0] if name not in indices}
+    for name in indices:
+        merged[name] = np.concatenate([c[name] + off for c, off in zip(chunks, offsets)]).astype(np.int32, copy=False)
     return merged
 
 
 def _expand(arrays: dict) -> dict:
-    """Decompresses what a lazy decode left compressed, except the frames: the replay
-    decompresses those straight into its ring."""
-    return {k: (v.decompress() if isinstance(v, Compressed) and k != "frames" else v) for k, v in arrays.items()}
+    """Everything a lazy decode left compressed but the frames: the replay decompresses
+    those straight into its ring."""
+    return materialize(arrays, keep_compressed=("frames",))
 
 
 def check_batch(arrays: dict, num_actions: int) -> None:
@@ -381,7 +382,6 @@ class Actor:
         self.rng = np.random.default_rng(seed)
         self.steps = 0  # vector steps taken
         self.weights_version = -1
-        self._lengths = [0] * self.num_envs  # steps into each env's current episode
         self._pending: list[dict] = []
         for i, frame in enumerate(self.envs.reset()):
             self.stacker.reset(i, frame)
@@ -421,13 +421,11 @@ class Actor:
         episodes = []
         for i, chunker in enumerate(self.chunkers):
             chunker.record_step(rewards[i], final.get(i, frames[i]))
-            self._lengths[i] += 1
             if i in final:
                 chunk = chunker.end_episode(bool(terminated[i]), float(final_values.get(i, 0.0)))
                 if chunk is not None:
                     self._pending.append(chunk)
-                episodes.append([chunker.episode_return, self._lengths[i], self.eval_mask[i]])
-                self._lengths[i] = 0
+                episodes.append([chunker.episode_return, chunker.t, self.eval_mask[i]])
                 chunker.start(frames[i])
                 self.stacker.reset(i, frames[i])
             else:

@@ -16,8 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from apex import config as config_module
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
@@ -31,16 +29,22 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _peak_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+def memory_mb(pid: int, key: str = "VmHWM") -> float | None:
+    """A memory figure of a process from /proc/PID/status (VmHWM: peak RSS; VmRSS: now), or
+    None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def spawn_apex(args: list[str], stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`apex ARGS...` as a child process with its output discarded and stderr to ``stderr``."""
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.DEVNULL, stderr=stderr)
 
 
 def run(seconds: float = 20.0, algo: str = "apex_dqn", env: str | None = None,
@@ -53,7 +57,7 @@ def run(seconds: float = 20.0, algo: str = "apex_dqn", env: str | None = None,
         for n in actors:
             config.actor.num_actors = n
             config_file = workdir / f"config-{n}.yaml"
-            config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+            config.save(config_file)
             rows.append(_measure_processes(config_file, n, seconds, workdir))
     print_table(
         f"e2e: {config.algo} on {config.env.id}, learner + N actor processes ({seconds:g} s each, second half measured)",
@@ -74,16 +78,16 @@ def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: 
     """Runs learner + actors, sampling CPU time and peak RSS over the second half."""
     port = free_base_port()
     logdir = workdir / f"actors-{actors}"
-    learner = _spawn(["learner", "--config", str(config_file), "--logdir", str(logdir), "--bind-host", "127.0.0.1",
+    learner = spawn_apex(["learner", "--config", str(config_file), "--logdir", str(logdir), "--bind-host", "127.0.0.1",
                       "--port", str(port), "--stop-seconds", str(seconds), "--set", "learner.metrics_interval_s=1"])
-    procs = [_spawn(["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]) for _ in range(actors)]
+    procs = [spawn_apex(["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]) for _ in range(actors)]
     try:
         time.sleep(seconds / 2)
         cpu0 = [_cpu_seconds(p.pid) for p in [learner, *procs]]
         t0 = time.monotonic()
         time.sleep(max(seconds / 2 - 1, 1.0))
         cpu1 = [_cpu_seconds(p.pid) for p in [learner, *procs]]
-        peaks = [_peak_rss_mb(p.pid) for p in [learner, *procs]]
+        peaks = [memory_mb(p.pid) or 0.0 for p in [learner, *procs]]
         elapsed = time.monotonic() - t0
         learner.wait(timeout=120)
         for p in procs:

@@ -17,29 +17,16 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from apex import config as config_module
+from apex.bench.e2e import memory_mb, spawn_apex
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 
 RSS_LIMIT_PERCENT = 5.0
-
-
-def _rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def _last_metrics(path: Path) -> dict | None:
@@ -53,18 +40,6 @@ def _last_metrics(path: Path) -> dict | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _spawn(args: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.DEVNULL, stderr=log)
-
-
 def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoint_s: float = 60.0,
         overrides: tuple[str, ...] = (), plot: str | None = None, logdir: str | None = None, seed: int = 0) -> dict:
     """Runs the soak; returns the RSS series and the verdict (``passed``, ``problems``)."""
@@ -75,14 +50,14 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
         run_dir = Path(logdir) if logdir else Path(tmp) / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
         config_file = run_dir / "soak-config.yaml"
-        config_file.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        config.save(config_file)
         port = free_base_port()
         log = open(run_dir / "soak-processes.log", "ab")
-        learner = _spawn(["learner", "--config", str(config_file), "--logdir", str(run_dir), "--bind-host",
+        learner = spawn_apex(["learner", "--config", str(config_file), "--logdir", str(run_dir), "--bind-host",
                           "127.0.0.1", "--port", str(port), "--stop-seconds", str(seconds),
                           "--set", "learner.metrics_interval_s=1"], log)
         actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]
-        procs = [_spawn(actor_args, log) for _ in range(actors)]
+        procs = [spawn_apex(actor_args, log) for _ in range(actors)]
         started = [*procs]
         samples, kills = [], 0
         start = time.monotonic()
@@ -91,7 +66,7 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
             while learner.poll() is None:
                 now = time.monotonic()
                 row = _last_metrics(run_dir / "metrics.jsonl") or {}
-                rss = _rss_mb(learner.pid)
+                rss = memory_mb(learner.pid, "VmRSS")
                 if rss is not None:
                     samples.append({"t": round(now - start, 1), "rss_mb": round(rss, 1),
                                     "replay_size": row.get("replay_size", 0),
@@ -103,7 +78,7 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
                     victim = rng.randrange(actors)
                     procs[victim].send_signal(signal.SIGTERM if rng.random() < 0.2 else signal.SIGKILL)
                     procs[victim].wait()
-                    procs[victim] = _spawn(actor_args, log)
+                    procs[victim] = spawn_apex(actor_args, log)
                     started.append(procs[victim])
                     kills += 1
                     next_churn = now + rng.uniform(0.5, 1.5) * churn_s
@@ -112,7 +87,7 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                 time.sleep(0.2)
-            leftover = [p.pid for p in started if p.poll() is None or _alive(p.pid)]
+            leftover = [p.pid for p in started if p.poll() is None]
             ps = subprocess.run(["pgrep", "-f", str(config_file)], capture_output=True, text=True).stdout.split()
             leftover += [int(pid) for pid in ps if int(pid) not in leftover]  # grandchildren, if any
         finally:
