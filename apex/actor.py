@@ -2,7 +2,8 @@
 newest weights, sends batches and keeps the connection alive, until the learner says stop.
 
 The cores (``apex.algos.<algo>.Actor``) step K environments with one batched forward pass
-and know nothing of sockets.
+and know nothing of sockets. SIGTERM and SIGINT are honoured within a second in every state:
+waiting for the learner, stepping, or waiting to send.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import time
 
 from apex import algos
 from apex import config as config_module
-from apex.transport import HandshakeRejected, LearnerClient, TransportOptions
+from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions
 
 log = logging.getLogger(__name__)
+
+TICK_S = 0.02  # how often the actor loop services the connection (heartbeats, weights, stops)
 
 
 def run_actor(
@@ -26,25 +29,32 @@ def run_actor(
     num_envs: int | None = None,
     options: TransportOptions = TransportOptions(),
 ) -> int:
-    """The actor process: connect, act, send, until the learner says stop. Returns 0."""
+    """The actor process: connect, act, send, until the learner says stop or a signal
+    arrives. Returns 0 (130 after SIGINT)."""
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):
         stopping["signal"] = signum
 
-    signal.signal(signal.SIGTERM, on_signal)
-    client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options,
+                           should_stop=lambda: stopping["signal"] is not None)
     try:
         try:
             _act(client, stopping)
+        except Stopped:
+            pass
         except HandshakeRejected:
             if client.stop_reason is None:
                 raise
             # Said hello again just as the learner was stopping for good: that is a stop too.
-        log.info("actor %s stopping: %s", client.actor_index, client.stop_reason or f"signal {stopping['signal']}")
-        return 0
+        reason = client.stop_reason or f"signal {signal.Signals(stopping['signal']).name}"
+        log.info("actor %s stopping: %s", client.actor_index, reason)
+        return 130 if stopping["signal"] == signal.SIGINT and client.stop_reason is None else 0
     finally:
         client.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _act(client: LearnerClient, stopping: dict) -> None:
@@ -55,12 +65,11 @@ def _act(client: LearnerClient, stopping: dict) -> None:
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         episodes: list[list] = []
-        env_steps = 0
         last_tick = 0.0
         sent = False
         while client.stop_reason is None and stopping["signal"] is None:
             now = time.monotonic()
-            if now - last_tick > 0.02:
+            if now - last_tick > TICK_S:
                 client.tick()
                 last_tick = now
             # Newest weights every few steps, and after every send: a send may have waited
@@ -71,11 +80,10 @@ def _act(client: LearnerClient, stopping: dict) -> None:
                 sent = False
             batch, finished = core.act()
             episodes += finished
-            env_steps += core.num_envs
             if batch is not None:
-                info = {"episodes": episodes, "env_steps": env_steps}
-                if not client.send_batch(batch, weights_version=core.weights_version, info=info):
+                # Env steps are not reported: the learner counts them from the batch itself.
+                if not client.send_batch(batch, weights_version=core.weights_version, info={"episodes": episodes}):
                     break  # a stop arrived while waiting to send
-                episodes, env_steps, sent = [], 0, True
+                episodes, sent = [], True
     finally:
         core.close()

@@ -8,9 +8,13 @@ A checkpoint ``ckpt-<updates>`` is up to three files in LOGDIR/checkpoints:
   replay's header. A checkpoint exists once its manifest does, so a learner killed
   while writing leaves nothing that looks complete.
 
-Each file is written under a temporary name, fsync'ed and renamed. A checkpoint whose files
-do not match their manifest (truncated, corrupted) is never loaded: ``find_latest`` says so,
-renames its files to ``*.corrupt`` and goes on with the one before.
+Each file is written under a unique temporary name, fsync'ed and renamed (apex.files). A
+checkpoint whose manifest is malformed or whose files do not match it (truncated,
+corrupted) is never loaded: ``candidates`` says so, renames its files to ``*.corrupt`` and
+goes on with the one before. Size and CRC-32 only catch accidents, so loading trusts the
+files no further: ``torch.load(weights_only=True)`` never runs code, and what it returns is
+checked to be an apex state before anyone uses it. A checkpoint that verifies but does not
+load is set aside the same way with ``mark_corrupt``.
 """
 
 from __future__ import annotations
@@ -19,16 +23,20 @@ import io
 import json
 import logging
 import os
+import re
+import reprlib
 import threading
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 from apex.errors import ApexError
+from apex.files import remove_stale_temps, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +46,13 @@ _READ_BYTES = 16 << 20
 
 
 class CorruptCheckpoint(ApexError):
-    """A checkpoint's files do not match its manifest."""
+    """A checkpoint's manifest is malformed, its files do not match it, or they do not hold
+    what an apex checkpoint holds: set it aside and use the one before."""
+
+
+class IncompatibleCheckpoint(ApexError):
+    """A sound checkpoint that this run cannot use (e.g. a replay of another shape): every
+    checkpoint of the run would say the same, so falling back to an older one does not help."""
 
 
 class _CrcWriter:
@@ -58,13 +72,11 @@ class _CrcWriter:
 def _write_atomic(path: Path, write: Callable[[_CrcWriter], Any]) -> tuple[dict, Any]:
     """Calls ``write`` with a file at a temporary name, then fsyncs and renames it to
     ``path``; returns ({"bytes", "crc32"}, what ``write`` returned)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    def counted(f: BinaryIO) -> tuple[_CrcWriter, Any]:
         out = _CrcWriter(f)
-        result = write(out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        return out, write(out)
+
+    out, result = write_atomic(path, counted)
     return {"bytes": out.size, "crc32": out.crc}, result
 
 
@@ -83,6 +95,89 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# What every apex learner state holds beside its algorithm's networks, as torch.load
+# (weights_only) returns it; bool is excluded where an int is wanted.
+_STATE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "updates": int, "env_steps": int, "time": (int, float), "episode_stats": dict, "config": dict}
+_NETWORK_KEYS = {"apex_dqn": ("online", "target", "optimizer"), "impala": ("net", "optimizer")}
+_DEFAULT_ALGO = "apex_dqn"  # Config.algo's default: a config written without one means it
+_WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _is_int(value: Any, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def read_state(path: Path) -> Any:
+    """What ``torch.load`` finds in ``path``, loaded without running any code (tensors and
+    plain containers only); CorruptCheckpoint with a one-line reason if it cannot."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. a forged file's pickle protocol: the error says enough
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # untrusted bytes can fail the parser in any way, none of them our bug
+        raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {_load_failure(e)}") from None
+
+
+def _load_failure(error: Exception) -> str:
+    text = str(error).strip()
+    if text.startswith("Weights only load failed"):
+        found = _WEIGHTS_ONLY_GLOBAL.search(text)
+        what = f"it would call {found.group(1)}" if found else "it holds objects other than tensors and plain containers"
+        return f"{what}, and a checkpoint is loaded without running code (a forged or foreign file?)"
+    first = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def check_state(state: Any, source: str) -> dict:
+    """``state`` if it holds what every apex learner checkpoint does (the counters, the
+    episode stats, the config and its algorithm's networks and optimizer);
+    CorruptCheckpoint naming the first thing missing or of the wrong type."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"{source} holds a {type(state).__name__}, not an apex learner state (a dict)")
+    for key, kind in _STATE_KEYS.items():
+        if key not in state:
+            raise CorruptCheckpoint(f"{source} lacks {key!r}: not an apex learner checkpoint")
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CorruptCheckpoint(f"{source}: {key!r} is a {type(value).__name__}, expected {_type_names(kind)}")
+    if state["updates"] < 0 or state["env_steps"] < 0 or not 0 <= state["time"] < float("inf"):
+        raise CorruptCheckpoint(f"{source}: updates, env_steps and time must be finite and >= 0, got "
+                                f"{state['updates']}, {state['env_steps']}, {state['time']}")
+    _check_episode_stats(state["episode_stats"], source)
+    _check_optional(state, source)
+    algo = state["config"].get("algo", _DEFAULT_ALGO)
+    if not isinstance(algo, str) or algo not in _NETWORK_KEYS:
+        raise CorruptCheckpoint(f"{source}: config.algo is {_show(algo)}, expected one of {sorted(_NETWORK_KEYS)}")
+    for key in _NETWORK_KEYS[algo]:
+        if not isinstance(state.get(key), dict):
+            raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
+    return state
+
+
+def _check_episode_stats(stats: dict, source: str) -> None:
+    """What EpisodeStats.load_state_dict reads."""
+    numbers = all(isinstance(stats.get(k), list) and all(isinstance(x, (int, float)) for x in stats[k])
+                  for k in ("eval", "train"))
+    if not (numbers and _is_int(stats.get("episodes")) and isinstance(stats.get("best"), (int, float))):
+        raise CorruptCheckpoint(f"{source}: 'episode_stats' must hold lists 'eval' and 'train' of returns, "
+                                "an int 'episodes' and a number 'best'")
+
+
+def _check_optional(state: dict, source: str) -> None:
+    """Keys that older checkpoints may lack, checked when present (the learner reads them)."""
+    hosts = state.get("env_steps_by_host", {})
+    if not (isinstance(hosts, dict) and all(isinstance(k, str) and _is_int(v) for k, v in hosts.items())):
+        raise CorruptCheckpoint(f"{source}: 'env_steps_by_host' must map host names to ints >= 0")
+    limiter = state.get("limiter", {"inserts": 0, "samples": 0})
+    if not (isinstance(limiter, dict) and _is_int(limiter.get("inserts")) and _is_int(limiter.get("samples"))):
+        raise CorruptCheckpoint(f"{source}: 'limiter' must hold ints 'inserts' and 'samples' >= 0")
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
 
 
 @dataclass
@@ -115,12 +210,35 @@ class Checkpoint:
         return self.manifest_path.with_suffix(".replay") if "replay" in self.manifest["files"] else None
 
     def load_state(self) -> dict:
-        return torch.load(self.state_path, map_location="cpu", weights_only=False)
+        """The learner state (networks, optimizer, counters, config), loaded without running
+        code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
+        return check_state(read_state(self.state_path), self.state_path.name)
 
     def load_replay(self, replay) -> None:
-        """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file."""
-        with open(self.replay_path, "rb") as f:
-            replay.load(f, self.manifest["replay_header"])
+        """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file.
+        IncompatibleCheckpoint if this run's replay has another shape; CorruptCheckpoint if
+        the file does not hold what its header says. After either, ``replay`` is still empty
+        (its counters are set last), so the one before may be loaded into it."""
+        header = self.manifest["replay_header"]
+        _check_replay_fits(header, replay, self.name)
+        try:
+            with open(self.replay_path, "rb") as f:
+                replay.load(f, header)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise CorruptCheckpoint(f"{self.replay_path.name} does not hold the replay its manifest describes "
+                                    f"({_load_failure(e)})") from None
+
+
+def _check_replay_fits(header: dict, replay, name: str) -> None:
+    """The shape checks of StackedReplay.load, made first: a replay of another shape is the
+    run's configuration changing, not a damaged file."""
+    ours = {"frame_shape": list(replay.frame_shape), "frame_dtype": replay.frame_dtype.str,
+            "stack": replay.stack, "capacity": replay.capacity, "frame_capacity": replay.frames.capacity}
+    for key, value in ours.items():
+        if header[key] != value:
+            raise IncompatibleCheckpoint(
+                f"the replay of {name} has {key} {header[key]}, this run's has {value}: resume with the "
+                "configuration the checkpoint was made with (drop the --set that changes it)")
 
 
 class CheckpointWriter:
@@ -131,8 +249,7 @@ class CheckpointWriter:
         self.directory = Path(directory)
         self.keep = keep
         self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob("*.tmp"):  # left by a learner killed while writing
-            stale.unlink()
+        remove_stale_temps(self.directory)  # left by a learner killed while writing
         self._thread: threading.Thread | None = None
         self.written = 0
         self.last_seconds = 0.0  # how long the last one took to write
@@ -213,42 +330,172 @@ def checkpoint_dir(path: Path) -> Path:
 
 
 def verify(manifest_path: Path) -> Checkpoint:
-    """The checkpoint of a manifest, after checking every file's size and CRC-32."""
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT or "state" not in files or not isinstance(manifest.get("config"), dict):
-            raise CorruptCheckpoint(f"{manifest_path.name} is not an apex checkpoint manifest of format {FORMAT}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpoint(f"cannot read {manifest_path.name}: {e}") from e
+    """The checkpoint of a manifest, after checking the manifest's every field and every
+    file's size and CRC-32; CorruptCheckpoint (one line) saying what is wrong."""
+    manifest_path = Path(manifest_path)
+    manifest = _read_manifest(manifest_path)
     checkpoint = Checkpoint(manifest_path, manifest)
     for kind, path in (("state", checkpoint.state_path), ("replay", checkpoint.replay_path)):
-        if path is None:
-            continue
-        expected = files[kind]
-        try:
-            size, crc = _file_crc(path)
-        except OSError as e:
-            raise CorruptCheckpoint(f"{path.name}: {e.strerror}") from e
-        if size != expected["bytes"]:
-            raise CorruptCheckpoint(f"{path.name} has {size} bytes, its manifest says {expected['bytes']} (truncated?)")
-        if crc != expected["crc32"]:
-            raise CorruptCheckpoint(f"{path.name} fails its CRC-32 check (corrupted on disk)")
+        if path is not None:
+            _check_file(path, manifest["files"][kind])
     return checkpoint
 
 
-def find_latest(path: Path) -> Checkpoint:
-    """The newest checkpoint under ``path`` whose files all verify. Bad ones are reported
-    and renamed ``*.corrupt``, so that neither this nor a later resume tries them again."""
-    directory = checkpoint_dir(path)
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise CorruptCheckpoint(f"cannot read {path.name}: {e}") from e
+    problems = _manifest_problems(manifest, path.stem)
+    if problems:
+        raise CorruptCheckpoint(f"{path.name} is not a valid apex checkpoint manifest of format {FORMAT}: "
+                                + "; ".join(problems))
+    return manifest
+
+
+def _manifest_problems(manifest: Any, name: str) -> list[str]:
+    """Every field the loaders rely on, checked before any is used."""
+    if not isinstance(manifest, dict):
+        return [f"it holds a {type(manifest).__name__}, not an object"]
+    problems = []
+    if manifest.get("format") != FORMAT:
+        problems.append(f"format is {_show(manifest.get('format'))}")
+    if manifest.get("name") != name:
+        problems.append(f"name is {_show(manifest.get('name'))}, its file says {name!r}")
+    if not isinstance(manifest.get("config"), dict):
+        problems.append("config must be an object")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or "state" not in files:
+        return [*problems, "files must be an object listing 'state'"]
+    for kind, entry in files.items():
+        problems += _file_entry_problems(kind, entry)
+    if "replay" in files:
+        problems += _replay_header_problems(manifest.get("replay_header"))
+    return problems
+
+
+def _file_entry_problems(kind: Any, entry: Any) -> list[str]:
+    if kind not in ("state", "replay"):
+        return [f"files lists {_show(kind)}, expected 'state' and optionally 'replay'"]
+    if not (isinstance(entry, dict) and _is_int(entry.get("bytes"))
+            and _is_int(entry.get("crc32")) and entry["crc32"] < 2**32):
+        return [f"files.{kind} must be {{bytes: int >= 0, crc32: int in [0, 2**32)}}, got {_show(entry)}"]
+    return []
+
+
+def _replay_header_problems(header: Any) -> list[str]:
+    """What StackedReplay.load relies on (see StackedReplay.save)."""
+    if not isinstance(header, dict):
+        return [f"replay_header must be an object when a replay file is listed, got {_show(header)}"]
+    problems = []
+    shape = header.get("frame_shape")
+    if not (isinstance(shape, list) and all(_is_int(n, 1) for n in shape)):
+        problems.append(f"replay_header.frame_shape must be a list of positive ints, got {_show(shape)}")
+    if not isinstance(header.get("frame_dtype"), str):
+        problems.append(f"replay_header.frame_dtype must be a string, got {_show(header.get('frame_dtype'))}")
+    for key in ("stack", "capacity", "frame_capacity", "chunk_items"):
+        if not _is_int(header.get(key), 1):
+            problems.append(f"replay_header.{key} must be an int >= 1, got {_show(header.get(key))}")
+    if problems:  # the ranges below are checked against these
+        return problems
+    problems += _range_problems(header, "frames", header["frame_capacity"], "frame_capacity")
+    problems += _range_problems(header, "items", header["capacity"], "capacity")
+    return problems or _chunks_problems(header)
+
+
+def _range_problems(header: dict, key: str, capacity: int, capacity_key: str) -> list[str]:
+    """[start, valid, end]: ids of the oldest saved, the oldest intact and one past the newest."""
+    value = header.get(key)
+    if not (isinstance(value, list) and len(value) == 3 and all(_is_int(n) for n in value)):
+        return [f"replay_header.{key} must be [start, valid, end], ints >= 0, got {_show(value)}"]
+    start, valid, end = value
+    if not start <= valid <= end:
+        return [f"replay_header.{key} must have start <= valid <= end, got {value}"]
+    if end - start > capacity:
+        return [f"replay_header.{key} spans {end - start}, more than {capacity_key} {capacity}"]
+    return []
+
+
+def _chunks_problems(header: dict) -> list[str]:
+    """[end, first] pairs, oldest first: where each chunk's transitions end (insertion ids)
+    and its first frame id. A chunk has one frame at least, so there are at most
+    frame_capacity of them and their first frames strictly increase."""
+    chunks = header.get("chunks")
+    shape = ("replay_header.chunks must be a list of at most frame_capacity [end, first] pairs of ints >= 0, "
+             "in insertion order, within items and frames")
+    if not isinstance(chunks, list) or len(chunks) > header["frame_capacity"]:
+        return [shape]
+    items_end, frames_end = header["items"][2], header["frames"][2]
+    last_end, last_first = 0, -1
+    for chunk in chunks:
+        if not (isinstance(chunk, list) and len(chunk) == 2 and all(_is_int(n) for n in chunk)):
+            return [f"{shape}; got {_show(chunk)}"]
+        end, first = chunk
+        if not (last_end <= end <= items_end and last_first < first < frames_end):
+            return [f"{shape}; got {chunk} after {[last_end, last_first]}"]
+        last_end, last_first = end, first
+    return []
+
+
+def _show(value: Any) -> str:
+    """A short repr: a forged manifest may hold anything, of any size."""
+    return reprlib.repr(value)
+
+
+def _check_file(path: Path, expected: dict) -> None:
+    try:
+        size, crc = _file_crc(path)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{path.name}: {e.strerror}") from e
+    if size != expected["bytes"]:
+        raise CorruptCheckpoint(f"{path.name} has {size} bytes, its manifest says {expected['bytes']} (truncated?)")
+    if crc != expected["crc32"]:
+        raise CorruptCheckpoint(f"{path.name} fails its CRC-32 check (corrupted on disk)")
+
+
+def candidates(path: Path) -> Iterator[Checkpoint]:
+    """The verified checkpoints under ``path`` (a run directory or its checkpoints/), newest
+    first. Each one refused is reported in one line and renamed ``*.corrupt``, so that
+    neither this nor a later resume tries it again. A caller that cannot load the one it
+    got calls ``mark_corrupt`` and takes the next. ApexError if ``path`` has no checkpoints."""
+    return _verified(checkpoint_dir(path))
+
+
+def _verified(directory: Path) -> Iterator[Checkpoint]:
     for manifest_path in sorted(directory.glob(MANIFESTS), reverse=True):
         try:
-            return verify(manifest_path)
+            checkpoint = verify(manifest_path)
         except CorruptCheckpoint as e:
-            log.warning("checkpoint %s refused: %s; renamed to *.corrupt, trying the one before", manifest_path.stem, e)
-            for suffix in (".replay", ".pt", ".json"):
-                bad = manifest_path.with_suffix(suffix)
-                if bad.exists():
-                    bad.rename(bad.with_name(bad.name + ".corrupt"))
+            _set_aside(manifest_path, e)
+            continue
+        yield checkpoint
+
+
+def mark_corrupt(checkpoint: Checkpoint, reason: str | BaseException) -> None:
+    """Reports in one line that ``checkpoint`` cannot be used, and why, and renames its
+    files ``*.corrupt`` (never tried again, kept for a post-mortem)."""
+    _set_aside(checkpoint.manifest_path, reason)
+
+
+def _set_aside(manifest_path: Path, reason: str | BaseException) -> None:
+    text = str(reason).strip()
+    why = text.splitlines()[0] if text else type(reason).__name__
+    log.warning("checkpoint %s refused: %s; renamed to *.corrupt, trying the one before", manifest_path.stem, why)
+    for suffix in (".json", ".replay", ".pt"):  # the manifest first: no manifest without its files
+        bad = manifest_path.with_suffix(suffix)
+        try:
+            bad.rename(bad.with_name(bad.name + ".corrupt"))
+        except FileNotFoundError:
+            continue
+        except OSError as e:  # e.g. a read-only directory: said, and the next one tried
+            log.warning("could not rename %s to *.corrupt: %s", bad.name, e.strerror)
+
+
+def find_latest(path: Path) -> Checkpoint:
+    """The newest checkpoint under ``path`` whose manifest and files all verify (see
+    ``candidates``); ApexError if there is none."""
+    directory = checkpoint_dir(path)  # now: the refused ones are gone from it below
+    for checkpoint in _verified(directory):
+        return checkpoint
     raise ApexError(f"no valid checkpoint in {directory}: every one was truncated or corrupt "
                     "(see the messages above); start without --resume")

@@ -114,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Run the learner: it binds its ports and trains from what actors send.")
     _add_config_flags(learner)
     _add_logdir(learner)
-    learner.add_argument("--bind-host", default=_env_default("bind_host") or "0.0.0.0", metavar="HOST",
-                         help=f"address to bind (default: 0.0.0.0, all interfaces; env {ENV['bind_host']})")
+    learner.add_argument("--bind-host", default=_env_default("bind_host") or "127.0.0.1", metavar="HOST",
+                         help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 for actors on "
+                              f"other hosts, with CURVE keys from `apex keygen`; env {ENV['bind_host']})")
     learner.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
                          help=f"control port; P+1 and P+2 are used too (default: transport.port, 5550; env {ENV['port']})")
     _add_stop_flags(learner)

@@ -168,6 +168,13 @@ class TransportConfig:
     give_up_after_s: float = 600.0
     """Seconds an actor keeps reconnecting to a silent learner before it exits with an
     error (0: forever). Long enough for a learner to be restarted and load its replay."""
+    max_abs_reward: float = 1e6
+    """Largest reward magnitude the learner accepts in a batch (per step; an Ape-X n-step
+    return may reach n times it); a batch with a larger one is rejected and counted."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest trajectory message the learner accepts (ZMQ_MAXMSGSIZE on its socket). An
+    actor whose batches could be larger (too many environments for the frame size) is
+    refused at its hello with a message naming this setting."""
 
 
 @dataclass
@@ -263,6 +270,9 @@ class Config:
               f"transport.heartbeat_timeout_s must exceed heartbeat_interval_s ({t.heartbeat_interval_s}), got {t.heartbeat_timeout_s}")
         check(t.give_up_after_s == 0 or t.give_up_after_s > t.heartbeat_timeout_s,
               f"transport.give_up_after_s must be 0 (never) or exceed heartbeat_timeout_s ({t.heartbeat_timeout_s}), got {t.give_up_after_s}")
+        check(t.max_abs_reward > 0 and t.max_abs_reward < float("inf"),
+              f"transport.max_abs_reward must be a positive finite number, got {t.max_abs_reward}")
+        check(t.max_message_bytes >= 1 << 20, f"transport.max_message_bytes must be >= 1048576 (1 MiB), got {t.max_message_bytes}")
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

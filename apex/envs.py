@@ -24,6 +24,7 @@ class EnvSpec:
     frame_dtype: np.dtype
     stack: int
     num_actions: int
+    max_episode_steps: int | None = None  # the environment's time limit, where it has one
 
 
 def _register_atari() -> None:
@@ -79,7 +80,9 @@ def env_spec(config: EnvConfig) -> EnvSpec:
         space = env.observation_space
         is_atari = config.id.startswith("ALE/")
         dtype = np.dtype(np.uint8) if is_atari else np.dtype(np.float32)
-        return EnvSpec(tuple(space.shape), dtype, config.frame_stack if is_atari else 1, int(env.action_space.n))
+        limit = env.spec.max_episode_steps if env.spec is not None else None
+        return EnvSpec(tuple(space.shape), dtype, config.frame_stack if is_atari else 1, int(env.action_space.n),
+                       config.max_episode_steps or limit)
     finally:
         env.close()
 

@@ -15,3 +15,12 @@ class ConfigError(ApexError, ValueError):
 
 class ProtocolError(ApexError, ValueError):
     """A message on the wire is malformed, too large or of the wrong version."""
+
+
+class RejectedMessage(ProtocolError):
+    """A received message refused for a reason that metrics count: ``reason`` is its short
+    key in ``rejected_by_reason`` (e.g. ``nonfinite``, ``too_large``, ``no_session``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

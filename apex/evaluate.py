@@ -7,8 +7,6 @@ actors stack them; rewards are reported unclipped.
 
 from __future__ import annotations
 
-import pickle
-import zipfile
 from pathlib import Path
 
 import gymnasium as gym
@@ -16,7 +14,7 @@ import numpy as np
 import torch
 
 from apex import config as config_module
-from apex.checkpoint import find_latest, verify
+from apex.checkpoint import CorruptCheckpoint, candidates, mark_corrupt, read_state, verify
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 from apex.models import PolicyValueNetwork, QNetwork
@@ -24,41 +22,62 @@ from apex.models import PolicyValueNetwork, QNetwork
 
 def load_checkpoint(path: str | Path) -> dict:
     """A learner checkpoint (a ckpt-*.pt file, or the newest valid one of a run directory),
-    or ApexError saying why it cannot be used."""
+    loaded without running code, or ApexError saying in one line why it cannot be used."""
     path = Path(path)
     if path.is_dir():
-        path = find_latest(path).state_path
-    elif not path.is_file():
+        return _newest_loadable(path)
+    if not path.is_file():
         raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/ or a LOGDIR")
-    elif path.with_suffix(".json").is_file():
-        verify(path.with_suffix(".json"))  # size and CRC-32: torch.load would not notice a flipped byte
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        reason = str(e).splitlines()[0].split(". ")[0] if str(e) else type(e).__name__
-        raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {reason}") from None
-    if not isinstance(state, dict) or "config" not in state:
+        if path.with_suffix(".json").is_file():
+            verify(path.with_suffix(".json"))  # size and CRC-32: torch.load would not notice a flipped byte
+        state = read_state(path)
+    except CorruptCheckpoint as e:
+        raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise ApexError(f"{path} is not an apex learner checkpoint (no config inside)")
     return state
 
 
+def _newest_loadable(logdir: Path) -> dict:
+    """The state of the newest checkpoint of a run that verifies and loads; those that do
+    not are set aside as a resume would."""
+    for checkpoint in candidates(logdir):
+        try:
+            return checkpoint.load_state()
+        except CorruptCheckpoint as e:
+            mark_corrupt(checkpoint, e)
+    raise ApexError(f"no valid checkpoint in {logdir}: every one was truncated or corrupt (see the messages above)")
+
+
+# The network each algorithm acts with, and what it is in a checkpoint.
+_POLICY_NETWORK = {"apex_dqn": ("online", "the online Q network"), "impala": ("net", "the policy network")}
+
+
 def policy_from_checkpoint(state: dict):
-    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action."""
+    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action; ApexError (one
+    line) if the state lacks its algorithm's network or the network does not fit."""
     config = config_module.from_dict(state["config"])
     spec = env_spec(config.env)
+    key, what = _POLICY_NETWORK[config.algo]
+    if not isinstance(state.get(key), dict):
+        raise ApexError(f"the checkpoint has no {key!r} ({what} of an {config.algo} checkpoint): "
+                        "pass a ckpt-*.pt written by apex learner")
+    net = PolicyValueNetwork(spec, config.model) if config.algo == "impala" else QNetwork(spec, config.model)
+    try:
+        net.load_state_dict(state[key])
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:
+        raise ApexError(f"the checkpoint's {key!r} does not fit {what} of its own config "
+                        f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    net.eval()
     if config.algo == "impala":
-        net = PolicyValueNetwork(spec, config.model)
-        net.load_state_dict(state["net"])
 
         def act(obs: torch.Tensor) -> int:
             return int(net(obs)[0].argmax(dim=1)[0])
     else:
-        net = QNetwork(spec, config.model)
-        net.load_state_dict(state["online"])
 
         def act(obs: torch.Tensor) -> int:
             return int(net(obs).argmax(dim=1)[0])
-    net.eval()
     return config, spec, act
 
 

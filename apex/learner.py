@@ -4,8 +4,8 @@ checkpoints and stop conditions around the algorithm's learner core
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-import math
 import os
 import resource
 import signal
@@ -18,19 +18,34 @@ import numpy as np
 import torch
 
 from apex import algos
-from apex.checkpoint import Checkpoint, CheckpointWriter
+from apex.checkpoint import Checkpoint, CheckpointWriter, CorruptCheckpoint, candidates, mark_corrupt
 from apex.config import Config
 from apex.envs import env_spec
-from apex.errors import ApexError
+from apex.errors import ApexError, ProtocolError
 from apex.malloc import keep_large_blocks
 from apex.metrics import EpisodeStats, MetricsWriter, Rate, write_json_atomic
 from apex.protocol import Message
-from apex.transport import LearnerEndpoint, RateLimitedLog, Rejected, options_from_config
+from apex.schema import check_episodes
+from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, RateLimitedLog, Rejected, Session, options_from_config
 
 log = logging.getLogger(__name__)
 
-MAX_ENVS_PER_ACTOR = 4096
 INGEST_GROUP = 8  # batches already waiting that are inserted together
+UNKNOWN_STEP_LIMIT = 100_000  # episode length bound for environments without a time limit
+
+
+def all_finite(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether every floating-point array holds only finite values."""
+    return all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rss_bytes() -> int:
@@ -81,6 +96,10 @@ class LearnerProcess:
         self.device = pick_device(config.learner.device)
         torch.set_num_threads(config.learner.torch_threads)
         keep_large_blocks()
+        if not is_loopback(bind_host) and not config.transport.curve_dir:
+            log.warning("listening on %s without CURVE: anyone who can reach ports %d-%d can join this run and send "
+                        "it data; create keys with `apex keygen DIR` and pass --curve-dir DIR", bind_host,
+                        port or config.transport.port, (port or config.transport.port) + 2)
         # Bind before building the core: a taken port fails at once, not after the replay
         # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
         self.endpoint = LearnerEndpoint(
@@ -88,7 +107,7 @@ class LearnerProcess:
             options_from_config(config.transport),
         )
         try:
-            self.learner = algos.get(config.algo).Learner(config, self.spec, self.device)
+            self.learner = self._new_core()
         except BaseException:
             self.endpoint.close()
             raise
@@ -98,7 +117,10 @@ class LearnerProcess:
         self._stats_lock = threading.Lock()
         self.env_steps = 0
         self.env_steps_by_host: dict[str, int] = {}  # by the sending actor's address
-        self.bad_batches = 0
+        self._metrics: MetricsWriter | None = None
+        self.internal_errors = 0  # our own bugs met while ingesting: logged with a traceback
+        self.nonfinite_weights = 0  # publishes and checkpoints refused for non-finite weights
+        self._step_limit = self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT
         self._lags: list[int] = []
         self._bad_log = RateLimitedLog(log)
         self._stop_ingest = threading.Event()
@@ -110,21 +132,42 @@ class LearnerProcess:
         self.resumed_from = None
         if resume is not None:
             try:
-                self._restore(resume)
+                self._resume(resume)
             except BaseException:
                 self.endpoint.close()
                 raise
 
+    def _new_core(self):
+        return algos.get(self.config.algo).Learner(self.config, self.spec, self.device)
+
+    def _resume(self, newest: Checkpoint) -> None:
+        """Restores the newest checkpoint that loads; one that fails to (for any reason) is
+        reported, renamed ``*.corrupt``, and the one before it tried, on a fresh core."""
+        checkpoint: Checkpoint | None = newest
+        others = None
+        while checkpoint is not None:
+            try:
+                self._restore(checkpoint)
+                return
+            except CorruptCheckpoint as e:
+                mark_corrupt(checkpoint, str(e))
+            self.learner = self._new_core()  # the failed attempt may have filled part of the replay
+            others = others or candidates(newest.manifest_path.parent)
+            checkpoint = next(others, None)
+        raise ApexError(f"no checkpoint in {newest.logdir} could be loaded (see the messages above); "
+                        "start without --resume")
+
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continues from a verified checkpoint: networks, optimizer, counters, episode
-        returns and, when it holds one, the replay."""
+        returns and, when it holds one, the replay. Raises CorruptCheckpoint if it cannot
+        be loaded, ApexError if it does not fit this run's configuration."""
         start = time.monotonic()
         state = checkpoint.load_state()
         replay = self.learner.checkpoint_replay
         if replay is not None and checkpoint.replay_path is not None:
             try:
                 checkpoint.load_replay(replay)
-            except ValueError as e:
+            except ValueError as e:  # a shape that differs from this run's: the user's to fix
                 raise ApexError(f"cannot restore the replay of {checkpoint.name}: {e}") from None
         try:
             self.learner.load_state_dict(state)
@@ -147,11 +190,20 @@ class LearnerProcess:
         num_envs = hello.fields["num_envs"] or self.config.actor.num_envs
         if not 1 <= num_envs <= MAX_ENVS_PER_ACTOR:
             raise Rejected(f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {num_envs}")
+        largest = self.learner.schema.max_bytes(self.learner.batch_limits(num_envs))
+        if largest > self.config.transport.max_message_bytes:
+            raise Rejected(f"with {num_envs} environments a batch may reach {largest / 2**20:.0f} MiB, over "
+                           f"transport.max_message_bytes ({self.config.transport.max_message_bytes / 2**20:.0f} MiB): "
+                           "use fewer environments per actor or raise transport.max_message_bytes")
+        try:
+            core = self.learner.welcome(index, num_envs)
+        except ApexError as e:
+            raise Rejected(str(e)) from None
         return {
             "config": self.config.to_dict(),
             "num_envs": num_envs,
-            "seed": self.config.seed * 1_000_003 + 10_007 * (index + 1),
-            **self.learner.welcome(index, num_envs),
+            "seed": (self.config.seed * 1_000_003 + 10_007 * (index + 1)) % 2**63,
+            **core,
         }
 
     def start_ingest(self) -> None:
@@ -171,9 +223,9 @@ class LearnerProcess:
         while not self._stop_ingest.is_set():
             try:
                 self._ingest_some()
-            except Exception:  # a bug must not silently end ingestion: log, count, go on
-                self.bad_batches += 1
-                log.exception("ingest failed; continuing")
+            except Exception:  # our own bug, not the sender's: loud, counted apart, and ingest goes on
+                self.internal_errors += 1
+                log.exception("ingest failed (a bug in apex, please report it); continuing")
 
     def _ingest_some(self) -> None:
         receiver = self.endpoint.receiver
@@ -184,53 +236,62 @@ class LearnerProcess:
             if msg is None:
                 continue
             # Whatever else is already waiting goes in with it: one insert for several
-            # small batches pays the checks and bookkeeping once.
+            # small batches pays the bookkeeping once.
             group = [msg]
             while len(group) < INGEST_GROUP and (more := receiver.recv(timeout_ms=0)) is not None:
                 group.append(more)
             accepted = []
             for m in group:
                 try:
-                    accepted.append((m, *self._check_info(m.fields["info"])))
-                except (ValueError, KeyError, TypeError) as e:
-                    self._reject(m, e)
-            errors = self.learner.insert_many([m.arrays for m, _, _ in accepted])
+                    accepted.append((m, *self._validate(m)))
+                except ProtocolError as e:
+                    receiver.reject(e)
+            errors = self.learner.insert_many([arrays for _, arrays, _, _ in accepted])
             with self._stats_lock:
-                for (m, episodes, env_steps), error in zip(accepted, errors):
+                for (m, _, env_steps, episodes), error in zip(accepted, errors):
+                    session: Session = m.session
                     if error is not None:
-                        self._reject(m, error)
+                        session.step_budget -= env_steps - sum(length for _, length, _ in episodes)
+                        receiver.reject(error)
                         continue
+                    session.env_steps += env_steps
+                    session.episodes += len(episodes)
                     self.env_steps += env_steps
                     host = m.peer or "unknown"
                     self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + env_steps
                     for episode_return, _length, is_eval in episodes:
                         self.stats.add(episode_return, is_eval)
-                    self._lags.append(self._version - m.fields["weights_version"])
+                    if 0 <= m.fields["weights_version"] <= self._version:  # an older learner's versions say nothing
+                        self._lags.append(self._version - m.fields["weights_version"])
 
-    def _reject(self, msg: Message, error: Exception) -> None:
-        self.bad_batches += 1
-        self._bad_log.warning("rejected a batch from actor %s: %s", msg.fields.get("actor_index"), error)
-
-    @staticmethod
-    def _check_info(info: dict) -> tuple[list, int]:
-        episodes, env_steps = info.get("episodes", []), info.get("env_steps", 0)
-        if not isinstance(env_steps, int) or env_steps < 0:
-            raise ValueError(f"info.env_steps must be a non-negative integer, got {env_steps!r}")
-        if not isinstance(episodes, list) or not all(
-            isinstance(e, list) and len(e) == 3 and isinstance(e[0], (int, float)) and math.isfinite(e[0])
-            and isinstance(e[2], bool) for e in episodes
-        ):
-            raise ValueError("info.episodes must be a list of [return, length, is_eval]")
-        return episodes, env_steps
+    def _validate(self, msg: Message) -> tuple[dict, int, list]:
+        """A batch checked against the algorithm's schema and its session's limits: (arrays
+        as stored, env steps it stands for, its episode records). Raises ProtocolError."""
+        session: Session = msg.session
+        if not session.limits:
+            session.limits = self.learner.batch_limits(session.num_envs)
+            # Episodes under way when the session began were partly played before it.
+            session.step_budget = session.num_envs * self._step_limit
+        arrays, sizes = self.learner.schema.validate(msg.arrays, session.limits)
+        env_steps = self.learner.env_steps(sizes)
+        episodes, used = check_episodes(msg.fields["info"], max_episodes=env_steps, step_limit=self._step_limit,
+                                        max_abs_reward=self.config.transport.max_abs_reward,
+                                        step_budget=session.step_budget + env_steps)
+        session.step_budget += env_steps - used
+        return arrays, env_steps, episodes
 
     # -- main loop
 
     def run(self) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._on_signal)
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        metrics = MetricsWriter(self.logdir)
-        self.endpoint.publish_weights(self._version, self.learner.weights())
+        try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            metrics = self._metrics = MetricsWriter(self.logdir)
+        except BaseException:
+            self.endpoint.close()
+            raise
+        self._publish(self._version)
         self.start_ingest()
         # The run's clock goes on from the checkpoint's: metrics, stop conditions, summary.
         start = time.monotonic() - self._elapsed_before
@@ -252,10 +313,10 @@ class LearnerProcess:
             while stop_reason is None:
                 self.endpoint.poll(0)
                 if self.learner.wait_to_step(timeout=0.002):
-                    last = self.learner.step()
-                    if self.learner.updates % self.config.learner.publish_interval == 0:
-                        self._version = self.learner.updates
-                        self.endpoint.publish_weights(self._version, self.learner.weights())
+                    updates = self.learner.updates
+                    last = self.learner.step() or last  # {}: the update was skipped as non-finite
+                    if self.learner.updates != updates and self.learner.updates % self.config.learner.publish_interval == 0:
+                        self._publish(self.learner.updates)
                 now = time.monotonic()
                 if now >= next_metrics:
                     next_metrics = now + self.config.learner.metrics_interval_s
@@ -276,7 +337,7 @@ class LearnerProcess:
             metrics.close()
             self.checkpoints.wait()
             self.save_checkpoint(wall)
-            write_json_atomic(self.logdir / "summary.json", {
+            self._write_summary({
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
                 "data_nbytes_mb": round(self.learner.memory_nbytes / 2**20, 1),
                 "env_steps": self.env_steps,
@@ -293,6 +354,22 @@ class LearnerProcess:
             self.endpoint.close()
         log.info("learner stopped: %s", stop_reason)
         return 130 if self._signal == signal.SIGINT else 0
+
+    def _write_summary(self, summary: dict) -> None:
+        try:
+            write_json_atomic(self.logdir / "summary.json", summary)
+        except OSError as e:  # a full disk: the run's end is logged all the same
+            log.error("could not write %s: %s", self.logdir / "summary.json", e)
+
+    def _publish(self, version: int) -> None:
+        """Sends the weights to the actors, unless they are not finite (then never)."""
+        weights = self.learner.weights()
+        if not all_finite(weights):
+            self.nonfinite_weights += 1
+            self._bad_log.warning("weights hold NaN or infinity: not published (%d times so far)", self.nonfinite_weights)
+            return
+        self._version = version
+        self.endpoint.publish_weights(version, weights)
 
     def _on_signal(self, signum: int, _frame) -> None:
         self._signal = signum
@@ -336,8 +413,11 @@ class LearnerProcess:
             "weights_version": self._version,
             "policy_lag_mean": round(float(np.mean(lags)), 1) if lags else None,
             "policy_lag_max": int(max(lags)) if lags else None,
-            "rejected_messages": (self.endpoint.rejected_messages + self.endpoint.receiver.rejected_messages
-                                  + self.bad_batches),
+            "rejected_messages": self.endpoint.rejected_messages,
+            "metrics_write_failures": self._metrics.write_failures if self._metrics is not None else 0,
+            "rejected_by_reason": self.endpoint.rejected.by_reason(),
+            "internal_errors": self.internal_errors,
+            "nonfinite_weights": self.nonfinite_weights,
             "checkpoints_written": self.checkpoints.written,
             "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
             "checkpoint_failures": self.checkpoints.failures,
@@ -349,7 +429,12 @@ class LearnerProcess:
 
     def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
         """Writes a checkpoint (in the background: the replay is copied piece by piece while
-        training and ingest go on). False if the previous one is still being written."""
+        training and ingest go on). False if the previous one is still being written, or
+        if the network is not finite (a checkpoint must never hold a poisoned network)."""
+        if not all_finite(self.learner.weights()):
+            self.nonfinite_weights += 1
+            log.error("weights hold NaN or infinity: checkpoint not written")
+            return False
         with self._stats_lock:
             state = {
                 **self.learner.state_dict(),

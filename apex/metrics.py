@@ -4,13 +4,20 @@ episode stats."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any, TextIO
+
+from apex.errors import ApexError
+from apex.files import open_append, refuse_link, remove_stale_temps, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 class EpisodeStats:
@@ -72,39 +79,170 @@ def tensorboard_tag(key: str) -> str:
     return f"system/{key}"
 
 
+class _FailureLog:
+    """Logs failed writes at most once every ``interval_s``, with how many there were since
+    the last line: a full disk fails every write, and the log must not fill it faster."""
+
+    def __init__(self, interval_s: float = 5.0) -> None:
+        self._interval = interval_s
+        self._next = 0.0
+        self._unreported = 0
+
+    def __call__(self, what: str, error: OSError) -> None:
+        self._unreported += 1
+        now = time.monotonic()
+        if now < self._next:
+            return
+        log.warning("writing %s failed: %s (%d failed write%s since the last report); the run goes on and "
+                    "retries", what, error.strerror or error, self._unreported, "" if self._unreported == 1 else "s")
+        self._next = now + self._interval
+        self._unreported = 0
+
+
 class MetricsWriter:
     """Appends one JSON object per call to LOGDIR/metrics.jsonl, writes the numbers as
     TensorBoard scalars to LOGDIR/tb (by env steps), and keeps a status line on the console
-    when it is a terminal (nothing when it is not: the files have it all)."""
+    when it is a terminal (nothing when it is not: the files have it all).
+
+    A full disk or any other write error does not end the run: ``write`` and ``close`` log
+    it (rate-limited), count it in ``write_failures`` and go on. The metrics file is retried
+    on every later write (a disk may free up) and a failed line is cut off again, so the file
+    holds whole lines only; TensorBoard is turned off for the rest of the run after its first
+    failure (its writer thread dies with it). A link planted at LOGDIR/metrics.jsonl or
+    LOGDIR/tb is refused (ApexError), never written through."""
 
     def __init__(self, logdir: Path, console: TextIO | None = None, tensorboard: bool = True) -> None:
+        logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
-        self._file = open(logdir / "metrics.jsonl", "a", buffering=1)
+        remove_stale_temps(logdir)  # e.g. summary.json's, left by a learner killed while writing it
+        if tensorboard:
+            refuse_link(logdir / "tb")
+        self.path = logdir / "metrics.jsonl"
+        try:
+            self._fd: int | None = open_append(self.path)
+        except OSError as e:
+            raise ApexError(f"cannot append to {self.path}: {e.strerror}; check --logdir's permissions") from None
         self._console = console if console is not None else sys.stderr
         self._tty = self._console.isatty()
+        self.write_failures = 0  # failed writes of metrics.jsonl and TensorBoard, since the start
+        self._failed = _FailureLog()
+        self._file_failing = False
+        self._cut_to: int | None = None  # the file's size before a line that failed half way
         self._tb = None
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: not at start-up
+            self._tb = self._open_tensorboard(logdir / "tb")
 
-            self._tb = SummaryWriter(str(logdir / "tb"), flush_secs=10)
+    def _open_tensorboard(self, directory: Path):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: not at start-up
+
+        _quiet_tensorboard_thread_errors()
+        try:
+            return SummaryWriter(str(directory), flush_secs=10)
+        except OSError as e:
+            self._tensorboard_failed(e)
+            return None
 
     def write(self, row: dict[str, Any]) -> None:
-        self._file.write(json.dumps(row) + "\n")
+        self._append((json.dumps(row) + "\n").encode())
         if self._tb is not None:
-            step = row["env_steps"]
+            self._add_scalars(row)
+        if self._tty:
+            self._status(row)
+
+    def _append(self, line: bytes) -> None:
+        try:
+            self._cut_partial_line()
+            self._cut_to = os.fstat(self._fd).st_size
+            _write_all(self._fd, line)
+            self._cut_to = None
+        except OSError as e:
+            try:
+                self._cut_partial_line()
+            except OSError:
+                pass  # cut before the next line instead
+            self.write_failures += 1
+            self._file_failing = True
+            self._failed(str(self.path), e)
+            return
+        if self._file_failing:
+            self._file_failing = False
+            log.info("%s is written again", self.path)
+
+    def _cut_partial_line(self) -> None:
+        """Removes what a failed write left of its line: readers (apex plot) parse every line."""
+        if self._cut_to is not None:
+            os.ftruncate(self._fd, self._cut_to)
+            self._cut_to = None
+
+    def _add_scalars(self, row: dict[str, Any]) -> None:
+        step = row["env_steps"]
+        try:
             for key, value in row.items():
                 if key not in ("time", "env_steps") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(tensorboard_tag(key), value, step, walltime=None)
-        if self._tty:
+        except OSError as e:  # raised by its writer thread on a later call
+            self._tensorboard_failed(e)
+
+    def _tensorboard_failed(self, error: OSError) -> None:
+        self.write_failures += 1
+        log.warning("writing TensorBoard scalars failed: %s; TensorBoard output is off for the rest of the run "
+                    "(metrics.jsonl has the same numbers)", error.strerror or error)
+        tb, self._tb = self._tb, None
+        if tb is not None:
+            try:
+                tb.close()
+            except OSError:
+                pass  # the same error again: already counted and said
+
+    def _status(self, row: dict[str, Any]) -> None:
+        try:
             self._console.write("\r" + status_line(row) + "\033[K")
             self._console.flush()
+        except OSError:  # a terminal gone away: the files have it all
+            self._tty = False
 
     def close(self) -> None:
         if self._tty:
-            self._console.write("\n")
+            try:
+                self._console.write("\n")
+            except OSError:
+                pass
         if self._tb is not None:
-            self._tb.close()
-        self._file.close()
+            try:
+                self._tb.close()  # flushes: the first moment a failure of its thread shows
+            except OSError as e:
+                self._tensorboard_failed(e)
+            self._tb = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            try:
+                os.close(fd)
+            except OSError as e:  # e.g. EIO from a network file system: the lines are what they are
+                self.write_failures += 1
+                self._failed(str(self.path), e)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard's writer thread dies with a traceback on stderr when a write fails, then
+    raises the error again on the next call; there it is logged in one line and counted.
+    Silences the traceback (an OSError in that thread) only; anything else goes to the
+    previous hook."""
+    previous = threading.excepthook
+    if getattr(previous, "apex_quiet_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.apex_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def status_line(row: dict[str, Any]) -> str:
@@ -121,13 +259,10 @@ def status_line(row: dict[str, Any]) -> str:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Writes ``data`` as JSON to ``path`` whole or not at all (see apex.files.write_atomic);
+    raises OSError if it cannot, leaving ``path`` as it was and no temporary file."""
+    text = json.dumps(data, indent=2) + "\n"
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 class Rate:

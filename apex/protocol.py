@@ -43,7 +43,7 @@ import numpy as np
 
 from apex.errors import ProtocolError
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: sessions (token and sequence number on every batch), learner incarnations
 
 # Header fields of each message type: name -> accepted Python types. Every field is
 # required; a header may not carry fields its type does not list.
@@ -51,19 +51,21 @@ _INT = (int,)
 _OPT_INT = (int, type(None))
 _STR = (str,)
 _MAP = (dict,)
+_BYTES = (bytes,)
+_BOOL = (bool,)
 MESSAGE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     # actor -> learner, control channel
     "hello": {"actor_index": _OPT_INT, "num_envs": _INT, "host": _STR, "pid": _INT},
     "heartbeat": {"actor_index": _OPT_INT},
     # learner -> actor, control channel
-    "welcome": {"actor_index": _INT, "spec": _MAP},
-    "reject": {"reason": _STR},
+    "welcome": {"actor_index": _INT, "spec": _MAP, "session": _BYTES, "incarnation": _BYTES},
+    "reject": {"reason": _STR, "retry": _BOOL},
     "stop": {"reason": _STR},
     "heartbeat_ack": {"weights_version": _INT},
     # actor -> learner, trajectory stream
-    "batch": {"actor_index": _INT, "weights_version": _INT, "info": _MAP},
+    "batch": {"actor_index": _INT, "weights_version": _INT, "info": _MAP, "session": _BYTES, "seq": _INT},
     # learner -> actors, weights channel (and control, right after a welcome)
-    "weights": {"version": _INT},
+    "weights": {"version": _INT, "incarnation": _BYTES},
 }
 _ARRAYS_ALLOWED = {"batch", "weights"}
 
@@ -160,6 +162,7 @@ class Message:
     fields: dict[str, Any]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     peer: str | None = None  # sender's address, where the transport knows it
+    session: Any = None  # the learner's session of a batch, once the transport checked it
 
 
 def encode(

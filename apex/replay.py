@@ -107,6 +107,11 @@ class PrioritizedReplay:
         return self._added
 
     @property
+    def sampleable(self) -> bool:
+        """Whether some item has a priority (all may have been dropped)."""
+        return self._tree.total > 0
+
+    @property
     def nbytes(self) -> int:
         """Bytes of storage and sum tree: the replay's whole footprint, fixed at creation."""
         return sum(a.nbytes for a in self._storage.values()) + self._tree.nbytes
@@ -201,6 +206,16 @@ class PrioritizedReplay:
             else:
                 self._tree.update(indices[live] % self.capacity, priorities[live])
         return applied
+
+    def drop(self, indices: np.ndarray) -> int:
+        """Never samples these items again (those still live): for transitions found to
+        poison training. Returns how many were dropped."""
+        indices = np.asarray(indices, dtype=np.int64)
+        with self._lock:
+            live = indices[(indices >= self._oldest_live) & (indices < self._added)]
+            if live.size:
+                self._tree.clear(live % self.capacity)
+        return int(live.size)
 
     def evict_until(self, index: int) -> None:
         """Evicts every item with an insertion index below ``index`` now, oldest first."""
@@ -507,11 +522,11 @@ class StackedReplay:
         return self.nbytes / self.capacity
 
     def add(self, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
-        """Stores one chunk (see the class docstring); raises ValueError if it is inconsistent."""
-        frames, count = self.check_chunk(chunk)
+        """Stores one chunk (see the class docstring) that the Ape-X batch schema validated
+        (apex.schema: the learner's one check of what actors send): its indices within its
+        frames, at most ``capacity`` transitions and ``frames.capacity`` frames."""
+        frames = chunk["frames"]
         priorities = self.transitions._transform(chunk["priority"])
-        if count > self.capacity:
-            raise ValueError(f"a chunk of {count} transitions exceeds the replay's capacity {self.capacity}")
         with self._lock:
             try:
                 first = self.frames.add(frames)
@@ -552,6 +567,9 @@ class StackedReplay:
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
         return self.transitions.update_priorities(indices, priorities)
+
+    def drop(self, indices: np.ndarray) -> int:
+        return self.transitions.drop(indices)
 
     def priority_stats(self) -> dict[str, float]:
         """Mean and min of the stored (transformed) priorities: how surprising the replay is."""
@@ -646,34 +664,3 @@ class StackedReplay:
             transitions._evicted_until = kept_from
             transitions._tree.update(slots, priorities[slots])
             self._chunks = deque((end, first) for end, first in header["chunks"] if end > kept_from)
-
-    def check_chunk(self, chunk: Mapping[str, np.ndarray]) -> tuple[np.ndarray, int]:
-        """Raises ValueError unless ``add`` would accept the chunk; returns (frames, count)."""
-        needed = ("frames", "obs_frame", "next_obs_frame", "action", "reward", "discount", "priority")
-        missing = [k for k in needed if k not in chunk]
-        if missing:
-            raise ValueError(f"chunk lacks {missing}")
-        frames = chunk["frames"]
-        if frames.shape[1:] != self.frame_shape or frames.dtype != self.frame_dtype:
-            raise ValueError(
-                f"chunk frames are {frames.dtype}{list(frames.shape[1:])}, "
-                f"this run stores {self.frame_dtype}{list(self.frame_shape)}"
-            )
-        if not 0 < len(frames) <= self.frames.capacity:
-            raise ValueError(f"chunk has {len(frames)} frames, expected 1..{self.frames.capacity}")
-        count = len(chunk["priority"])
-        for name in needed[1:]:
-            array = chunk[name]
-            if array.shape != (count,):
-                raise ValueError(f"chunk field {name!r} has shape {array.shape}, expected ({count},)")
-        last_start = len(frames) - self.stack
-        for name in ("obs_frame", "next_obs_frame"):
-            index = chunk[name]
-            if index.dtype.kind not in "iu" or (count and (index.min() < 0 or index.max() > last_start)):
-                raise ValueError(f"chunk field {name!r} must index stacks within its {len(frames)} frames")
-        if chunk["action"].dtype.kind not in "iu":
-            raise ValueError(f"chunk actions must be integers, got {chunk['action'].dtype}")
-        for name in ("reward", "discount"):
-            if chunk[name].dtype.kind != "f":
-                raise ValueError(f"chunk field {name!r} must be floating point, got {chunk[name].dtype}")
-        return frames, count

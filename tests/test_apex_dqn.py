@@ -128,21 +128,6 @@ def test_merge_chunks_offsets_frame_indices():
     assert m["action"].tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize(
-    "arrays, message",
-    [
-        ({"action": np.array([0, 3])}, "actions must be in"),
-        ({"action": np.array([-1])}, "actions must be in"),
-        ({"reward": np.array([np.nan])}, "non-finite"),
-        ({"discount": np.array([1.5])}, "discounts"),
-        ({"discount": np.array([np.nan])}, "discounts"),
-    ],
-)
-def test_check_batch_rejects_what_would_break_training(arrays, message):
-    with pytest.raises(ValueError, match=message):
-        apex_dqn.check_batch(arrays, num_actions=3)
-
-
 class TableQ(nn.Module):
     """Q(s, a) = table[s, a] for integer states: easy to compute by hand."""
 

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
+import os
+import pathlib
+import re
+import zlib
 
 import numpy as np
 import pytest
 import torch
 
-from apex.checkpoint import CheckpointWriter, CorruptCheckpoint, find_latest, verify
+from apex.checkpoint import (CheckpointWriter, CorruptCheckpoint, IncompatibleCheckpoint, candidates, find_latest,
+                             mark_corrupt, verify)
 from apex.errors import ApexError
 from apex.replay import StackedReplay
 from tests.test_replay import assert_stacks_are_their_own, fill, new_like
@@ -22,7 +29,15 @@ def small_replay() -> StackedReplay:
 
 
 def state(updates: int) -> dict:
-    return {"updates": updates, "weights": torch.full((4,), float(updates)), "config": {"algo": "apex_dqn"}}
+    """What every apex checkpoint holds (see LearnerProcess.save_checkpoint), small."""
+    net = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(net.parameters())
+    net(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return {"online": net.state_dict(), "target": net.state_dict(), "optimizer": optimizer.state_dict(),
+            "updates": updates, "env_steps": 10 * updates, "time": 1.5, "config": {"algo": "apex_dqn"},
+            "episode_stats": {"eval": [], "train": [9.0], "episodes": 1, "best": -math.inf},
+            "weights": torch.full((4,), float(updates))}
 
 
 def write(directory, updates: int, replay=None, keep: int = 5, background: bool = False) -> CheckpointWriter:
@@ -151,3 +166,217 @@ def test_checkpoint_benchmark_reports_a_full_restore_while_inserting():
     assert result["restored_transitions"] >= 0.9 * 20_000
     assert result["checkpoint_bytes"] > result["replay_nbytes"] * 0.8  # frames and items, not a stub
     assert result["inserts_before"]["inserts_per_s"] > 0 and result["inserts_during"]["median_ms"] is not None
+
+
+# -- hostile and malformed checkpoints
+
+
+class RunsCode:
+    """Pickles as a call that creates ``marker``: what a forged checkpoint would do."""
+
+    def __init__(self, marker, how: str = "os.system") -> None:
+        self.marker, self.how = marker, how
+
+    def __reduce__(self):
+        if self.how == "os.system":
+            return os.system, (f"touch {self.marker}",)
+        return pathlib.Path.touch, (pathlib.Path(self.marker),)
+
+
+def forge(directory, updates: int, marker, how: str = "os.system") -> None:
+    """A checkpoint whose manifest matches its files (size, CRC-32) and whose .pt runs code
+    when unpickled: size and CRC only detect accidents."""
+    write(directory, updates)
+    path = directory / f"ckpt-{updates:09d}.pt"
+    torch.save({**state(updates), "online": RunsCode(marker, how)}, path)
+    manifest_path = directory / f"ckpt-{updates:09d}.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["state"] = {"bytes": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how", ["os.system", "pathlib"])
+def test_a_forged_checkpoint_runs_no_code_and_the_one_before_is_used(tmp_path, caplog, how):
+    marker = tmp_path / "marker"
+    write(tmp_path, 100)
+    forge(tmp_path, 200, marker, how)
+    found = list(candidates(tmp_path))  # size and CRC-32 match: it verifies
+    assert [c.name for c in found] == ["ckpt-000000200", "ckpt-000000100"]
+    with pytest.raises(CorruptCheckpoint, match="loaded without running code") as caught:
+        found[0].load_state()
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()
+    with caplog.at_level(logging.WARNING):
+        mark_corrupt(found[0], caught.value)
+    assert "ckpt-000000200 refused" in caplog.text
+    assert [c.name for c in candidates(tmp_path)] == ["ckpt-000000100"]
+    assert find_latest(tmp_path).load_state()["updates"] == 100
+    assert (tmp_path / "ckpt-000000200.pt.corrupt").exists() and not marker.exists()
+    # The forgery is real: the old way of loading would have run it.
+    torch.load(tmp_path / "ckpt-000000200.pt.corrupt", weights_only=False)
+    assert marker.exists()
+
+
+def test_a_learners_real_state_loads_without_running_code(tmp_path):
+    """What LearnerProcess.save_checkpoint writes: state_dicts of networks and Adam (with
+    its moments after some updates), counters, -inf, the full config."""
+    from apex.algos import impala
+    from apex.algos.apex_dqn import Learner as ApexLearner
+    from apex.config import Config
+    from apex.envs import EnvSpec
+    from apex.metrics import EpisodeStats
+    from tests.test_learner import bandit_chunk
+
+    spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
+    for algo in ("apex_dqn", "impala"):
+        config = Config()
+        config.algo = algo
+        config.replay.capacity = 1000
+        learner = (ApexLearner if algo == "apex_dqn" else impala.Learner)(config, spec, torch.device("cpu"))
+        if algo == "apex_dqn":
+            learner.insert(bandit_chunk(500))
+            for _ in range(3):
+                learner.step()
+        saved = {**learner.state_dict(), "env_steps": 5000, "env_steps_by_host": {"127.0.0.1": 5000},
+                 "episode_stats": EpisodeStats().state_dict(), "time": 12.5, "config": config.to_dict()}
+        directory = tmp_path / algo
+        assert CheckpointWriter(directory, keep=3).save("ckpt-000000003", saved)
+        loaded = find_latest(directory).load_state()
+        assert loaded["episode_stats"]["best"] == -math.inf and loaded["config"] == config.to_dict()
+        fresh = (ApexLearner if algo == "apex_dqn" else impala.Learner)(config, spec, torch.device("cpu"))
+        fresh.load_state_dict(loaded)
+        assert fresh.updates == learner.updates
+
+
+@pytest.mark.parametrize(
+    "change, missing",
+    [
+        (lambda s: s.pop("online"), "'online'"),
+        (lambda s: s.pop("optimizer"), "'optimizer'"),
+        (lambda s: s.pop("env_steps"), "'env_steps'"),
+        (lambda s: s.update(updates="100"), "'updates' is a str"),
+        (lambda s: s.update(updates=True), "'updates' is a bool"),
+        (lambda s: s.update(time=float("nan")), "finite"),
+        (lambda s: s.update(episode_stats={"eval": []}), "episode_stats"),
+        (lambda s: s.update(config={"algo": "impala"}), "'net'"),
+        (lambda s: s.update(config={"algo": "sarsa"}), "config.algo"),
+        (lambda s: s.update(config={"algo": ["apex_dqn"]}), "config.algo"),
+        (lambda s: s.update(env_steps_by_host="ab"), "env_steps_by_host"),
+        (lambda s: s.update(limiter={"inserts": 1}), "limiter"),
+    ],
+)
+def test_a_state_without_what_every_checkpoint_holds_is_refused(tmp_path, change, missing):
+    bad = state(100)
+    change(bad)
+    assert CheckpointWriter(tmp_path, keep=3).save("ckpt-000000100", bad)
+    with pytest.raises(CorruptCheckpoint, match=re.escape(missing)):
+        find_latest(tmp_path).load_state()
+
+
+@pytest.mark.parametrize("content", [[1, 2], "a string", None])
+def test_a_state_of_the_wrong_type_is_refused(tmp_path, content):
+    writer = CheckpointWriter(tmp_path, keep=3)
+    writer.save("ckpt-000000100", state(100))
+    (tmp_path / "ckpt-000000100.pt").unlink()
+    writer._write("ckpt-000000100", _saved(content), None, {"algo": "apex_dqn"})
+    with pytest.raises(CorruptCheckpoint, match="not an apex learner state"):
+        find_latest(tmp_path).load_state()
+
+
+def _saved(content) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(content, buffer)
+    return buffer
+
+
+def edit_manifest(directory, updates: int, edit) -> None:
+    path = directory / f"ckpt-{updates:09d}.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def header(key, value):
+    return lambda m: m["replay_header"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (header("chunk_items", 0), "chunk_items must be an int >= 1"),
+        (header("frames", [-1, 0, 8]), "frames must be [start, valid, end], ints >= 0"),
+        (header("items", [0, 5, 3]), "start <= valid <= end"),
+        (header("items", [0, 0, 51]), "more than capacity 50"),
+        (header("frames", [0, 0, 81]), "more than frame_capacity 80"),
+        (header("frame_shape", [0]), "frame_shape must be a list of positive ints"),
+        (header("frame_shape", "1"), "frame_shape"),
+        (header("frame_dtype", 8), "frame_dtype must be a string"),
+        (header("stack", True), "stack must be an int >= 1"),
+        (header("capacity", 1.5), "capacity must be an int >= 1"),
+        (header("chunks", [[1]]), "chunks must be a list"),
+        (header("chunks", {"a": 1}), "chunks must be a list"),
+        (header("chunks", [[9, 0], [5, 9]]), "in insertion order"),
+        (header("chunks", [[10 ** 6, 0]]), "within items and frames"),
+        (lambda m: m.__setitem__("replay_header", None), "replay_header must be an object"),
+        (lambda m: m["replay_header"].pop("items"), "items must be [start, valid, end]"),
+        (lambda m: m["files"]["state"].__setitem__("crc32", -1), "files.state must be"),
+        (lambda m: m["files"]["state"].__setitem__("crc32", 2 ** 32), "files.state must be"),
+        (lambda m: m["files"]["replay"].__setitem__("bytes", "12"), "files.replay must be"),
+        (lambda m: m["files"].__setitem__("extra", {"bytes": 0, "crc32": 0}), "files lists 'extra'"),
+        (lambda m: m.__setitem__("files", []), "files must be an object listing 'state'"),
+        (lambda m: m.__setitem__("format", 2), "format is 2"),
+        (lambda m: m.__setitem__("name", "ckpt-000000999"), "name is 'ckpt-000000999'"),
+        (lambda m: m.__setitem__("config", ["algo"]), "config must be an object"),
+    ],
+)
+def test_an_edited_manifest_is_refused_and_the_one_before_is_used(tmp_path, caplog, edit, message):
+    write(tmp_path, 100, small_replay())
+    write(tmp_path, 200, small_replay())
+    edit_manifest(tmp_path, 200, edit)
+    with pytest.raises(CorruptCheckpoint, match=re.escape(message)) as caught:
+        verify(tmp_path / "ckpt-000000200.json")
+    assert "\n" not in str(caught.value)
+    with caplog.at_level(logging.WARNING):
+        found = [c.name for c in candidates(tmp_path)]
+    assert found == ["ckpt-000000100"] and "ckpt-000000200 refused" in caplog.text
+    assert (tmp_path / "ckpt-000000200.json.corrupt").exists()
+    restored = new_like(small_replay())
+    find_latest(tmp_path).load_replay(restored)
+    assert len(restored) == len(small_replay())
+
+
+def test_a_replay_that_does_not_match_its_header_is_corrupt_and_leaves_the_replay_empty(tmp_path):
+    write(tmp_path, 100, small_replay())
+    write(tmp_path, 200, small_replay())
+    # A file shorter than its header says, with a manifest made to match it.
+    path = tmp_path / "ckpt-000000200.replay"
+    path.write_bytes(path.read_bytes()[:-100])
+    edit_manifest(tmp_path, 200, lambda m: m["files"].__setitem__(
+        "replay", {"bytes": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}))
+    newest = find_latest(tmp_path)
+    restored = new_like(small_replay())
+    with pytest.raises(CorruptCheckpoint, match="ckpt-000000200.replay does not hold the replay"):
+        newest.load_replay(restored)
+    assert len(restored) == 0 and restored.total_added == 0
+    mark_corrupt(newest, "replay unreadable")
+    find_latest(tmp_path).load_replay(restored)  # the one before, into the same replay
+    assert len(restored) == len(small_replay())
+    assert_stacks_are_their_own(restored)
+
+
+def test_a_replay_of_another_shape_is_incompatible_not_corrupt(tmp_path):
+    write(tmp_path, 100, small_replay())
+    other = StackedReplay((1,), np.int64, stack=2, capacity=60, frame_capacity=80, seed=0)
+    with pytest.raises(IncompatibleCheckpoint, match="capacity 50, this run's has 60"):
+        find_latest(tmp_path).load_replay(other)
+    assert (tmp_path / "ckpt-000000100.json").exists()
+
+
+def test_a_stale_temporary_link_is_removed_not_followed(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("precious\n")
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    (directory / "ckpt-000000100.pt.tmp").symlink_to(target)
+    CheckpointWriter(directory, keep=3)
+    assert os.listdir(directory) == [] and target.read_text() == "precious\n"

@@ -1,11 +1,16 @@
 """deploy/: the compose file against the official Compose schema, its commands and the
-Kubernetes manifests against apex's own CLI, and the Dockerfile's promises."""
+Kubernetes manifests against apex's own CLI, the secure defaults (CURVE keys from a keygen
+service, ports published on loopback), and the Dockerfile's promises."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -62,7 +67,17 @@ def test_compose_settings_come_from_the_environment_with_defaults(schema):
     custom = compose(env={**example, "APEX_ACTORS": "8", "APEX_HOST_PORTS": "7000-7002"})
     jsonschema.Draft7Validator(schema).validate(custom)
     assert custom["services"]["actor"]["deploy"]["replicas"] == "8"
-    assert custom["services"]["learner"]["ports"] == ["7000-7002:5550-5552"]
+    assert custom["services"]["learner"]["ports"] == ["127.0.0.1:7000-7002:5550-5552"]
+    # The documented way to reach the learner from other hosts: publish on every interface.
+    everywhere = compose(env={"APEX_PUBLISH_HOST": "0.0.0.0"})
+    jsonschema.Draft7Validator(schema).validate(everywhere)
+    assert everywhere["services"]["learner"]["ports"] == ["0.0.0.0:5550-5552:5550-5552"]
+    assert everywhere["services"]["tensorboard"]["ports"] == ["127.0.0.1:6006:6006"]  # its own setting
+    # A host directory of keys instead of the named volume.
+    own_keys = compose(env={"APEX_KEYS": "/srv/apex-keys"})
+    jsonschema.Draft7Validator(schema).validate(own_keys)
+    for name in ("keygen", "learner", "actor"):
+        assert any(v.startswith("/srv/apex-keys:/keys") for v in own_keys["services"][name]["volumes"])
 
 
 def test_compose_services_run_apex_commands_that_parse():
@@ -83,9 +98,113 @@ def test_compose_services_run_apex_commands_that_parse():
     assert "5550-5552" in services["learner"]["ports"][0] and services["learner"]["healthcheck"]["test"]
 
 
+def published_host(port_spec: str) -> str:
+    """The host address of a short-syntax port mapping, HOST:PUBLISHED:TARGET ('' if none)."""
+    parts = port_spec.rsplit(":", 2)
+    return parts[0] if len(parts) == 3 else ""
+
+
+def test_compose_publishes_every_port_on_loopback_by_default():
+    services = compose()["services"]
+    published = [(name, spec) for name, service in services.items() for spec in service.get("ports", [])]
+    assert {name for name, _ in published} == {"learner", "tensorboard"}
+    for name, spec in published:
+        assert published_host(spec) == "127.0.0.1", f"{name} publishes {spec} beyond loopback"
+    assert services["learner"]["ports"] == ["127.0.0.1:5550-5552:5550-5552"]
+    assert services["tensorboard"]["ports"] == ["127.0.0.1:6006:6006"]
+
+
+def keys_mount(service: dict) -> tuple[str, str, str]:
+    """(source, target, mode) of the service's volume mounted on /keys."""
+    (mount,) = [v for v in service.get("volumes", []) if v.split(":")[1] == "/keys"]
+    source, target, *mode = mount.split(":")
+    return source, target, mode[0] if mode else "rw"
+
+
+def keygen_line() -> str:
+    keygen = compose()["services"]["keygen"]
+    assert keygen["entrypoint"] == ["/bin/sh", "-c"]
+    (line,) = keygen["command"]
+    return line
+
+
+def test_compose_runs_with_curve_keys_from_a_keygen_service(tmp_path):
+    from apex.transport import generate_keys
+
+    spec = compose()
+    services = spec["services"]
+    keygen = services["keygen"]
+    assert keygen["image"] == services["learner"]["image"] == services["actor"]["image"]
+    assert keygen.get("restart", "no") == "no" and "ports" not in keygen and "deploy" not in keygen
+    # It runs as the image's user (no `user:` override), the user the learner and actors run as,
+    # so the 0600 secret keys it writes are readable by them.
+    assert all("user" not in s for s in services.values())
+    source, target, mode = keys_mount(keygen)
+    assert (target, mode) == ("/keys", "rw")
+    assert source in spec["volumes"], "the default key store is a named volume of this file"
+    for name in ("learner", "actor"):
+        service = services[name]
+        assert keys_mount(service) == (source, "/keys", "ro"), f"{name} mounts the keys read-only"
+        assert service["environment"]["APEX_CURVE_DIR"] == "/keys"
+        assert service["depends_on"]["keygen"] == {"condition": "service_completed_successfully"}
+    assert services["actor"]["depends_on"]["learner"]["condition"] == "service_started"
+
+    # The shell line: keygen only where there are no keys yet; `apex keygen` must parse.
+    check, run = (part.strip() for part in keygen_line().split("||"))
+    test_cmd = shlex.split(check)
+    assert test_cmd[:2] == ["test", "-f"]
+    written = generate_keys(tmp_path / "keys")
+    assert Path(test_cmd[2]) == Path(target) / written["learner_secret"].name
+    program, *argv = shlex.split(run)
+    assert program == "apex"
+    args = build_parser().parse_args(argv)
+    assert args.command == "keygen" and args.dir == target
+
+
+def test_compose_keygen_line_writes_keys_once(tmp_path):
+    """The keygen service's shell line, run by sh against a real `apex keygen`: the first run
+    writes the keys, later runs succeed without touching them (apex keygen alone would refuse)."""
+    if shutil.which("sh") is None:
+        pytest.skip("no sh")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "apex"
+    shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m apex "$@"\n')
+    shim.chmod(0o755)
+    keys = tmp_path / "keys"
+    keys.mkdir()  # a fresh volume: an empty directory
+    line = keygen_line().replace("/keys", str(keys))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+    def run_line():
+        return subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, timeout=120)
+
+    first = run_line()
+    assert first.returncode == 0, first.stderr
+    names = {"learner.key", "learner.key_secret", "actor.key", "actor.key_secret"}
+    assert names <= {p.name for p in keys.iterdir()} and (keys / "authorized" / "actor.key").exists()
+    before = {p: p.read_bytes() for p in keys.rglob("*") if p.is_file()}
+    second = run_line()
+    assert second.returncode == 0, second.stderr
+    assert {p: p.read_bytes() for p in keys.rglob("*") if p.is_file()} == before
+
+
+def test_dockerfile_gives_the_image_user_the_key_directory():
+    """A fresh named volume takes the owner of the image's directory it is mounted on: /keys
+    must exist in the image and belong to the user keygen, the learner and the actors run as."""
+    final = re.split(r"^FROM ", (DEPLOY / "Dockerfile").read_text(), flags=re.M)[-1]
+    user = re.search(r"^USER (\S+)", final, flags=re.M).group(1)
+    run = " ".join(re.findall(r"^RUN ((?:.*\\\n)*.*)$", final, flags=re.M)).replace("\\\n", " ")
+    assert re.search(r"mkdir -p [^&]*/keys", run)
+    assert re.search(rf"chown {user} [^&]*/keys", run)
+
+
+K8S_BASE = DEPLOY / "k8s" / "base"
+
+
 def k8s_documents() -> dict[str, dict]:
     docs = {}
-    for path in (DEPLOY / "k8s").glob("*.yaml"):
+    for path in K8S_BASE.glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             if "kind" not in doc:
                 continue  # apex-config.yaml: apex's own config, checked below
@@ -97,10 +216,10 @@ def test_kubernetes_manifests_agree_with_each_other_and_the_cli():
     docs = k8s_documents()
     kustomization = docs["Kustomization/kustomization"]
     for resource in kustomization["resources"]:
-        assert (DEPLOY / "k8s" / resource).exists()
+        assert (K8S_BASE / resource).exists()
     (config_file,) = kustomization["configMapGenerator"][0]["files"]
     mounted_name, source = config_file.split("=")
-    config.load(DEPLOY / "k8s" / source)  # a valid apex config
+    config.load(K8S_BASE / source)  # a valid apex config
     image = kustomization["images"][0]["name"]
     parser = build_parser()
     learner = docs["Deployment/apex-learner"]["spec"]["template"]["spec"]["containers"][0]
@@ -130,6 +249,61 @@ def test_kubernetes_curve_overlay_uses_the_files_keygen_writes(tmp_path):
     learner = yaml.safe_load((DEPLOY / "k8s" / "curve" / "learner-curve.yaml").read_text())
     items = learner["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
     assert {"key": "actor.key", "path": "authorized/actor.key"} in items  # the learner's allow-list
+    actor = yaml.safe_load((DEPLOY / "k8s" / "curve" / "actor-curve.yaml").read_text())
+    actor_items = actor["spec"]["template"]["spec"]["volumes"][0]["secret"]["items"]
+    assert {i["key"] for i in actor_items} == {"learner.key", "actor.key_secret"}  # no learner secret
+
+
+def kustomization_dirs(directory: Path) -> list[Path]:
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    return [(directory / r).resolve() for r in spec.get("resources", []) if (directory / r).is_dir()]
+
+
+@pytest.mark.parametrize("overlay", ["k8s", "k8s/curve"])
+def test_kubernetes_kustomizations_reference_no_base_that_contains_them(overlay):
+    """kustomize refuses a base directory that contains the overlay ("cycle detected")."""
+    directory = (DEPLOY / overlay).resolve()
+    bases = kustomization_dirs(directory)
+    assert bases
+    for base in bases:
+        assert (base / "kustomization.yaml").exists()
+        assert not directory.is_relative_to(base), f"{overlay} lies inside its base {base}"
+    assert (DEPLOY / "k8s" / "base").resolve() in bases
+
+
+def test_kubernetes_default_manifests_warn_that_they_run_without_curve():
+    for path in (DEPLOY / "k8s" / "kustomization.yaml", K8S_BASE / "kustomization.yaml", K8S_BASE / "learner.yaml"):
+        comments = [line.lstrip("# ") for line in path.read_text().splitlines() if line.startswith("#")]
+        text = " ".join(" ".join(comments).split())
+        assert "must not be reachable from untrusted networks" in text, path
+        assert "curve" in text
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) not installed")
+def test_kubernetes_kustomizations_build(tmp_path):
+    """`kubectl kustomize` builds the base and the curve overlay (with keys from apex keygen)."""
+    from apex.transport import generate_keys
+
+    copy = tmp_path / "k8s"
+    shutil.copytree(DEPLOY / "k8s", copy, ignore=shutil.ignore_patterns("keys"))
+    generate_keys(copy / "curve" / "keys")
+
+    def build(directory: Path) -> list[dict]:
+        out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return list(yaml.safe_load_all(out.stdout))
+
+    base = build(copy)
+    assert {d["kind"] for d in base} == {"ConfigMap", "Service", "Deployment"}
+    curve = build(copy / "curve")
+    (secret,) = [d for d in curve if d["kind"] == "Secret"]
+    assert set(secret["data"]) == {"learner.key", "learner.key_secret", "actor.key", "actor.key_secret"}
+    for deployment in (d for d in curve if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert {"name": "APEX_CURVE_DIR", "value": "/etc/apex-keys"} in container["env"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
 
 
 def test_dockerfile_is_multi_stage_non_root_with_apex_as_entrypoint():

@@ -111,7 +111,7 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
         push.connect(f"tcp://127.0.0.1:{port + 1}")
         push.send_multipart([b"\x00garbage", b"x"])
         push.send_multipart(protocol.encode(
-            "batch", {"actor_index": 9, "weights_version": 0, "info": {}},
+            "batch", {"actor_index": 9, "weights_version": 0, "info": {}, "session": bytes(16), "seq": 0},
             {"frames": np.zeros((2, 4), np.float32), "obs_frame": np.array([0], np.int32),
              "next_obs_frame": np.array([1], np.int32), "action": np.array([7]), "reward": np.ones(1, np.float32),
              "discount": np.ones(1, np.float32), "priority": np.ones(1, np.float32)},

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +77,51 @@ def test_plot_keeps_the_timeline_a_resumed_run_went_on_with():
     kept = surviving_timeline([{"time": t, "n": i} for i, t in enumerate(times)])
     assert [(r["time"], r["n"]) for r in kept] == [(2, 0), (4, 1), (6, 5), (8.1, 6), (10.1, 7), (12, 8)]
     assert _labels(["/a/s1/run", "/a/s2/run", "/b/other"]) == ["s1/run", "s2/run", "b/other"]
+
+
+def full_state(checkpoint: Path, updates: int) -> dict:
+    """The fixture's networks with everything else a learner checkpoint holds."""
+    return {**torch.load(checkpoint, weights_only=True), "updates": updates, "env_steps": 100, "time": 1.0,
+            "episode_stats": {"eval": [], "train": [], "episodes": 0, "best": -math.inf}}
+
+
+def test_eval_of_a_forged_checkpoint_runs_no_code_and_says_so_in_one_line(checkpoint, tmp_path):
+    from apex.checkpoint import CheckpointWriter
+    from tests.test_checkpoint import RunsCode
+
+    marker = tmp_path / "marker"
+    run = tmp_path / "run"
+    writer = CheckpointWriter(run / "checkpoints", keep=3)
+    writer.save("ckpt-000000001", full_state(checkpoint, 1))
+    # The manifest's size and CRC-32 match: only loading can tell.
+    writer.save("ckpt-000000002", {**full_state(checkpoint, 2), "online": RunsCode(marker)})
+    forged = run / "checkpoints" / "ckpt-000000002.pt"
+    result = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(forged)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("apex eval: error: checkpoint "), result.stderr
+    assert "without running code" in lines[0]
+    assert not marker.exists()
+    # Given the run, eval sets the forged one aside and plays the one before.
+    result = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--episodes", "1"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "ckpt-000000002 refused" in result.stderr and "(apex_dqn, 1 updates)" in result.stdout
+    assert not marker.exists()
+
+
+def test_eval_of_a_checkpoint_without_its_network_names_the_key(checkpoint, tmp_path, capsys):
+    state = torch.load(checkpoint, weights_only=True)
+    del state["online"]
+    path = tmp_path / "hand-made.pt"
+    torch.save(state, path)
+    assert main(["eval", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no 'online'" in err, err
+    # A network of another shape: one line too, not a traceback.
+    state["online"] = {"advantage.bias": torch.zeros(7)}
+    torch.save(state, path)
+    assert main(["eval", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not fit" in err, err

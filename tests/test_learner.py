@@ -72,53 +72,37 @@ def test_pick_device():
             pick_device("cuda")
 
 
-@pytest.mark.parametrize(
-    "info",
-    [
-        {"env_steps": -1},
-        {"env_steps": 1.5},
-        {"episodes": "x"},
-        {"episodes": [[1.0, 2]]},
-        {"episodes": [[float("nan"), 2, True]]},
-        {"episodes": [[1.0, 2, "yes"]]},
-    ],
-)
-def test_batch_info_is_validated(info):
-    with pytest.raises(ValueError):
-        LearnerProcess._check_info(info)
-    assert LearnerProcess._check_info({"episodes": [[3.0, 10, True]], "env_steps": 16}) == ([[3.0, 10, True]], 16)
+def validated(learner, arrays: dict, num_envs: int = 16) -> dict:
+    """A batch as the learner process hands it to its core: checked against the schema."""
+    return learner.schema.validate(arrays, learner.batch_limits(num_envs))[0]
 
 
-def test_insert_many_merges_good_batches_and_reports_bad_ones():
+def test_insert_many_merges_validated_batches():
     config = Config()
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     learner = ApexLearner(config, spec, torch.device("cpu"))
-    good = bandit_chunk(10)
-    bad_action = {**bandit_chunk(10), "action": np.full(10, 5)}
-    # Indices past its own 11 frames: merged with others they would point into a neighbour's.
-    stray = {**bandit_chunk(10), "next_obs_frame": np.full(10, 15, np.int32)}
-    errors = learner.insert_many([good, bad_action, bandit_chunk(10), stray])
-    assert errors[0] is None and errors[2] is None
-    assert "actions must be in" in str(errors[1]) and "must index stacks" in str(errors[3])
-    assert len(learner.replay) == 20 and learner.replay.frames.added == 22
+    errors = learner.insert_many([validated(learner, bandit_chunk(10)) for _ in range(3)])
+    assert errors == [None, None, None]
+    assert len(learner.replay) == 30 and learner.replay.frames.added == 33
     batch, _, _ = learner.replay.sample(64, 0.4)
     assert set(batch["reward"].tolist()) <= {0.0, 1.0}
+    # Merged, each batch's indices still point into its own frames (rewards follow actions).
+    assert np.array_equal(batch["reward"] == 1.0, batch["action"] == 0)
 
 
 def test_lazily_decoded_batches_with_compressed_small_fields_go_in():
     """Large batches: actions and rewards compress too, not only frames (found with Acrobot)."""
+    from apex.bench.batches import BATCH_FIELDS
     from apex.protocol import decode, encode
 
     config = Config()
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     learner = ApexLearner(config, spec, torch.device("cpu"))
-    fields = {"actor_index": 0, "weights_version": 0, "info": {}}
     big = bandit_chunk(2048)
     big["action"] = np.zeros(2048, np.int64)  # 16 kB of zeros: lz4
-    lazy = decode(encode("batch", fields, big), lazy=True).arrays
+    lazy = decode(encode("batch", BATCH_FIELDS, big), lazy=True).arrays
     assert type(lazy["action"]).__name__ == "Compressed"
-    broken = dict(lazy, reward="not an array")
-    errors = learner.insert_many([lazy, broken, decode(encode("batch", fields, bandit_chunk(10)), lazy=True).arrays])
-    assert errors[0] is None and errors[1] is not None and errors[2] is None
+    small = decode(encode("batch", BATCH_FIELDS, bandit_chunk(10)), lazy=True).arrays
+    errors = learner.insert_many([validated(learner, lazy, num_envs=64), validated(learner, small)])
+    assert errors == [None, None]
     assert len(learner.replay) == 2058
-    assert learner.insert(decode(encode("batch", fields, big), lazy=True).arrays) == 2048

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apex import protocol
+from apex.protocol import PROTOCOL
 from apex.errors import ProtocolError
 from apex.protocol import DTYPES, MESSAGE_TYPES, decode, encode, pack, unpack
 
@@ -20,12 +21,14 @@ FUZZ_EXAMPLES = 2500  # per fuzz test; five of them: 12,500 malformed inputs a r
 FIELDS = {
     "hello": {"actor_index": None, "num_envs": 16, "host": "node-3", "pid": 4242},
     "heartbeat": {"actor_index": 2},
-    "welcome": {"actor_index": 2, "spec": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]}},
-    "reject": {"reason": "protocol mismatch"},
+    "welcome": {"actor_index": 2, "spec": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]},
+                "session": b"s" * 16, "incarnation": b"i" * 8},
+    "reject": {"reason": "protocol mismatch", "retry": False},
     "stop": {"reason": "stop-return reached"},
     "heartbeat_ack": {"weights_version": 17},
-    "batch": {"actor_index": 1, "weights_version": 9, "info": {"episode_returns": [9.0, 21.0]}},
-    "weights": {"version": 12},
+    "batch": {"actor_index": 1, "weights_version": 9, "info": {"episode_returns": [9.0, 21.0]},
+              "session": b"s" * 16, "seq": 3},
+    "weights": {"version": 12, "incarnation": b"i" * 8},
 }
 
 
@@ -95,13 +98,13 @@ def test_decoded_arrays_are_read_only_views():
 def test_encode_snapshots_arrays():
     """Changing an array after encode must not change what was sent (no torn weights)."""
     weights = np.zeros(10_000, np.float32)
-    frames = encode("weights", {"version": 1}, {"w": weights}, compress=False)
+    frames = encode("weights", FIELDS["weights"], {"w": weights}, compress=False)
     weights[:] = 1.0
     assert decode(frames).arrays["w"].max() == 0.0
 
 
 def test_pack_round_trip_and_validation():
-    frames = encode("weights", {"version": 3}, {"w": np.arange(100, dtype=np.float32)})
+    frames = encode("weights", {**FIELDS["weights"], "version": 3}, {"w": np.arange(100, dtype=np.float32)})
     msg = decode(unpack(pack(frames)))
     assert msg.fields["version"] == 3
     packed = pack(frames)
@@ -150,7 +153,7 @@ def _valid_batch():
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda h: h.update(v=2), "protocol version 2"),
+        (lambda h: h.update(v=PROTOCOL + 1), f"protocol version {PROTOCOL + 1}"),
         (lambda h: h.pop("v"), "protocol version None"),
         (lambda h: h.update(type="batchx"), "unknown message type"),
         (lambda h: h.update(layout="x"), "must be msgpack bytes"),
@@ -298,7 +301,7 @@ def test_fuzz_header_fields_of_wrong_types(data):
 )
 def test_fuzz_huge_declared_sizes_never_allocate(shape, dtype, codec, payload):
     layout = msgpack.packb([["x", dtype, shape, codec]])
-    header = {"v": 1, "type": "batch", **FIELDS["batch"], "layout": layout}
+    header = {"v": PROTOCOL, "type": "batch", **FIELDS["batch"], "layout": layout}
     tracemalloc.start()
     try:
         _decode_only_protocol_errors([msgpack.packb(header), payload], max_array_bytes=1 << 20, max_message_bytes=1 << 20)

@@ -21,6 +21,8 @@ return_mean_100.
 from __future__ import annotations
 
 import copy
+import math
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -31,8 +33,10 @@ from torch import nn
 from apex.config import ActorConfig, Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.models import QNetwork, load_numpy_weights, numpy_weights, to_device
-from apex.protocol import Compressed, Message, materialize
+from apex.errors import ProtocolError
+from apex.protocol import Compressed, Message
 from apex.replay import RateLimiter, StackedReplay
+from apex.schema import ArrayRule, BatchSchema, below, frame_rule, within
 
 
 def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
@@ -157,24 +161,34 @@ def merge_chunks(chunks: list[dict]) -> dict:
     return merged
 
 
-def _expand(arrays: dict) -> dict:
-    """Everything a lazy decode left compressed but the frames: the replay decompresses
-    those straight into its ring."""
-    return materialize(arrays, keep_compressed=("frames",))
+def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
+    """What an Ape-X batch holds: frames, then per transition where its observation and
+    bootstrap stacks start in them, its action, n-step return, discount and priority."""
+    stack_starts = below(lambda sizes: sizes["frames"] - spec.stack + 1)
+    max_return = config.transport.max_abs_reward * config.learner.n_step
+    transitions = ("transitions",)
+    return BatchSchema((
+        frame_rule(spec.frame_shape, spec.frame_dtype),
+        ArrayRule("obs_frame", "iu", np.dtype(np.int64), transitions, stack_starts),
+        ArrayRule("next_obs_frame", "iu", np.dtype(np.int64), transitions, stack_starts),
+        ArrayRule("action", "iu", np.dtype(np.int64), transitions, below(lambda _: spec.num_actions)),
+        ArrayRule("reward", "f", np.dtype(np.float32), transitions, within(-max_return, max_return)),
+        ArrayRule("discount", "f", np.dtype(np.float32), transitions, within(0.0, 1.0)),
+        # float32 and finite: however many there are, their sum in the tree stays finite
+        ArrayRule("priority", "f", np.dtype(np.float32), transitions, within(0.0, float(np.finfo(np.float32).max))),
+    ))
 
 
-def check_batch(arrays: dict, num_actions: int) -> None:
-    """Algorithm-level checks on a received batch (the replay checks its structure and
-    priorities). On the ingest hot path: a few whole-array reductions, no per-element work."""
-    action = arrays.get("action")
-    if action is not None and action.size and (action.min() < 0 or action.max() >= num_actions):
-        raise ValueError(f"actions must be in [0, {num_actions}), got [{action.min()}, {action.max()}]")
-    reward = arrays.get("reward")
-    if reward is not None and not np.isfinite(reward).all():
-        raise ValueError("reward holds non-finite values")
-    discount = arrays.get("discount")
-    if discount is not None and not ((discount >= 0).all() and (discount <= 1).all()):  # NaN fails too
-        raise ValueError("discounts must be in [0, 1]")
+def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]:
+    """The most transitions and frames one batch of an actor with ``num_envs`` environments
+    can hold: it sends once it holds chunk_transitions (C) or more, and one step adds at
+    most two chunks per environment (a full one and an episode's end, each up to C + n
+    transitions, with the n + stack frames around them)."""
+    chunk, n = config.actor.chunk_transitions, config.learner.n_step
+    chunks = chunk + 2 * num_envs
+    transitions = chunk + num_envs * (2 * chunk + n)
+    return {"transitions": min(transitions, config.replay.capacity),
+            "frames": min(transitions + chunks * (n + spec.stack), config.frame_capacity)}
 
 
 class LossOutput(NamedTuple):
@@ -233,7 +247,18 @@ class Learner:
         )
         self.limiter = RateLimiter(config.replay.samples_per_insert, config.replay.min_size, config.replay.rate_slack)
         self.updates = 0
+        self.skipped_updates = 0  # non-finite loss or gradient: not applied
+        self.dropped_transitions = 0  # whose loss was not finite: never sampled again
         self.samples_per_update = config.learner.batch_size
+        self.schema = batch_schema(spec, config)
+
+    def batch_limits(self, num_envs: int) -> dict[str, int]:
+        return batch_limits(num_envs, self.spec, self.config)
+
+    @staticmethod
+    def env_steps(sizes: dict[str, int]) -> int:
+        """Env steps a validated batch stands for: one transition per step."""
+        return sizes["transitions"]
 
     def welcome(self, actor_index: int, num_envs: int) -> dict:
         epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.actor)
@@ -243,58 +268,54 @@ class Learner:
         return self.limiter.wait_to_insert(timeout)
 
     def insert(self, arrays: dict) -> int:
-        """Stores a received batch; frames may still be lz4-compressed (decode(lazy=True)):
-        the replay decompresses them straight into its frame ring."""
-        arrays = _expand(arrays)
-        check_batch(arrays, self.spec.num_actions)
+        """Stores a batch validated by ``self.schema``; frames may still be lz4-compressed
+        (decode(lazy=True)): the replay decompresses them straight into its frame ring."""
         self.replay.add(arrays)
         count = len(arrays["priority"])
         self.limiter.inserted(count)
         return count
 
     def insert_many(self, batches: list[dict]) -> list[Exception | None]:
-        """Inserts several batches; returns each one's error, or None. Batches with plain
-        frames that pass their own checks go in merged, as one insert (the checks and
-        bookkeeping of a small CartPole batch cost more than its data); compressed frames go
-        in one by one, straight into the frame ring. A bad batch never costs the others."""
-        batches = list(batches)
+        """Inserts several validated batches; returns each one's error (a ProtocolError for
+        a corrupt lz4 payload), or None. Batches with plain frames go in merged, as one
+        insert (the bookkeeping of a small CartPole batch costs more than its data), if
+        together they fit the replay; compressed frames go in one by one, straight into
+        the frame ring."""
         errors: list[Exception | None] = [None] * len(batches)
-        mergeable = []
+        plain = [i for i, b in enumerate(batches) if not isinstance(b["frames"], Compressed)]
+        if len(plain) > 1:
+            merged = merge_chunks([batches[i] for i in plain])
+            if len(merged["frames"]) <= self.replay.frames.capacity and len(merged["priority"]) <= self.replay.capacity:
+                self.insert(merged)
+                plain = []
         for i, batch in enumerate(batches):
-            try:
-                batch = batches[i] = _expand(batch)
-                if isinstance(batch.get("frames"), Compressed):
-                    continue
-                check_batch(batch, self.spec.num_actions)
-                self.replay.check_chunk(batch)  # its indices stay within its own frames
-                mergeable.append(i)
-            except Exception as e:  # whatever is wrong with it, it is this batch's fault
-                errors[i] = e
-        merged = False
-        if len(mergeable) > 1:
-            try:
-                self.insert(merge_chunks([batches[i] for i in mergeable]))
-                merged = True
-            except (ValueError, KeyError, TypeError):
-                pass  # e.g. together too large for the replay: one by one below
-        for i, batch in enumerate(batches):
-            if errors[i] is None and (isinstance(batch.get("frames"), Compressed) or not merged):
+            if i in plain or isinstance(batch["frames"], Compressed):
                 try:
                     self.insert(batch)
-                except Exception as e:
+                except ProtocolError as e:  # the frames' lz4 payload did not decompress
                     errors[i] = e
         return errors
 
     def wait_to_step(self, timeout: float) -> bool:
-        return self.limiter.wait_to_sample(self.config.learner.batch_size, timeout)
+        if not self.limiter.wait_to_sample(self.config.learner.batch_size, timeout):
+            return False
+        if not self.replay.transitions.sampleable:  # every transition dropped as poison: wait for more
+            time.sleep(timeout)
+            return False
+        return True
 
     def step(self) -> dict[str, float]:
-        """One update: sample, move to the device, train, write the priorities back."""
+        """One update: sample, move to the device, train, write the priorities back (not
+        when the update was skipped as non-finite)."""
         cfg = self.config
         batch, indices, weights = self.replay.sample(cfg.learner.batch_size, cfg.replay.beta)
         tensors = self.to_device({**batch, "weights": weights})
         priorities, metrics = self.train_on(tensors)
-        self.replay.update_priorities(indices, priorities.cpu().numpy())
+        priorities = priorities.cpu().numpy()
+        if metrics:
+            self.replay.update_priorities(indices, priorities)
+        else:  # skipped: the transitions that made it non-finite are never sampled again
+            self.dropped_transitions += self.replay.drop(indices[~np.isfinite(priorities)])
         self.limiter.sampled(cfg.learner.batch_size)
         return metrics
 
@@ -302,18 +323,27 @@ class Learner:
         return {name: to_device(array, self.device) for name, array in batch.items()}
 
     def train_on(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The gradient step on a batch already on the device: (new priorities, metrics)."""
+        """The gradient step on a batch already on the device: (new priorities, metrics).
+        A non-finite loss, gradient or priority skips the step (metrics empty, counted in
+        ``skipped_updates``; the priorities show the rows that were not finite): one host
+        synchronisation decides, the one the metrics need."""
         out = dqn_loss(self.online, self.target, batch["obs"], batch["action"], batch["reward"],
                        batch["discount"], batch["next_obs"], batch["weights"])
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.config.learner.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.config.learner.grad_clip)
+        figures = torch.stack([out.loss.detach(), out.q_mean, out.td_abs_mean, grad_norm,
+                               out.priorities.sum()]).cpu().tolist()
+        metrics = dict(zip(("loss", "q_mean", "td_abs_mean", "grad_norm"), figures))
+        if not all(math.isfinite(x) for x in figures):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            return out.priorities, {}
         self.optimizer.step()
         self.updates += 1
         if self.updates % self.config.learner.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
-        loss, q_mean, td = torch.stack([out.loss.detach(), out.q_mean, out.td_abs_mean]).cpu().tolist()
-        return out.priorities, {"loss": loss, "q_mean": q_mean, "td_abs_mean": td}
+        return out.priorities, metrics
 
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.online)
@@ -355,6 +385,8 @@ class Learner:
             "replay_bytes_per_transition": round(self.replay.bytes_per_transition, 1),
             "replay_nbytes_mb": round(self.replay.nbytes / 2**20, 1),
             "inserted": self.limiter.inserts,
+            "skipped_updates": self.skipped_updates,
+            "dropped_transitions": self.dropped_transitions,
         }
 
 

@@ -20,6 +20,7 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -29,8 +30,10 @@ import torch.nn.functional as F
 from apex.config import Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.models import PolicyValueNetwork, load_numpy_weights, numpy_weights, to_device
-from apex.protocol import Message, materialize
+from apex.errors import ApexError, ProtocolError
+from apex.protocol import Compressed, Message
 from apex.replay import UnrollQueue
+from apex.schema import ArrayRule, BatchSchema, below, frame_rule, within
 
 
 class VTraceReturns(NamedTuple):
@@ -95,31 +98,36 @@ def impala_loss(
     return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), entropy.detach())
 
 
-def check_batch(arrays: dict, spec: EnvSpec, unroll_length: int) -> int:
-    """Validates an actor's batch of unrolls; returns how many unrolls it holds."""
-    frames = arrays["frames"]
-    if frames.shape[1:] != spec.frame_shape or frames.dtype != spec.frame_dtype:
-        raise ValueError(f"frames are {frames.dtype}{list(frames.shape[1:])}, expected {spec.frame_dtype}{list(spec.frame_shape)}")
-    obs_frame = arrays["obs_frame"]
-    unrolls = obs_frame.shape[0] if obs_frame.ndim == 2 else -1
-    if obs_frame.shape != (unrolls, unroll_length + 1) or obs_frame.dtype.kind not in "iu":
-        raise ValueError(f"obs_frame must be an integer array [unrolls, {unroll_length + 1}], got {obs_frame.shape}")
-    if unrolls and (obs_frame.min() < 0 or obs_frame.max() > len(frames) - spec.stack):
-        raise ValueError(f"obs_frame must index stacks within the {len(frames)} frames")
-    for name in ("action", "reward", "discount", "behaviour_logp"):
-        if arrays[name].shape != (unrolls, unroll_length):
-            raise ValueError(f"{name} must have shape [{unrolls}, {unroll_length}], got {arrays[name].shape}")
-    action = arrays["action"]
-    if action.dtype.kind not in "iu" or (action.size and (action.min() < 0 or action.max() >= spec.num_actions)):
-        raise ValueError(f"actions must be integers in [0, {spec.num_actions})")
-    for name in ("reward", "discount", "behaviour_logp"):
-        if not np.all(np.isfinite(arrays[name])):
-            raise ValueError(f"{name} holds non-finite values")
-    if arrays["discount"].size and (arrays["discount"].min() < 0 or arrays["discount"].max() > 1):
-        raise ValueError("discounts must be in [0, 1]")
-    if arrays["behaviour_logp"].size and arrays["behaviour_logp"].max() > 1e-6:
-        raise ValueError("behaviour_logp must be log-probabilities (<= 0)")
-    return unrolls
+MAX_RETURN_HORIZON = 1e4  # a truncation bootstrap is at most this many rewards' worth
+
+
+def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
+    """What an IMPALA batch holds: frames, then per unroll where each of its T + 1 stacks
+    starts in them, and per step the action, reward, discount and behaviour log-probability.
+    A reward may hold, at a time limit, gamma * V(final observation) (the actor's bootstrap):
+    its bound is max_abs_reward times 1 + gamma / (1 - gamma), at most MAX_RETURN_HORIZON."""
+    T = config.impala.unroll_length
+    gamma = config.learner.gamma
+    horizon = 1 + (min(MAX_RETURN_HORIZON, gamma / (1 - gamma)) if gamma < 1 else MAX_RETURN_HORIZON)
+    max_reward = config.transport.max_abs_reward * horizon
+    steps = ("unrolls", T)
+    return BatchSchema((
+        frame_rule(spec.frame_shape, spec.frame_dtype),
+        ArrayRule("obs_frame", "iu", np.dtype(np.int64), ("unrolls", T + 1),
+                  below(lambda sizes: sizes["frames"] - spec.stack + 1)),
+        ArrayRule("action", "iu", np.dtype(np.int64), steps, below(lambda _: spec.num_actions)),
+        ArrayRule("reward", "f", np.dtype(np.float32), steps, within(-max_reward, max_reward)),
+        ArrayRule("discount", "f", np.dtype(np.float32), steps, within(0.0, 1.0)),
+        # log-probabilities: finite and <= 0 (with float32 rounding)
+        ArrayRule("behaviour_logp", "f", np.dtype(np.float32), steps, within(float(np.finfo(np.float32).min), 1e-6)),
+    ))
+
+
+def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]:
+    """An actor sends one unroll per environment, each T steps over at most stack * (T + 1)
+    frames (every step may end an episode and start a new stack)."""
+    T = config.impala.unroll_length
+    return {"unrolls": num_envs, "frames": num_envs * spec.stack * (T + 1)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,19 +148,34 @@ class Learner:
             self.optimizer = torch.optim.RMSprop(self.net.parameters(), lr=config.learner.lr, alpha=im.rmsprop_alpha, eps=im.rmsprop_eps)
         self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
         self.updates = 0
+        self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.samples_per_update = im.batch_unrolls * im.unroll_length
         self._offsets = np.arange(spec.stack)
+        self.schema = batch_schema(spec, config)
+
+    def batch_limits(self, num_envs: int) -> dict[str, int]:
+        return batch_limits(num_envs, self.spec, self.config)
+
+    def env_steps(self, sizes: dict[str, int]) -> int:
+        """Env steps a validated batch stands for: T per unroll."""
+        return sizes["unrolls"] * self.config.impala.unroll_length
 
     def welcome(self, actor_index: int, num_envs: int) -> dict:
+        if num_envs > self.config.impala.queue_size:
+            # one batch holds an unroll per environment: it must fit the queue
+            raise ApexError(f"num_envs {num_envs} exceeds impala.queue_size ({self.config.impala.queue_size}): "
+                             "use fewer environments per actor or a larger queue")
         return {}
 
     def wait_to_insert(self, timeout: float) -> bool:
         return self.queue.wait_for_room(timeout)
 
     def insert(self, arrays: dict) -> int:
-        arrays = materialize(arrays)
-        unrolls = check_batch(arrays, self.spec, self.config.impala.unroll_length)
-        obs = arrays["frames"][arrays["obs_frame"][..., None] + self._offsets]  # [K, T+1, stack, ...]
+        """Queues the unrolls of a batch validated by ``self.schema``."""
+        unrolls = len(arrays["obs_frame"])
+        frames = arrays["frames"]
+        frames = frames.decompress() if isinstance(frames, Compressed) else frames
+        obs = frames[arrays["obs_frame"][..., None] + self._offsets]  # [K, T+1, stack, ...]
         self.queue.put([
             {"obs": obs[k], "action": arrays["action"][k], "reward": arrays["reward"][k],
              "discount": arrays["discount"][k], "behaviour_logp": arrays["behaviour_logp"][k]}
@@ -161,12 +184,13 @@ class Learner:
         return unrolls * self.config.impala.unroll_length
 
     def insert_many(self, batches: list[dict]) -> list[Exception | None]:
+        """Queues validated batches; each one's error (a corrupt lz4 payload), or None."""
         errors: list[Exception | None] = []
         for batch in batches:
             try:
                 self.insert(batch)
                 errors.append(None)
-            except (ValueError, KeyError, TypeError) as e:
+            except ProtocolError as e:
                 errors.append(e)
         return errors
 
@@ -187,11 +211,16 @@ class Learner:
         )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.config.learner.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.config.learner.grad_clip)
+        # One host synchronisation: the metrics, and whether the update is finite.
+        figures = torch.stack([out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy, grad_norm]).cpu().tolist()
+        if not all(math.isfinite(x) for x in figures):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_updates += 1
+            return {}
         self.optimizer.step()
         self.updates += 1
-        figures = torch.stack([out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy]).cpu().tolist()
-        return dict(zip(("loss", "pg_loss", "baseline_loss", "entropy"), figures))
+        return dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures))
 
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.net)
@@ -208,10 +237,11 @@ class Learner:
 
     @property
     def memory_nbytes(self) -> int:
-        """Upper bound of the queued unrolls' observations."""
+        """Upper bound of the queued unrolls' observations: the queue takes a batch while it
+        has room for one unroll, and a batch holds at most queue_size unrolls."""
         frame = int(np.prod(self.spec.frame_shape)) * self.spec.frame_dtype.itemsize
         per_unroll = (self.config.impala.unroll_length + 1) * self.spec.stack * frame
-        return per_unroll * (self.queue.capacity + self.config.actor.num_envs)
+        return per_unroll * 2 * self.queue.capacity
 
     def metrics(self) -> dict:
         return {
@@ -220,6 +250,7 @@ class Learner:
             "inserted_unrolls": self.queue.inserted,
             "replay_size": len(self.queue),
             "replay_capacity": self.queue.capacity,
+            "skipped_updates": self.skipped_updates,
         }
 
 

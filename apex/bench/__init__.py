@@ -6,28 +6,19 @@ figures, units in the key names, with the baseline it was compared against in th
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from apex.bench import checkpoint, codec, e2e, ingest, learner, replay, soak, sumtree, transport
-from apex.bench.timing import machine_info
 from apex.errors import ApexError
-from apex.malloc import keep_large_blocks
 
-BENCHMARKS: dict[str, Callable[..., dict]] = {
-    "sumtree": sumtree.run,
-    "replay": replay.run,
-    "codec": codec.run,
-    "transport": transport.run,
-    "ingest": ingest.run,
-    "checkpoint": checkpoint.run,
-    "learner": learner.run,
-    "e2e": e2e.run,
-    "soak": soak.run,
-}
+# Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
+# only when run: building the command line must not import torch, zmq and gymnasium.
+BENCHMARKS: tuple[str, ...] = (
+    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak",
+)
 # Not part of `all`: minutes long, and a check (pass/fail) more than a throughput figure.
 LONG = ("soak",)
 
@@ -41,6 +32,9 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
     actors, churn_s, overrides and plot for the soak. Raises ApexError (after writing the
     report) if a benchmark that checks something (the soak) failed.
     """
+    from apex.bench.timing import machine_info
+    from apex.malloc import keep_large_blocks
+
     selected = [n for n in BENCHMARKS if n not in LONG] if "all" in names else names
     keep_large_blocks()  # as the learner does: large decoded arrays stay off fresh mmap pages
     machine = machine_info()
@@ -52,7 +46,7 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
             kwargs.update(e2e_options or {})
         if name == "soak":
             kwargs.update(soak_options or {})
-        result = BENCHMARKS[name](**kwargs)
+        result = importlib.import_module(f"apex.bench.{name}").run(**kwargs)
         result["machine"] = machine
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
         report[name] = result

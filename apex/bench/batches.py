@@ -17,7 +17,7 @@ ATARI_TRANSITIONS = 64
 STACK = 4
 N_STEP = 3
 
-BATCH_FIELDS = {"actor_index": 0, "weights_version": 0, "info": {"episode_returns": [], "env_steps": 0}}
+BATCH_FIELDS = {"actor_index": 0, "weights_version": 0, "info": {"episodes": []}, "session": bytes(16), "seq": 0}
 
 
 def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple]:

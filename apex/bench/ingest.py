@@ -11,17 +11,22 @@ frame skip of 4, 34.75 transitions/s.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import tempfile
 import time
 from pathlib import Path
+
+import msgpack
+import zmq
 
 from apex import config as config_module
 from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table
-from apex.bench.transport import free_base_port, sender, socket_options
+from apex.bench.transport import free_base_port, socket_options
 from apex.errors import ConfigError
 from apex.learner import LearnerProcess, StopConditions
+from apex.transport import Session
 
 SENDERS = 2
 WARMUP_S = 0.5
@@ -37,16 +42,44 @@ UNLIMITED = ["replay.samples_per_insert=1e-9", "replay.rate_slack=1000000000000"
              "learner.metrics_interval_s=5"]
 
 
+def session_sender(address: str, frames: list[bytes], options: dict[int, int], session: bytes, index: int) -> None:
+    """Sends one encoded batch over and over, as actor ``index`` of ``session`` would: each
+    time with the next sequence number (the learner accepts a batch once)."""
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    for option, value in options.items():
+        push.setsockopt(option, value)
+    push.connect(address)
+    header = msgpack.unpackb(frames[0], raw=False)
+    header.update(session=session, actor_index=index)
+    seq = 0
+    while True:
+        push.send_multipart([msgpack.packb({**header, "seq": seq}, use_bin_type=True), *frames[1:]], copy=False)
+        seq += 1
+
+
+def _open_sessions(process: LearnerProcess, count: int) -> list[bytes]:
+    """Sessions as handshakes would open them (the senders do not say hello)."""
+    tokens = []
+    for index in range(count):
+        token = os.urandom(16)
+        process.endpoint.sessions.open(Session(index, f"bench-{index}".encode(), token, "bench", os.getpid(),
+                                               process.config.actor.num_envs, last_seen=time.monotonic() + 1e9))
+        tokens.append(token)
+    return tokens
+
+
 def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, port: int) -> dict:
     config = config_module.load(None, overrides + UNLIMITED)
-    frames = protocol.encode("batch", {"actor_index": 0, "weights_version": 0, "info": {}}, batch)
+    frames = protocol.encode("batch", batches.BATCH_FIELDS, batch)
     with tempfile.TemporaryDirectory(prefix="apex-ingest-") as logdir:
         process = LearnerProcess(config, Path(logdir), "127.0.0.1", port, StopConditions())
         core = process.learner
         send_options, _ = socket_options("apex")
         address = f"tcp://127.0.0.1:{process.endpoint.ports.trajectories}"
         spawn = mp.get_context("spawn")
-        senders = [spawn.Process(target=sender, args=(address, frames, send_options), daemon=True) for _ in range(SENDERS)]
+        senders = [spawn.Process(target=session_sender, args=(address, frames, send_options, token, index), daemon=True)
+                   for index, token in enumerate(_open_sessions(process, SENDERS))]
         process.start_ingest()
         for p in senders:
             p.start()
@@ -78,7 +111,7 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
     return {
         "transitions_per_s": round(inserted / elapsed),
         "updates_per_s": round(updates / elapsed, 1),
-        "rejected_messages": process.bad_batches + process.endpoint.receiver.rejected_messages,
+        "rejected_messages": process.endpoint.rejected_messages,
     }
 
 

@@ -1,0 +1,107 @@
+"""Files in a run directory: written whole or not at all, and never through a link.
+
+A run directory may be shared, or left where others can write. Whoever plants a symbolic
+link at a name apex writes (``metrics.jsonl``, a predictable ``*.tmp``) must not make apex
+write somewhere else: temporary files get unique names and are created exclusively
+(``O_EXCL`` refuses any existing name, a link included), and files appended to are opened
+with ``O_NOFOLLOW``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import BinaryIO, Callable, TypeVar
+
+from apex.errors import ApexError
+
+T = TypeVar("T")
+
+TMP_SUFFIX = ".tmp"  # every temporary name ends so: what remove_stale_temps looks for
+_CREATE_ATTEMPTS = 8
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], T]) -> T:
+    """Calls ``write`` with a new file beside ``path``, then fsyncs it and renames it to
+    ``path`` (replacing a link there, never writing through it); returns what ``write``
+    returned. On any failure the temporary file is removed and the error raised."""
+    path = Path(path)
+    tmp, fd = _create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return result
+
+
+def _remove_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # the error that brought us here is the one to report
+        pass
+
+
+def _create_temp(path: Path) -> tuple[Path, int]:
+    """A new file named ``<name>.<random>.tmp`` in ``path``'s directory, and its descriptor."""
+    for _ in range(_CREATE_ATTEMPTS):
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}{TMP_SUFFIX}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileExistsError:  # 48 random bits taken already: planted, or very bad luck
+            continue
+        return tmp, fd
+    raise FileExistsError(errno.EEXIST, f"no free temporary name for {path.name} after {_CREATE_ATTEMPTS} tries", str(path.parent))
+
+
+def open_append(path: Path) -> int:
+    """A descriptor appending to the regular file ``path`` (created if absent). ApexError
+    if ``path`` is a link or not a regular file (a FIFO would block, a device would take
+    the writes); OSError for anything else (permissions, disk)."""
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW answers for a link
+            raise ApexError(_not_written_through(path, "is a symbolic link")) from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO nobody reads, a directory
+            raise ApexError(_not_written_through(path, "is not a regular file")) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ApexError(_not_written_through(path, "is not a regular file"))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def refuse_link(path: Path) -> None:
+    """ApexError if ``path`` is a symbolic link: for a directory apex writes into."""
+    if Path(path).is_symlink():
+        raise ApexError(_not_written_through(path, "is a symbolic link"))
+
+
+def _not_written_through(path: Path, what: str) -> str:
+    return (f"{path} {what}: apex writes its run files only in place, never through a link or into "
+            "a special file; remove it or choose another --logdir")
+
+
+def remove_stale_temps(directory: Path) -> int:
+    """Removes the ``*.tmp`` files (and links) directly in ``directory``, left by a process
+    killed while writing; never follows a link, never touches a directory. Returns how many."""
+    removed = 0
+    for entry in os.scandir(directory):
+        if entry.name.endswith(TMP_SUFFIX) and not entry.is_dir(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)  # a link is removed, not what it points to
+            except FileNotFoundError:
+                continue
+            removed += 1
+    return removed

@@ -1,0 +1,287 @@
+"""Run-directory files: atomic writes that leave no temporary file and follow no link,
+metrics.jsonl appended in place only, write errors (a full disk) survived and counted."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from apex.errors import ApexError
+from apex.files import remove_stale_temps, write_atomic
+from apex.metrics import MetricsWriter, write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Quiet:
+    """A console that is not a terminal (no status line)."""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def row(n: int) -> dict:
+    return {"time": float(n), "env_steps": 100 * n, "learner_updates": n, "loss": 0.5, "note": "x" * 100}
+
+
+def run_child(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Runs ``script`` in a fresh interpreter: resource limits there do not reach pytest."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def victim(tmp_path: Path) -> Path:
+    """A file outside the run directory that a planted link points at."""
+    path = tmp_path / "elsewhere" / "precious.txt"
+    path.parent.mkdir()
+    path.write_text("precious\n")
+    return path
+
+
+# -- atomic writes
+
+
+def test_write_atomic_writes_whole_files_under_unique_names(tmp_path):
+    seen = []
+
+    def write(f):
+        seen.append(os.readlink(f"/proc/self/fd/{f.fileno()}"))
+        f.write(b"data")
+        return 7
+
+    assert write_atomic(tmp_path / "a.json", write) == 7
+    assert write_atomic(tmp_path / "a.json", write) == 7
+    assert (tmp_path / "a.json").read_bytes() == b"data"
+    assert os.listdir(tmp_path) == ["a.json"]
+    first, second = seen
+    assert first != second, "a predictable temporary name is one an attacker can plant a link at"
+    assert Path(first).parent == tmp_path and first.endswith(".tmp")
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_the_old_file_intact(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json_atomic(path, {"old": True})
+
+    def full_disk(f):
+        f.write(b"{partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as caught:
+        write_atomic(path, full_disk)
+    assert caught.value.errno == errno.ENOSPC
+    assert os.listdir(tmp_path) == ["summary.json"]
+    assert json.loads(path.read_text()) == {"old": True}
+
+
+def test_a_link_planted_at_the_old_temporary_name_redirects_nothing(tmp_path):
+    target = victim(tmp_path)
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    # The names the old code wrote through, with open(..., "w").
+    (logdir / "summary.json.tmp").symlink_to(target)
+    write_json_atomic(logdir / "summary.json", {"stop_reason": "done"})
+    assert target.read_text() == "precious\n"
+    assert json.loads((logdir / "summary.json").read_text()) == {"stop_reason": "done"}
+    # A link at the destination itself is replaced by the file, not written through.
+    (logdir / "summary.json").unlink()
+    (logdir / "summary.json").symlink_to(target)
+    write_json_atomic(logdir / "summary.json", {"stop_reason": "again"})
+    assert target.read_text() == "precious\n"
+    assert not (logdir / "summary.json").is_symlink()
+
+
+def test_a_link_planted_at_a_checkpoint_temporary_name_redirects_nothing(tmp_path):
+    from apex.checkpoint import CheckpointWriter, find_latest
+    from tests.test_checkpoint import state
+
+    target = victim(tmp_path)
+    directory = tmp_path / "checkpoints"
+    writer = CheckpointWriter(directory, keep=3)
+    for suffix in (".pt", ".json", ".replay"):  # planted after the writer cleared stale ones
+        (directory / f"ckpt-000000100{suffix}.tmp").symlink_to(target)
+    assert writer.save("ckpt-000000100", state(100))
+    assert writer.failures == 0 and target.read_text() == "precious\n"
+    assert find_latest(directory).load_state()["updates"] == 100
+
+
+def test_stale_temporary_files_are_removed_without_following_links(tmp_path):
+    target = victim(tmp_path)
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    (logdir / "summary.json.tmp").write_text("left by a killed learner")
+    (logdir / "link.tmp").symlink_to(target)
+    (logdir / "folder.tmp").mkdir()
+    (logdir / "keep.json").write_text("{}")
+    MetricsWriter(logdir, console=Quiet(), tensorboard=False).close()
+    assert sorted(os.listdir(logdir)) == ["folder.tmp", "keep.json", "metrics.jsonl"]
+    assert target.read_text() == "precious\n"
+    assert remove_stale_temps(logdir) == 0
+
+
+# -- metrics.jsonl in place
+
+
+def test_a_link_planted_at_metrics_jsonl_is_refused_and_its_target_unchanged(tmp_path):
+    target = victim(tmp_path)
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    (logdir / "metrics.jsonl").symlink_to(target)
+    with pytest.raises(ApexError) as caught:
+        MetricsWriter(logdir, console=Quiet(), tensorboard=False)
+    message = str(caught.value)
+    assert "metrics.jsonl is a symbolic link" in message and "\n" not in message
+    assert target.read_text() == "precious\n"
+
+
+def test_a_fifo_at_metrics_jsonl_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    with pytest.raises(ApexError, match="metrics.jsonl is not a regular file"):
+        MetricsWriter(tmp_path, console=Quiet(), tensorboard=False)
+
+
+def test_a_link_planted_at_the_tensorboard_directory_is_refused(tmp_path):
+    target = victim(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tb").symlink_to(target.parent)
+    with pytest.raises(ApexError, match="tb is a symbolic link"):
+        MetricsWriter(tmp_path / "run", console=Quiet())
+    assert os.listdir(target.parent) == ["precious.txt"]
+
+
+# -- write errors
+
+
+def test_metrics_survive_a_full_disk_and_go_on_when_it_frees_up(tmp_path, monkeypatch, caplog):
+    import apex.metrics
+
+    writer = MetricsWriter(tmp_path, console=Quiet(), tensorboard=False)
+    real_write_all = apex.metrics._write_all
+    calls = []
+
+    def full_disk(fd, data):
+        calls.append(len(data))
+        os.write(fd, data[:10])  # what a disk takes before it is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer.write(row(0))
+    monkeypatch.setattr(apex.metrics, "_write_all", full_disk)
+    with caplog.at_level(logging.WARNING):
+        for n in range(1, 6):
+            writer.write(row(n))
+    assert writer.write_failures == 5 and len(calls) == 5
+    failures_logged = [r for r in caplog.records if "metrics.jsonl failed" in r.getMessage()]
+    assert len(failures_logged) == 1 and "No space left on device" in failures_logged[0].getMessage()
+    monkeypatch.setattr(apex.metrics, "_write_all", real_write_all)
+    writer.write(row(6))
+    writer.close()
+    # Whole lines only: the half lines were cut off again.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["learner_updates"] for r in rows] == [0, 6]
+    assert writer.write_failures == 5
+
+
+def test_tensorboard_is_turned_off_after_its_first_failure(tmp_path, caplog):
+    writer = MetricsWriter(tmp_path, console=Quiet())
+
+    class FullDisk:
+        def add_scalar(self, *args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer._tb.close()
+    writer._tb = FullDisk()
+    with caplog.at_level(logging.WARNING):
+        writer.write(row(1))
+        writer.write(row(2))
+        writer.close()
+    assert writer.write_failures == 1
+    assert caplog.text.count("TensorBoard output is off for the rest of the run") == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+FILE_SIZE_LIMIT = """
+import resource
+# A per-file size limit: writes past it fail with EFBIG (Python ignores SIGXFSZ), for real,
+# in the kernel, on metrics.jsonl and the TensorBoard event file alike.
+def limit(nbytes):
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+"""
+
+
+def test_metrics_and_tensorboard_write_errors_do_not_end_the_run(tmp_path):
+    script = FILE_SIZE_LIMIT + """
+import json, logging, resource, sys, time
+from pathlib import Path
+from apex.metrics import MetricsWriter
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+
+class Quiet:
+    def isatty(self):
+        return False
+
+logdir = Path(sys.argv[1])
+writer = MetricsWriter(logdir, console=Quiet())
+limit(4096)
+row = {"env_steps": 0, "learner_updates": 0, "loss": 0.5, "note": "x" * 100}
+for n in range(150):
+    writer.write({**row, "time": float(n), "env_steps": 100 * n, "learner_updates": n})
+    time.sleep(0.002)
+failed_while_full = writer.write_failures
+limit(resource.RLIM_INFINITY)  # the disk freed up
+writer.write({**row, "time": 999.0, "learner_updates": 999})
+writer.close()
+print(json.dumps({"failed_while_full": failed_while_full, "write_failures": writer.write_failures}))
+"""
+    result = run_child(script, str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    counts = json.loads(result.stdout.splitlines()[-1])
+    assert counts["failed_while_full"] > 10 and counts["write_failures"] >= counts["failed_while_full"]
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("TensorBoard output is off for the rest of the run") == 1, result.stderr
+    # Rate-limited: one line for the first failure, not one per row.
+    assert result.stderr.count("metrics.jsonl failed") <= 2, result.stderr
+    assert "File too large" in result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["learner_updates"] == 999 and len(rows) < 150
+    assert "metrics.jsonl is written again" in result.stderr
+
+
+def test_failed_checkpoint_and_summary_writes_leave_no_temporary_file(tmp_path):
+    script = FILE_SIZE_LIMIT + """
+import json, sys
+from pathlib import Path
+import torch
+from apex.checkpoint import CheckpointWriter
+from apex.metrics import write_json_atomic
+from tests.test_checkpoint import state
+
+logdir = Path(sys.argv[1])
+writer = CheckpointWriter(logdir / "checkpoints", keep=3)
+write_json_atomic(logdir / "summary.json", {"old": True})
+limit(4096)
+big = {**state(100), "weights": torch.zeros(1 << 16)}
+writer.save("ckpt-000000100", big)
+try:
+    write_json_atomic(logdir / "summary.json", {"padding": "x" * 100_000})
+    summary_error = None
+except OSError as e:
+    summary_error = e.errno
+print(json.dumps({"checkpoint_failures": writer.failures, "summary_errno": summary_error}))
+"""
+    result = run_child(script, str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    outcome = json.loads(result.stdout.splitlines()[-1])
+    assert outcome == {"checkpoint_failures": 1, "summary_errno": errno.EFBIG}
+    assert os.listdir(tmp_path / "checkpoints") == []
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "summary.json"]
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"old": True}

@@ -1,0 +1,579 @@
+"""Hostile input against a real learner process: one regression test per numbered item of
+the hostile-input issue (12), hostile peers as real sockets, honest actors as real processes.
+
+Each test asserts the outcome: the learner alive and still updating, the bad input counted
+by reason, no non-finite weight published or checkpointed, memory growth bounded, stop
+conditions untouched by forged data, no code run by a forged checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import lz4.block
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from apex import algos, protocol
+from apex import config as config_module
+from apex.bench.transport import free_base_port
+from apex.transport import LearnerClient, LearnerEndpoint, TransportOptions, generate_keys
+from tests.test_e2e import FAST, metrics, wait_for
+
+OPTIONS = TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+QUICK_START = ["--set", "replay.min_size=500", "--set", "learner.batch_size=64", "--set", "impala.batch_unrolls=8"]
+
+
+def start(*args: str, log: Path, **kwargs) -> subprocess.Popen:
+    """An apex process with its output in a file (a pipe nobody reads would block it)."""
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            text=True, **kwargs)
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+class Run:
+    """A real learner and (unless ``actors=0``) an honest actor, on a port of their own."""
+
+    def __init__(self, tmp: Path, algo: str, *extra: str, actors: int = 1, preexec_fn=None) -> None:
+        self.tmp, self.algo = tmp, algo
+        self.logdir, self.port = tmp / f"run-{algo}", free_base_port()
+        self.learner_log = tmp / f"learner-{algo}.log"
+        self.learner = start("learner", "--logdir", str(self.logdir), "--port", str(self.port), "--set", f"algo={algo}",
+                             *FAST, *QUICK_START, *extra, log=self.learner_log, preexec_fn=preexec_fn)
+        self.actors = [start("actor", "--learner", f"127.0.0.1:{self.port}", "--actor-index", str(i), *FAST[:4],
+                             log=tmp / f"actor-{algo}-{i}.log") for i in range(actors)]
+        if actors:
+            self.wait_updating(90)
+
+    def row(self) -> dict:
+        rows = metrics(self.logdir)
+        return rows[-1] if rows else {}
+
+    def updates(self) -> int:
+        return self.row().get("learner_updates", 0)
+
+    def wait_updating(self, timeout: float = 30) -> None:
+        """Waits until the learner has updated more than it had when called."""
+        before = self.updates()
+        wait_for(lambda: self.updates() > before, timeout, f"the {self.algo} learner to go on updating")
+        assert self.learner.poll() is None
+
+    def rejected(self, reason: str) -> int:
+        return self.row().get("rejected_by_reason", {}).get(reason, 0)
+
+    def wait_rejected(self, reason: str, at_least: int, timeout: float = 20) -> None:
+        wait_for(lambda: self.rejected(reason) >= at_least, timeout, f"{at_least} rejected for {reason!r}: {self.row()}")
+
+    def stop(self, timeout: float = 30) -> int:
+        for proc in [self.learner, *self.actors]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [self.learner, *self.actors]:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return self.learner.returncode
+
+    def session(self, **kwargs) -> LearnerClient:
+        """A hostile peer with a real session: it said hello like any actor."""
+        client = LearnerClient("127.0.0.1", self.port, num_envs=4, options=OPTIONS, **kwargs)
+        client.handshake(timeout_s=20)
+        return client
+
+
+def honest_batch(client: LearnerClient) -> dict:
+    """The first batch an actor of this run would send (the run's own config and spec)."""
+    spec = client.welcome.fields["spec"]
+    config = config_module.from_dict(spec["config"])
+    core = algos.get(config.algo).Actor(config, spec, spec["seed"])
+    batch = None
+    while batch is None:
+        batch, _ = core.act()
+    core.close()
+    return {name: np.array(a) for name, a in batch.items()}
+
+
+def send(client: LearnerClient, batch: dict, info: dict | None = None) -> None:
+    client.tick()
+    assert client.send_batch(batch, weights_version=0, info=info or {}, timeout_s=20)
+
+
+def checkpoint_is_finite(logdir: Path) -> str:
+    """The newest checkpoint's name, after asserting every tensor in it is finite."""
+    newest = sorted((logdir / "checkpoints").glob("ckpt-*.pt"))[-1]
+    state = torch.load(newest, map_location="cpu", weights_only=True)
+    for key in ("online", "target", "net"):
+        for name, tensor in state.get(key, {}).items():
+            assert torch.isfinite(tensor).all(), f"{newest.name}: {key}.{name} is not finite"
+    return newest.stem
+
+
+@pytest.fixture(scope="module")
+def apex_run(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("apex"), "apex_dqn")
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
+def impala_run(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("impala"), "impala")
+    yield run
+    run.stop()
+
+
+# -- 1, 2: poison
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_01_02_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_path, algo):
+    run = Run(tmp_path, algo, "--set", "learner.checkpoint_interval_s=2")
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        nan_frames = {**batch, "frames": batch["frames"].copy()}
+        nan_frames["frames"][0, 0] = np.nan
+        send(peer, nan_frames)
+        send(peer, {**batch, "reward": batch["reward"].astype(np.float64) + 1e300})  # inf as float32
+        run.wait_rejected("nonfinite", 2)
+        # uint8 actions (which crashed IMPALA's loss) are cast; 3e38 frames are finite, so they
+        # pass the schema and blow up the network's activations: those updates are skipped.
+        send(peer, {**batch, "action": batch["action"].astype(np.uint8)})
+        huge = {**batch, "frames": np.full_like(batch["frames"], 3e38)}
+        if algo == "apex_dqn":
+            huge["priority"] = np.full_like(batch["priority"], 1e30)  # sampled at once
+        for _ in range(3):
+            send(peer, huge)
+        wait_for(lambda: run.row().get("skipped_updates", 0) >= 1, 30, "a skipped update")
+        if algo == "apex_dqn":
+            assert run.row()["dropped_transitions"] >= 1  # never sampled again
+        run.wait_updating()
+        time.sleep(0.5)
+        peer.tick()
+        weights = peer.take_weights()
+        assert weights is not None and all(np.isfinite(a).all() for a in weights.arrays.values())
+        peer.close()
+        assert run.stop() == 0
+        name = checkpoint_is_finite(run.logdir)
+        # The exit checkpoint resumes into a learner that trains.
+        resumed = Run(tmp_path / "resumed", algo, "--resume", str(run.logdir), "--stop-seconds", "600")
+        try:
+            assert f"resumed from {name}" in resumed.learner_log.read_text()
+        finally:
+            resumed.stop()
+    finally:
+        run.stop()
+
+
+# -- 3: crash by hello
+
+
+def test_03_hello_fields_are_bounded(apex_run):
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.ROUTING_ID, b"hostile-3")
+    dealer.connect(f"tcp://127.0.0.1:{apex_run.port}")
+    try:
+        for fields, words in (({"actor_index": 2**51}, "actor index must be in 0..65535"),
+                              ({"actor_index": -1}, "actor index must be in"),
+                              ({"pid": 2**63}, "pid in"), ({"host": "h" * 10_000}, "host must be at most"),
+                              ({"num_envs": 2**40}, "num_envs must be in")):
+            hello = {"actor_index": None, "num_envs": 1, "host": "x", "pid": 1, **fields}
+            dealer.send_multipart(protocol.encode("hello", hello))
+            assert dealer.poll(5000)
+            answer = protocol.decode(dealer.recv_multipart())
+            assert answer.type == "reject" and words in answer.fields["reason"] and not answer.fields["retry"]
+    finally:
+        dealer.close(linger=0)
+    apex_run.wait_rejected("hello_fields", 5)
+    apex_run.wait_updating()
+
+
+# -- 4: code execution by checkpoint
+
+
+class _Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def forge(pt: Path, marker: Path) -> None:
+    """Replaces a checkpoint's state with a pickle that would create ``marker`` if run,
+    and makes its manifest match (size and CRC-32 detect accidents, not attackers)."""
+    data = pickle.dumps({"config": {}, "x": _Marker(str(marker))})
+    pt.write_bytes(data)
+    manifest_path = pt.with_suffix(".json")
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["state"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
+    run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1")
+    wait_for(lambda: len(list((run.logdir / "checkpoints").glob("ckpt-*.json"))) >= 2, 30, "two checkpoints")
+    assert run.stop() == 0
+    checkpoints = sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
+    marker = tmp_path / "pwned"
+    forge(checkpoints[-1], marker)
+    evaluated = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(checkpoints[-1])],
+                               capture_output=True, text=True, timeout=120)
+    assert evaluated.returncode == 2 and len(evaluated.stderr.strip().splitlines()) == 1, evaluated.stderr
+    resumed = Run(tmp_path / "resumed", "apex_dqn", "--resume", str(run.logdir), "--stop-seconds", "600")
+    try:
+        log = resumed.learner_log.read_text()
+        assert f"{checkpoints[-1].stem} refused" in log or f"checkpoint {checkpoints[-1].stem}" in log
+        assert f"resumed from {checkpoints[-2].stem}" in log
+    finally:
+        resumed.stop()
+    assert not marker.exists()
+
+
+# -- 5: memory by subscription
+
+
+def test_05_weights_port_keeps_no_state_a_peer_can_grow(apex_run):
+    before = rss_mb(apex_run.learner.pid)
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{apex_run.port + 2}")
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, 100_000)
+    dealer.connect(f"tcp://127.0.0.1:{apex_run.port + 2}")
+    try:
+        for _ in range(20 * 1024):  # 20 MiB of random 1 KiB subscriptions, and as many registrations
+            sub.setsockopt(zmq.SUBSCRIBE, os.urandom(1024))
+            dealer.send(os.urandom(1024), flags=zmq.NOBLOCK)
+        # (ZeroMQ drops a connection sending more than a registration's size: a fresh one)
+        small = context.socket(zmq.DEALER)
+        small.connect(f"tcp://127.0.0.1:{apex_run.port + 2}")
+        for _ in range(2000):  # registrations with made-up tokens: read, counted, not kept
+            small.send(os.urandom(16))
+        apex_run.wait_rejected("no_session", 1000)
+        small.close(linger=0)
+        time.sleep(2)
+    finally:
+        sub.close(linger=0)
+        dealer.close(linger=0)
+    assert rss_mb(apex_run.learner.pid) - before < 200
+    apex_run.wait_updating()
+
+
+# -- 6: frozen main loop
+
+
+def test_06_a_hello_flood_neither_stalls_training_nor_delays_sigterm(tmp_path):
+    run = Run(tmp_path, "apex_dqn")
+    flooder = subprocess.Popen([sys.executable, "-c", FLOOD_HELLOS, str(run.port)])
+    try:
+        time.sleep(2)
+        before = run.updates()
+        time.sleep(4)
+        assert run.updates() > before + 20, "the learner must keep training under a hello flood"
+        assert run.rejected("hello_rate") > 0
+        run.learner.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        run.learner.wait(timeout=10)
+        assert time.monotonic() - started < 2.0 + 1.0  # acts within 2 s (+ the final checkpoint on 2 cores)
+        assert run.learner.returncode == 0
+    finally:
+        flooder.kill()
+        flooder.wait()
+        run.stop()
+
+
+FLOOD_HELLOS = """
+import sys, zmq
+from apex import protocol
+port = int(sys.argv[1])
+frames = protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1})
+sockets = []
+for i in range(2):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.ROUTING_ID, b"flood-%d" % i)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    sockets.append(s)
+while True:
+    for s in sockets:
+        try:
+            s.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        while s.poll(0):
+            s.recv_multipart()
+"""
+
+
+# -- 7: memory by small messages
+
+
+@functools.lru_cache
+def _zeros_lz4(nbytes: int) -> bytes:
+    return lz4.block.compress(bytes(nbytes), store_size=False)
+
+
+def lz4_bomb(msg_type: str, fields: dict, name: str, shape: tuple, dtype=np.float32) -> list[bytes]:
+    """A message declaring a large array of zeros whose lz4 payload is small."""
+    payload = _zeros_lz4(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+    layout = msgpack.packb([[name, np.dtype(dtype).str, list(shape), "lz4"]])
+    header = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, **fields, "layout": layout}, use_bin_type=True)
+    return [header, payload]
+
+
+@pytest.mark.parametrize("fixture", ["apex_run", "impala_run"])
+def test_07_small_messages_declaring_large_arrays_cost_no_memory(fixture, request):
+    run = request.getfixturevalue(fixture)
+    _zeros_lz4(512 * 2**20), _zeros_lz4(3_200_000)  # made before the session, which must not go silent
+    before = rss_mb(run.learner.pid)
+    peer = run.session()
+    fields = lambda: {"actor_index": peer.actor_index, "weights_version": 0, "info": {},  # noqa: E731
+                      "session": peer._session, "seq": peer._seq}
+    rejected = run.rejected("too_large") + run.rejected("fields")
+    for name in ("frames", "unknown"):  # four 2.1 MB payloads declaring 512 MB each
+        for _ in range(2):
+            assert peer.send_frames(lz4_bomb("batch", fields(), name, (128 * 2**20, 1)), timeout_s=20)
+            peer._seq += 1
+    batch = honest_batch(peer)
+    many = {k: np.repeat(v, 5000, axis=0) for k, v in batch.items()}  # 500,000 unrolls (IMPALA)
+    send(peer, many)
+    wait_for(lambda: run.rejected("too_large") + run.rejected("fields") + run.rejected("malformed") >= rejected + 5,
+             20, f"the bombs to be rejected: {run.row().get('rejected_by_reason')}")
+    control = zmq.Context.instance().socket(zmq.DEALER)
+    control.connect(f"tcp://127.0.0.1:{run.port}")
+    malformed = run.rejected("malformed")
+    for _ in range(10):  # 3.2 MB weights on the control port
+        control.send_multipart(lz4_bomb("weights", {"version": 1, "incarnation": b"x"}, "w", (800_000,)))
+    run.wait_rejected("malformed", malformed + 10)
+    control.close(linger=0)
+    peer.close()
+    row = run.row()
+    assert row.get("queue_unrolls", 0) <= 2 * 128
+    assert rss_mb(run.learner.pid) - before < 200
+    run.wait_updating()
+
+
+# -- 8: forged stop
+
+
+def test_08_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path):
+    run = Run(tmp_path, "apex_dqn", "--stop-return", "450", "--stop-env-steps", "100000000")
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        send(peer, batch, {"episodes": [[500.0, 500, True]] * 100})
+        send(peer, batch, {"episodes": [], "env_steps": 10**18})
+        send(peer, batch, {"episodes": [[500.0, 500, True]] * 2000})
+        run.wait_rejected("episodes", 2)
+        run.wait_rejected("info", 1)
+        time.sleep(2)
+        run.wait_updating()
+        row = run.row()
+        assert row["env_steps"] < 10**8 and (row["return_mean_100"] or 0) < 450
+        peer.close()
+    finally:
+        run.stop()
+    summary = json.loads((run.logdir / "summary.json").read_text())
+    assert summary["stop_reason"] == "signal SIGTERM"
+
+
+# -- 9: secure defaults
+
+
+def test_09_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_curve(tmp_path):
+    port = free_base_port()
+    local = start("learner", "--logdir", str(tmp_path / "a"), "--port", str(port), "--stop-seconds", "600",
+                  log=tmp_path / "a.log")
+    try:
+        wait_for(lambda: "learner on" in (tmp_path / "a.log").read_text(), 60, "the learner to start")
+        listening = Path("/proc/net/tcp").read_text()
+        assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
+        assert "without CURVE" not in (tmp_path / "a.log").read_text()
+    finally:
+        local.send_signal(signal.SIGTERM)
+        local.wait(30)
+    open_bind = start("learner", "--logdir", str(tmp_path / "b"), "--port", str(port), "--bind-host", "0.0.0.0",
+                      "--stop-seconds", "1", log=tmp_path / "b.log")
+    open_bind.wait(60)
+    warnings = [line for line in (tmp_path / "b.log").read_text().splitlines() if "without CURVE" in line]
+    assert len(warnings) == 1 and "apex keygen" in warnings[0]
+
+
+# -- 10: identity
+
+
+def test_10_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex_run):
+    peer = apex_run.session()
+    batch = honest_batch(peer)
+    no_session = apex_run.rejected("no_session")
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.connect(f"tcp://127.0.0.1:{apex_run.port + 1}")
+    forged = {"actor_index": 0, "weights_version": 0, "info": {}, "session": os.urandom(16), "seq": 1}
+    stranger.send_multipart(protocol.encode("batch", forged, batch))
+    apex_run.wait_rejected("no_session", no_session + 1)
+    # One captured batch sent 200 times: in once.
+    replayed = apex_run.rejected("replayed")
+    inserted = apex_run.row()["inserted"]
+    frames = protocol.encode("batch", {"actor_index": peer.actor_index, "weights_version": 0, "info": {},
+                                       "session": peer._session, "seq": peer._seq}, batch)
+    for _ in range(200):
+        stranger.send_multipart(frames)
+    apex_run.wait_rejected("replayed", replayed + 199)
+    stranger.close(linger=0)
+    # A peer saying hello as actor 0 every 200 ms cannot take the honest actor's index.
+    thief = LearnerClient("127.0.0.1", apex_run.port, actor_index=0, num_envs=4, options=OPTIONS)
+    answers = []
+    for _ in range(10):
+        thief._send_control("hello", {"actor_index": 0, "num_envs": 4, "host": "thief", "pid": 1})
+        if thief.control.poll(1000):
+            answers.append(thief._recv_control())
+        time.sleep(0.2)
+    thief.close()
+    assert answers and all(a.type == "reject" and "held by a live actor" in a.fields["reason"] for a in answers)
+    peer.close()
+    apex_run.wait_updating()
+    actor_log = (apex_run.tmp / "actor-apex_dqn-0.log").read_text()
+    assert "new handshake" not in actor_log and "reconnecting" not in actor_log
+    assert apex_run.row()["inserted"] >= inserted  # the replayed batch counted once at most
+
+
+# -- 11: disk full
+
+
+def _small_files() -> None:  # in the child: writes past 256 KB fail (EFBIG; Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+
+def test_11_write_errors_in_metrics_tensorboard_and_checkpoints_are_survived(tmp_path):
+    run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1", "--set", "learner.metrics_interval_s=0.1",
+              "--stop-seconds", "25", preexec_fn=_small_files)
+    assert run.learner.wait(timeout=90) == 0
+    run.stop()
+    log = run.learner_log.read_text()
+    assert "checkpoint" in log and "failed" in log
+    assert "metrics" in log.lower()
+    assert not list(run.logdir.rglob("*.tmp"))
+    summary = json.loads((run.logdir / "summary.json").read_text())
+    assert summary["learner_updates"] > 0 and summary["stop_reason"] == "25.0 seconds"
+
+
+# -- 12: small ones
+
+
+def test_12_keygen_secret_keys_are_private_from_creation(tmp_path):
+    paths = generate_keys(tmp_path / "keys")
+    for name in ("learner_secret", "actor_secret"):
+        assert stat.S_IMODE(paths[name].stat().st_mode) == 0o600
+    assert stat.S_IMODE(paths["actor_public"].stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "keys").stat().st_mode) == 0o700
+
+
+def test_12_ten_garbage_senders_do_not_stop_an_honest_actor(apex_run):
+    script = ("import os, sys, zmq\ns = zmq.Context().socket(zmq.PUSH)\n"
+              "s.connect(f'tcp://127.0.0.1:{int(sys.argv[1]) + 1}')\n"
+              "while True: s.send_multipart([b'\\x81\\xa1v\\x02' + os.urandom(64), os.urandom(512)])\n")
+    garbage = [subprocess.Popen([sys.executable, "-c", script, str(apex_run.port)]) for _ in range(10)]
+    try:
+        malformed = apex_run.rejected("malformed")
+        time.sleep(2)
+        steps = apex_run.row()["env_steps"]
+        time.sleep(4)
+        assert apex_run.row()["env_steps"] > steps  # the honest actor's batches still get in
+        assert apex_run.rejected("malformed") > malformed
+        apex_run.wait_updating()
+    finally:
+        for p in garbage:
+            p.kill()
+            p.wait()
+
+
+# -- 13: a restarted learner
+
+
+def test_13_actors_adopt_a_new_learners_weights_whatever_their_version():
+    from tests.test_transport import Learner  # an endpoint whose control loop runs in a thread
+
+    port = free_base_port()
+    first = Learner(port, options=OPTIONS)
+    client = LearnerClient("127.0.0.1", port, options=OPTIONS)
+    taken = []
+
+    def holds(version):
+        client.tick()
+        if (weights := client.take_weights()) is not None:
+            taken.append(weights)
+        return bool(taken) and taken[-1].fields["version"] == version
+
+    try:
+        first.call(lambda e: e.publish_weights(500, {"w": np.ones(3, np.float32)}))
+        client.handshake(timeout_s=10)
+        wait_for(lambda: holds(500), 10, "version 500")
+        first.close()
+        second = Learner(port, options=OPTIONS)  # a fresh learner at the same address
+        try:
+            second.call(lambda e: e.publish_weights(3, {"w": np.full(3, 2.0, np.float32)}))
+            wait_for(lambda: holds(3), 20, "the new learner's version 3")
+            assert taken[-1].arrays["w"].tolist() == [2.0, 2.0, 2.0]
+        finally:
+            second.close()
+    finally:
+        client.close()
+
+
+# -- 14: actor shutdown
+
+
+def test_14_an_actor_waiting_for_a_learner_says_so_and_stops_on_a_signal_within_a_second(tmp_path):
+    port = free_base_port()
+    log = tmp_path / "actor.log"
+    actor = start("actor", "--learner", f"127.0.0.1:{port}", log=log)
+    try:
+        wait_for(lambda: "waiting for learner at 127.0.0.1:%d (10 s)" % port in log.read_text(), 30, "a waiting line")
+        actor.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert actor.wait(timeout=5) == 0
+        assert time.monotonic() - started < 1.0
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+            actor.wait()
+    interrupted = start("actor", "--learner", f"127.0.0.1:{port}", log=tmp_path / "actor2.log")
+    time.sleep(3)  # started, saying hello
+    interrupted.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    interrupted.wait(timeout=5)
+    assert time.monotonic() - started < 1.0 and interrupted.returncode == 130
+
+
+def test_14_apex_run_returns_a_learner_start_up_error_within_five_seconds(tmp_path):
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "apex", "run", "--logdir", str(tmp_path / "run"), "--port",
+                             str(free_base_port()), "--set", "env.id=NoSuchEnv-v0"], capture_output=True, text=True,
+                            timeout=60)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2 and "NoSuchEnv-v0" in result.stderr
+    assert elapsed < 5 + 3, f"{elapsed:.1f}s"  # 5 s after the learner's own start-up (Python + torch import)
+
