@@ -31,6 +31,12 @@ def run_actor(
 ) -> int:
     """The actor process: connect, act, send, until the learner says stop or a signal
     arrives. Returns 0 (130 after SIGINT)."""
+    # torch and gymnasium first, under the default signal handlers (a signal ends the
+    # process at once): after the welcome the actor has only a heartbeat timeout to build
+    # its environments and say it is alive.
+    import apex.envs  # noqa: F401
+    import apex.models  # noqa: F401
+
     stopping = {"signal": None}
 
     def on_signal(signum, _frame):

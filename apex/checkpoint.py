@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-import torch
 
 from apex.errors import ApexError
 from apex.files import remove_stale_temps, write_atomic
@@ -116,6 +115,8 @@ def read_state(path: Path) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. a forged file's pickle protocol: the error says enough
+            import torch  # here, not at import: `apex run` and the CLI start without torch
+
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # untrusted bytes can fail the parser in any way, none of them our bug
         raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {_load_failure(e)}") from None
@@ -270,6 +271,8 @@ class CheckpointWriter:
         if self.busy:
             return False
         buffer = io.BytesIO()
+        import torch
+
         torch.save(state, buffer)
         args = (name, buffer, replay, state.get("config"))
         if background:

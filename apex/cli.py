@@ -225,7 +225,7 @@ def _resume(args: argparse.Namespace):
 
 
 def _stop(args: argparse.Namespace):
-    from apex.learner import StopConditions
+    from apex.config import StopConditions
 
     for flag, value in (("--stop-seconds", args.stop_seconds), ("--stop-env-steps", args.stop_env_steps)):
         if value is not None and value <= 0:
@@ -291,6 +291,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
     logdir = resume.logdir if resume else _logdir(args, config)
     port = args.port if args.port is not None else config.transport.port
+    # A wrong env id fails here, in a second, not in every child process after its imports.
+    from apex.envs import env_spec
+
+    env_spec(config.env)
     print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}"
           + (f"; resuming from {resume.name}" if resume else ""), file=sys.stderr)
     return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,

@@ -178,6 +178,15 @@ class TransportConfig:
 
 
 @dataclass
+class StopConditions:
+    """When `apex learner` / `apex run` stop (None: never by this one)."""
+
+    return_mean: float | None = None
+    seconds: float | None = None
+    env_steps: int | None = None
+
+
+@dataclass
 class Config:
     algo: str = "apex_dqn"
     """``apex_dqn`` or ``impala``."""

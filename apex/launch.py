@@ -14,14 +14,15 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from apex.checkpoint import has_checkpoint
-from apex.config import Config
-from apex.learner import StopConditions
+from apex.config import Config, StopConditions
+from apex.errors import ApexError
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ _PR_SET_PDEATHSIG = 1
 # fail again), interrupted by the user (130).
 _FINAL_EXITS = (0, 2, 130)
 _HEALTHY_S = 300.0  # a learner that ran this long before dying starts a fresh count of restarts
+_ACTOR_START_WAIT_S = 60.0  # actors start then even if the learner is not listening yet
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -58,6 +60,26 @@ def stop_args(stop: StopConditions) -> list[str]:
     return args
 
 
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_ports_free(port: int) -> None:
+    """Fails at once, not after the learner's start-up, if its ports are taken."""
+    for p in (port, port + 1, port + 2):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+            try:
+                probe.bind(("127.0.0.1", p))
+            except OSError as e:
+                raise ApexError(f"port {p} on 127.0.0.1 is taken ({e.strerror}): is another learner using ports "
+                                f"{port}-{port + 2}? pick another with --port") from None
+
+
 def run(
     config: Config,
     actors: int,
@@ -75,6 +97,7 @@ def run(
     times in a row (a learner that ran for 5 minutes starts the count afresh); the actors stay
     up meanwhile and reconnect by themselves.
     """
+    check_ports_free(port)
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
@@ -91,7 +114,9 @@ def run(
     learner_started = time.monotonic()
     actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
                   for i in range(actors)]
-    procs = [_spawn(args) for args in actor_args]
+    # Actors start once the learner has bound its ports: a learner that cannot start says so
+    # without sharing two cores with their imports, and then nothing else was started.
+    procs: list[subprocess.Popen] = []
     restarts = [0] * actors
     restart_at = [0.0] * actors
     learner_restarted = 0
@@ -126,6 +151,8 @@ def run(
                 learner_started = time.monotonic()
                 learner_restarted += 1
                 learner_restart_at = 0.0
+            if not procs and (_listening(port) or now - learner_started > _ACTOR_START_WAIT_S):
+                procs = [_spawn(args) for args in actor_args]
             for i, proc in enumerate(procs):
                 if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
                     continue

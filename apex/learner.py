@@ -19,14 +19,15 @@ import torch
 
 from apex import algos
 from apex.checkpoint import Checkpoint, CheckpointWriter, CorruptCheckpoint, candidates, mark_corrupt
-from apex.config import Config
+from apex.config import Config, StopConditions
 from apex.envs import env_spec
 from apex.errors import ApexError, ProtocolError
 from apex.malloc import keep_large_blocks
 from apex.metrics import EpisodeStats, MetricsWriter, Rate, write_json_atomic
 from apex.protocol import Message
 from apex.schema import check_episodes
-from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, RateLimitedLog, Rejected, Session, options_from_config
+from apex.logs import RateLimitedLog
+from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, options_from_config
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ApexError(f"learner.device={name} but CUDA is not available: use learner.device=auto or cpu")
     return device
-
-
-@dataclass
-class StopConditions:
-    return_mean: float | None = None
-    seconds: float | None = None
-    env_steps: int | None = None
 
 
 class LearnerProcess:

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from apex.errors import ApexError
 from apex.files import open_append, refuse_link, remove_stale_temps, write_atomic
+from apex.logs import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +80,6 @@ def tensorboard_tag(key: str) -> str:
     return f"system/{key}"
 
 
-class _FailureLog:
-    """Logs failed writes at most once every ``interval_s``, with how many there were since
-    the last line: a full disk fails every write, and the log must not fill it faster."""
-
-    def __init__(self, interval_s: float = 5.0) -> None:
-        self._interval = interval_s
-        self._next = 0.0
-        self._unreported = 0
-
-    def __call__(self, what: str, error: OSError) -> None:
-        self._unreported += 1
-        now = time.monotonic()
-        if now < self._next:
-            return
-        log.warning("writing %s failed: %s (%d failed write%s since the last report); the run goes on and "
-                    "retries", what, error.strerror or error, self._unreported, "" if self._unreported == 1 else "s")
-        self._next = now + self._interval
-        self._unreported = 0
-
-
 class MetricsWriter:
     """Appends one JSON object per call to LOGDIR/metrics.jsonl, writes the numbers as
     TensorBoard scalars to LOGDIR/tb (by env steps), and keeps a status line on the console
@@ -125,7 +106,7 @@ class MetricsWriter:
         self._console = console if console is not None else sys.stderr
         self._tty = self._console.isatty()
         self.write_failures = 0  # failed writes of metrics.jsonl and TensorBoard, since the start
-        self._failed = _FailureLog()
+        self._failed = RateLimitedLog(log, interval_s=5.0)  # a full disk fails every write
         self._file_failing = False
         self._cut_to: int | None = None  # the file's size before a line that failed half way
         self._tb = None
@@ -162,7 +143,7 @@ class MetricsWriter:
                 pass  # cut before the next line instead
             self.write_failures += 1
             self._file_failing = True
-            self._failed(str(self.path), e)
+            self._failed.warning("writing %s failed: %s; the run goes on and retries", self.path, e.strerror or e)
             return
         if self._file_failing:
             self._file_failing = False
@@ -219,7 +200,7 @@ class MetricsWriter:
                 os.close(fd)
             except OSError as e:  # e.g. EIO from a network file system: the lines are what they are
                 self.write_failures += 1
-                self._failed(str(self.path), e)
+                self._failed.warning("writing %s failed: %s; the run goes on and retries", self.path, e.strerror or e)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -124,7 +124,7 @@ class Compressed:
     def decompress(self) -> np.ndarray:
         try:
             data = lz4.block.decompress(self.payload, uncompressed_size=self.nbytes)
-        except Exception as e:
+        except (lz4.block.LZ4BlockError, ValueError) as e:
             raise ProtocolError(f"array {self.name!r}: corrupt lz4 payload ({e})") from None
         if len(data) != self.nbytes:
             raise ProtocolError(f"array {self.name!r}: lz4 payload holds {len(data)} bytes, layout says {self.nbytes}")
@@ -231,7 +231,7 @@ def decode(
         return _decode(list(frames), max_array_bytes, max_message_bytes, lazy)
     except ProtocolError:
         raise
-    except Exception as e:  # any other failure is still the sender's malformed message
+    except _MALFORMED as e:  # what a malformed message makes the parsers raise; anything else is our bug
         raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
 
 
@@ -241,9 +241,13 @@ def peek_version(frame: Any) -> int | None:
         header = msgpack.unpackb(_buffer(frame), raw=False)
         version = header.get("v") if isinstance(header, dict) else None
         return version if isinstance(version, int) else None
-    except Exception:
+    except _MALFORMED:
         return None
 
+
+# msgpack raises ValueError subclasses (and UnpackException) for bad input, TypeError for an
+# unhashable map key; NumPy ValueError for a buffer of the wrong size.
+_MALFORMED = (ValueError, TypeError, OverflowError, msgpack.UnpackException, struct.error)
 
 _PACK_COUNT = struct.Struct("<I")
 _PACK_SIZE = struct.Struct("<Q")

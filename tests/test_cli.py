@@ -136,3 +136,27 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
 def test_bench_rejects_bad_actor_counts(capsys):
     assert main(["bench", "e2e", "--actors", "0,2"]) == 2
     assert "--actors counts must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
+    report_path = tmp_path / "flood.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "apex", "bench", "flood", "--seconds", "4", "--json", str(report_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    report = json.loads(report_path.read_text())["flood"]  # written even when a ratio fell short (exit 2)
+    assert result.returncode in (0, 2), result.stderr[-3000:]
+    phases = {r["phase"]: r for r in report["results"]}
+    assert list(phases) == ["unloaded", "hello flood", "control garbage", "trajectory garbage", "unloaded again",
+                            "all at once"]
+    for row in phases.values():
+        for key in ("updates_per_s", "env_steps_per_s", "updates_ratio", "env_steps_ratio", "learner_rss_mb"):
+            assert isinstance(row[key], (int, float)), (row["phase"], key, row[key])
+    assert phases["unloaded"]["updates_per_s"] > 0 and phases["unloaded"]["env_steps_per_s"] > 0
+    assert phases["unloaded"]["rejected_messages"] == 0
+    assert phases["hello flood"]["rejected_by_reason"].get("hello_rate", 0) > 0
+    assert phases["control garbage"]["rejected_by_reason"].get("malformed", 0) > 0
+    assert phases["trajectory garbage"]["rejected_by_reason"].get("no_session", 0) > 0
+    assert phases["all at once"]["rejected_messages"] > 0
+    assert isinstance(report["sigterm_exit_s"], float) and report["learner_exit"] == 0
+    assert report["baseline"] == "the unloaded phase" and isinstance(report["passed"], bool)

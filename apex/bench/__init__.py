@@ -17,10 +17,10 @@ from apex.errors import ApexError
 # Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
 # only when run: building the command line must not import torch, zmq and gymnasium.
 BENCHMARKS: tuple[str, ...] = (
-    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak",
+    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak", "flood",
 )
 # Not part of `all`: minutes long, and a check (pass/fail) more than a throughput figure.
-LONG = ("soak",)
+LONG = ("soak", "flood")
 
 
 def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,

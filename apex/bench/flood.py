@@ -1,0 +1,437 @@
+"""`apex bench flood`: a real learner and one honest actor under hostile floods (issue 12).
+
+A real `apex learner` (the embedded CartPole Ape-X run) and one `apex actor` run through
+phases of ``seconds`` each: unloaded, then one phase per attack, an unloaded phase again
+(how much the run drifts on its own), and every attack at once:
+
+    hello flood          2 DEALER peers on the control port sending well-formed hellos as
+                         fast as non-blocking sends allow, reading every reply
+    control garbage      2 DEALER peers on the control port sending random frames, frames
+                         that start like a header, and hellos with out-of-range fields
+    trajectory garbage   10 PUSH peers on the trajectory port sending random frames and
+                         well-formed batches with made-up session tokens
+    all at once          the 14 peers above together; at its end the learner gets SIGTERM
+
+On a machine with two or more CPUs the learner and the actor share the first allowed CPU and
+all the flooders of a phase (one process, a loop over their sockets) the second one, in every
+phase, the unloaded ones included: otherwise the flooders would take CPU time from the
+learner and the actor, and the figures would measure the OS scheduler rather than apex.
+With one CPU nothing is pinned (the output says so) and the figures mean less.
+
+Each phase is measured from the learner's metrics.jsonl (a row every 0.5 s) after its first
+``SKIP_S`` seconds: updates/s and env steps/s (the honest actor is the only sender whose
+batches count) as the change of their counters over the time between two rows, and their
+ratio to the first unloaded phase; refused messages by reason over the whole phase; the
+learner's RSS; the CPU time of learner, actor and flooders. It fails (exit 2) when an
+attack phase keeps less than ``MIN_RATIO`` of the unloaded update rate or env steps/s, when
+the learner takes more than ``SIGTERM_LIMIT_S`` from SIGTERM to its exit under the full
+flood (its final checkpoint included), when it does not exit 0, or when a flood was not
+refused at all (it never reached the learner: a broken benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from apex.bench.e2e import _cpu_seconds, memory_mb
+from apex.bench.timing import print_table
+from apex.bench.transport import free_base_port
+
+CONTROL_PEERS = 2
+TRAJECTORY_PEERS = 10
+MIN_RATIO = 0.5
+SIGTERM_LIMIT_S = 2.0  # "the learner acts on SIGTERM within 2 s under any flood"
+SKIP_S = 2.0  # start of each phase left out of its rates (flooders connecting, queues filling or draining)
+SETTLE_S = 3.0  # after the first update, before the unloaded phase (the rate limiter's slack)
+METRICS_INTERVAL_S = 0.5
+
+HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE = "hello", "control_garbage", "trajectory_garbage"
+PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("unloaded", ()),
+    ("hello flood", (HELLO,)),
+    ("control garbage", (CONTROL_GARBAGE,)),
+    ("trajectory garbage", (TRAJECTORY_GARBAGE,)),
+    ("unloaded again", ()),
+    ("all at once", (HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE)),
+)
+PEERS = {HELLO: f"{CONTROL_PEERS} control", CONTROL_GARBAGE: f"{CONTROL_PEERS} control",
+         TRAJECTORY_GARBAGE: f"{TRAJECTORY_PEERS} trajectory"}
+
+
+def run(seconds: float = 15.0) -> dict:
+    """Runs every phase for ``seconds``; returns the figures and the verdict."""
+    seconds = max(seconds, SKIP_S + 2.0)
+    cpus, pinning = _pick_cpus()
+    apex_cpu, flood_cpu = cpus if cpus else (None, None)
+    rows: list[dict] = []
+    sigterm: dict[str, float | None] = {}
+    with tempfile.TemporaryDirectory(prefix="apex-flood-") as tmp:
+        workdir = Path(tmp)
+        logdir, port = workdir / "run", free_base_port()
+        learner_log = workdir / "learner.log"
+        budget = len(PHASES) * seconds + 180  # --stop-seconds: a learner this bench lost stops by itself
+        learner = _spawn([sys.executable, "-m", "apex", "learner", "--logdir", str(logdir), "--port", str(port),
+                          "--stop-seconds", str(budget), "--set", f"learner.metrics_interval_s={METRICS_INTERVAL_S}"],
+                         learner_log, apex_cpu)
+        actor = _spawn([sys.executable, "-m", "apex", "actor", "--learner", f"127.0.0.1:{port}", "--actor-index", "0"],
+                       workdir / "actor.log", apex_cpu)
+        flooder: subprocess.Popen | None = None
+        try:
+            _wait_for_updates(learner, logdir, learner_log, timeout=180)
+            time.sleep(SETTLE_S)
+            for name, kinds in PHASES:
+                flooder = _start_flooder(port, kinds, flood_cpu, workdir) if kinds else None
+                before = _last_row(logdir)
+                pids = [learner.pid, actor.pid] + ([flooder.pid] if flooder else [])
+                cpu0, t0 = [_cpu_seconds(p) for p in pids], time.monotonic()
+                time.sleep(SKIP_S)
+                first = _last_row(logdir)
+                time.sleep(seconds - SKIP_S)
+                last = _last_row(logdir)
+                cpu = [100 * (_cpu_seconds(p) - c) / (time.monotonic() - t0) for p, c in zip(pids, cpu0)]
+                rss = memory_mb(learner.pid, "VmRSS")
+                if name == PHASES[-1][0]:  # under the full flood: how long from SIGTERM to exit
+                    sigterm = _sigterm(learner, actor, logdir)
+                sent = _stop_flooder(flooder) if flooder else None
+                flooder = None
+                rows.append(_phase_row(name, kinds, before, first, last, cpu, rss, sent))
+                for proc, what in ((learner, "learner"), (actor, "actor")):
+                    if proc.poll() is not None and not sigterm:
+                        raise RuntimeError(f"the {what} exited with {proc.returncode} during the {name!r} phase: "
+                                           f"{_tail(workdir / f'{what}.log')}")
+        finally:
+            for p in [flooder, actor, learner]:
+                if p is not None and p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return _report(rows, seconds, pinning, sigterm, learner.returncode)
+
+
+# -- the processes
+
+
+def _pick_cpus() -> tuple[tuple[int, int] | None, str]:
+    """(CPU for learner and actor, CPU for the flooders), or None; and the pinning in words."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return None, "none: this platform cannot pin processes to CPUs"
+    if len(allowed) < 2:
+        return None, f"none: only {len(allowed)} CPU, so flooders compete with the learner and the actor for it"
+    return (allowed[0], allowed[1]), f"learner and actor on CPU {allowed[0]}, flooders on CPU {allowed[1]}"
+
+
+def _spawn(args: list[str], log: Path, cpu: int | None, stdout=None) -> subprocess.Popen:
+    """A child process pinned to ``cpu`` from its first instruction (threads it starts
+    inherit that), its stderr (and stdout unless given) to ``log``: a pipe that nobody reads
+    would block a learner that logs refused messages."""
+    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    with open(log, "ab") as f:
+        return subprocess.Popen(args, stdout=stdout or f, stderr=f, preexec_fn=preexec)
+
+
+def _rows(logdir: Path) -> list[dict]:
+    try:
+        lines = (logdir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return rows
+
+
+def _last_row(logdir: Path) -> dict:
+    rows = _rows(logdir)
+    return rows[-1] if rows else {}
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _wait_for_updates(learner: subprocess.Popen, logdir: Path, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _last_row(logdir).get("learner_updates", 0) == 0:
+        if learner.poll() is not None:
+            raise RuntimeError(f"the learner exited with {learner.returncode} before training: {_tail(log)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the learner made no update in {timeout:g} s: {_tail(log)}")
+        time.sleep(0.2)
+
+
+def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
+    """The flooders of a phase, one process; returns once every socket is connected."""
+    proc = _spawn([sys.executable, "-m", "apex.bench.flood", str(port), *kinds], workdir / "flooder.log", cpu,
+                  stdout=subprocess.PIPE)
+    line = proc.stdout.readline()
+    if not line.startswith(b"ready"):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"the flooder did not start: {_tail(workdir / 'flooder.log')}")
+    return proc
+
+
+def _stop_flooder(proc: subprocess.Popen) -> dict:
+    """Stops a flooder; returns what it sent (its last line on stdout)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return {}
+    try:
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {}
+
+
+def _sigterm(learner: subprocess.Popen, actor: subprocess.Popen, logdir: Path) -> dict:
+    """Sends the learner SIGTERM; seconds until it wrote summary.json (it has stopped
+    training, told its actors and written its final checkpoint), until it exited, and until
+    the honest actor (told to stop by it) exited; None for what did not happen in 60 s."""
+    summary = logdir / "summary.json"
+    learner.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    times: dict[str, float | None] = {"summary": None, "learner": None, "actor": None}
+    while None in times.values() and time.monotonic() - start < 60:
+        elapsed = time.monotonic() - start
+        for key, done in (("summary", summary.exists), ("learner", lambda: learner.poll() is not None),
+                          ("actor", lambda: actor.poll() is not None)):
+            if times[key] is None and done():
+                times[key] = round(elapsed, 2)
+        time.sleep(0.01)
+    return times
+
+
+# -- the figures
+
+
+def _rate(first: dict, last: dict, key: str) -> float | None:
+    elapsed = last.get("time", 0) - first.get("time", 0)
+    if elapsed <= 0:
+        return None
+    return (last.get(key, 0) - first.get(key, 0)) / elapsed
+
+
+def _phase_row(name: str, kinds: tuple[str, ...], before: dict, first: dict, last: dict, cpu: list[float],
+               rss: float | None, sent: dict | None) -> dict:
+    reasons_before = before.get("rejected_by_reason", {})
+    reasons = {reason: count - reasons_before.get(reason, 0)
+               for reason, count in last.get("rejected_by_reason", {}).items()
+               if count - reasons_before.get(reason, 0) > 0}
+    updates, steps = _rate(first, last, "learner_updates"), _rate(first, last, "env_steps")
+    flood_s = (sent or {}).get("seconds") or 0
+    return {
+        "phase": name,
+        "flooders": ", ".join(f"{PEERS[k]} {k.replace('_', ' ')}" for k in kinds) or "none",
+        "measured_s": round(last.get("time", 0) - first.get("time", 0), 2),
+        "updates_per_s": None if updates is None else round(updates, 1),
+        "env_steps_per_s": None if steps is None else round(steps, 1),
+        "rejected_messages": last.get("rejected_messages", 0) - before.get("rejected_messages", 0),
+        "rejected_by_reason": reasons,
+        "flood_messages_sent": (sent or {}).get("sent", 0),
+        "flood_msgs_per_s": round((sent or {}).get("sent", 0) / flood_s) if flood_s else 0,
+        "flood_replies_received": (sent or {}).get("replies", 0),
+        "learner_cpu_percent": round(cpu[0]),
+        "actor_cpu_percent": round(cpu[1]),
+        "flooder_cpu_percent": round(cpu[2]) if len(cpu) > 2 else 0,
+        "learner_rss_mb": None if rss is None else round(rss, 1),
+        "actors_connected": last.get("actors_connected"),
+    }
+
+
+def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learner_exit: int | None) -> dict:
+    base = rows[0]
+    problems = []
+    for row in rows:
+        attacked = row["flooders"] != "none"
+        for key, ratio_key in (("updates_per_s", "updates_ratio"), ("env_steps_per_s", "env_steps_ratio")):
+            ok = bool(base[key]) and row[key] is not None
+            row[ratio_key] = round(row[key] / base[key], 3) if ok else None
+            if attacked and (row[ratio_key] is None or row[ratio_key] < MIN_RATIO):
+                problems.append(f"{row['phase']}: {key} {row[key]} is {_percent(row[ratio_key])} of the unloaded "
+                                f"{base[key]} (at least {MIN_RATIO:.0%} required)")
+        if attacked and row["rejected_messages"] == 0:
+            problems.append(f"{row['phase']}: no message refused; the flood did not reach the learner")
+        row["passed"] = not attacked or not any(p.startswith(row["phase"] + ":") for p in problems)
+    if not base["updates_per_s"]:
+        problems.append("the unloaded learner made no update: nothing to compare with")
+    sigterm_exit_s = sigterm.get("learner")
+    if sigterm_exit_s is None:
+        problems.append("the learner did not exit within 60 s of SIGTERM under the full flood")
+    elif sigterm_exit_s > SIGTERM_LIMIT_S:
+        problems.append(f"the learner took {sigterm_exit_s:.2f} s from SIGTERM to its exit under the full flood "
+                        f"(at most {SIGTERM_LIMIT_S:g} s)")
+    if learner_exit not in (0, None):
+        problems.append(f"the learner exited with {learner_exit} after SIGTERM")
+    print_table(
+        f"flood: CartPole Ape-X learner + 1 honest actor, {seconds:g} s per phase (first {SKIP_S:g} s not measured); "
+        f"pinning: {pinning}",
+        ["phase", "updates/s", "vs unloaded", "env steps/s", "vs unloaded", "refused", "refused by reason",
+         "flood msgs/s", "learner / actor / flooder CPU %", "learner RSS MB", "ok"],
+        [[r["phase"], r["updates_per_s"], _percent(r["updates_ratio"]), r["env_steps_per_s"],
+          _percent(r["env_steps_ratio"]), r["rejected_messages"],
+          ", ".join(f"{k} {v:,}" for k, v in sorted(r["rejected_by_reason"].items(), key=lambda kv: -kv[1])) or "-",
+          r["flood_msgs_per_s"], f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
+          r["learner_rss_mb"], "-" if r["flooders"] == "none" else ("yes" if r["passed"] else "NO")] for r in rows],
+    )
+    print(f"SIGTERM under the full flood: the learner wrote summary.json after {_seconds(sigterm.get('summary'))} and "
+          f"exited after {_seconds(sigterm_exit_s)} (limit {SIGTERM_LIMIT_S:g} s; exit code {learner_exit}); "
+          f"the honest actor exited after {_seconds(sigterm.get('actor'))}")
+    print("passed" if not problems else "FAILED: " + "; ".join(problems))
+    return {
+        "baseline": "the unloaded phase",
+        "seconds": seconds,
+        "skip_s": SKIP_S,
+        "pinning": pinning,
+        "min_ratio": MIN_RATIO,
+        "results": rows,
+        "sigterm_exit_s": sigterm_exit_s,
+        "sigterm_summary_s": sigterm.get("summary"),
+        "sigterm_actor_exit_s": sigterm.get("actor"),
+        "sigterm_limit_s": SIGTERM_LIMIT_S,
+        "learner_exit": learner_exit,
+        "passed": not problems,
+        "problems": problems,
+    }
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.0%}"
+
+
+# -- the flooder process: `python -m apex.bench.flood PORT KIND...`
+
+
+def _control_garbage(rng: random.Random) -> list[list[bytes]]:
+    """Random frames, frames that start like a header, and hellos whose fields are out of
+    range or of the wrong type: all under the control port's frame size limit."""
+    import msgpack
+
+    from apex import protocol
+
+    def header(fields: dict) -> bytes:
+        return msgpack.packb({"v": protocol.PROTOCOL, "type": "hello", **fields, "layout": msgpack.packb([])},
+                             use_bin_type=True)
+
+    messages = []
+    for _ in range(48):
+        frames = [rng.randbytes(rng.randint(1, 2048)) for _ in range(rng.choice((1, 1, 2, 3)))]
+        if rng.random() < 0.4:
+            frames[0] = b"\x85\xa1v\x02\xa4type\xa5hello" + frames[0]  # a header's start, then noise
+        messages.append(frames)
+    good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
+    for bad in ({"actor_index": 2**40}, {"actor_index": -1}, {"num_envs": -1}, {"num_envs": 10**6},
+                {"host": "x" * 1000}, {"pid": -5}, {"pid": 2**40}, {"actor_index": "zero"}, {"num_envs": 1.5},
+                {"host": b"\xff"}, {"extra": 1}):
+        messages.append([header({**good, **bad})])
+    return messages
+
+
+def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
+    """Random frames, and well-formed CartPole-sized batches (64 transitions) of made-up sessions."""
+    import numpy as np
+
+    from apex import protocol
+
+    n = 64
+    arrays = {
+        "frames": np.zeros((n + 6, 4), np.float32), "obs_frame": np.arange(n, dtype=np.int32),
+        "next_obs_frame": np.arange(n, dtype=np.int32) + 3, "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32), "discount": np.full(n, 0.97, np.float32), "priority": np.ones(n, np.float32),
+    }
+    messages = []
+    for _ in range(32):
+        frames = [rng.randbytes(rng.randint(1, 4096)) for _ in range(rng.choice((1, 2, 3)))]
+        if rng.random() < 0.4:
+            frames[0] = b"\x86\xa1v\x02\xa4type\xa5batch" + frames[0]
+        messages.append(frames)
+        fields = {"actor_index": 0, "weights_version": 0, "info": {}, "session": rng.randbytes(16),
+                  "seq": rng.randrange(2**31)}
+        messages.append([bytes(f) for f in protocol.encode("batch", fields, arrays)])
+    return messages
+
+
+def _flooder_main(argv: list[str]) -> int:
+    """Floods the learner at port ``argv[0]`` with the kinds that follow, until SIGTERM;
+    prints ``ready`` once connected and, at the end, what it sent as one JSON line."""
+    import zmq
+
+    from apex import protocol
+
+    port, kinds = int(argv[0]), argv[1:]
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    rng = random.Random(12)
+    context = zmq.Context()
+    peers: list[tuple[zmq.Socket, list[list[bytes]], bool]] = []  # socket, its messages, whether it reads replies
+
+    def dealer(name: bytes) -> zmq.Socket:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, name)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        return sock
+
+    if HELLO in kinds:
+        hello = [bytes(f) for f in protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood",
+                                                             "pid": 1})]
+        peers += [(dealer(b"flood-hello-%d" % i), [hello], True) for i in range(CONTROL_PEERS)]
+    if CONTROL_GARBAGE in kinds:
+        garbage = _control_garbage(rng)
+        peers += [(dealer(b"flood-garbage-%d" % i), garbage, True) for i in range(CONTROL_PEERS)]
+    if TRAJECTORY_GARBAGE in kinds:
+        garbage = _trajectory_garbage(rng)
+        for _ in range(TRAJECTORY_PEERS):
+            sock = context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port + 1}")
+            peers.append((sock, garbage, False))
+    print("ready", flush=True)
+    sent = blocked = replies = i = 0
+    start = time.monotonic()
+    while not stopping:
+        for k, (sock, messages, reads) in enumerate(peers):
+            try:
+                sock.send_multipart(messages[(i + k) % len(messages)], flags=zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                blocked += 1
+            while reads:
+                try:
+                    sock.recv_multipart(flags=zmq.NOBLOCK)
+                    replies += 1
+                except zmq.Again:
+                    break
+        i += 1
+    print(json.dumps({"sent": sent, "blocked": blocked, "replies": replies,
+                      "seconds": round(time.monotonic() - start, 2)}), flush=True)
+    for sock, _, _ in peers:
+        sock.close(linger=0)
+    context.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_flooder_main(sys.argv[1:]))
