@@ -11,7 +11,6 @@ import resource
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,9 @@ from apex.envs import env_spec
 from apex.errors import ApexError, ProtocolError
 from apex.malloc import keep_large_blocks
 from apex.metrics import EpisodeStats, MetricsWriter, Rate, write_json_atomic
+from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.schema import check_episodes
-from apex.logs import RateLimitedLog
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, options_from_config
 
 log = logging.getLogger(__name__)
@@ -159,10 +158,7 @@ class LearnerProcess:
         state = checkpoint.load_state()
         replay = self.learner.checkpoint_replay
         if replay is not None and checkpoint.replay_path is not None:
-            try:
-                checkpoint.load_replay(replay)
-            except ValueError as e:  # a shape that differs from this run's: the user's to fix
-                raise ApexError(f"cannot restore the replay of {checkpoint.name}: {e}") from None
+            checkpoint.load_replay(replay)  # IncompatibleCheckpoint (the user's to fix) goes up as it is
         try:
             self.learner.load_state_dict(state)
         except (KeyError, RuntimeError, ValueError) as e:

@@ -32,7 +32,7 @@ import zmq
 from apex import algos, protocol
 from apex import config as config_module
 from apex.bench.transport import free_base_port
-from apex.transport import LearnerClient, LearnerEndpoint, TransportOptions, generate_keys
+from apex.transport import LearnerClient, TransportOptions, generate_keys
 from tests.test_e2e import FAST, metrics, processes_mentioning, wait_for
 
 OPTIONS = TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)

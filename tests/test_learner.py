@@ -9,7 +9,7 @@ import torch
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.learner import LearnerProcess, pick_device
+from apex.learner import pick_device
 from apex.replay import RateLimiter
 
 
