@@ -233,8 +233,11 @@ class PrioritizedReplay:
                 raise IndexError("indices must refer to items still in the replay")
             return self._tree.get(indices % self.capacity)
 
-    def _transform(self, priorities: np.ndarray) -> np.ndarray:
+    def _transform(self, priorities: np.ndarray, checked: bool = False) -> np.ndarray:
+        """(p + eps) ** alpha; ``checked``: the caller validated them (finite, >= 0, 1-D)."""
         priorities = np.asarray(priorities, dtype=np.float64)
+        if checked:
+            return (priorities + self.eps) ** self.alpha
         if priorities.ndim != 1:
             raise ValueError(f"priorities must be a 1-D array, got shape {priorities.shape}")
         if not ((priorities >= 0).all() and (priorities < np.inf).all()):  # NaN fails the first
@@ -526,7 +529,7 @@ class StackedReplay:
         (apex.schema: the learner's one check of what actors send): its indices within its
         frames, at most ``capacity`` transitions and ``frames.capacity`` frames."""
         frames = chunk["frames"]
-        priorities = self.transitions._transform(chunk["priority"])
+        priorities = self.transitions._transform(chunk["priority"], checked=True)
         with self._lock:
             try:
                 first = self.frames.add(frames)

@@ -22,6 +22,7 @@ metrics.jsonl's ``rejected_by_reason``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,16 @@ import numpy as np
 from apex.errors import RejectedMessage
 from apex.protocol import Compressed
 
-# A value rule looks at the cast array and the message's bound sizes; it returns a problem or None.
-ValueRule = Callable[[np.ndarray, Mapping[str, int]], "str | None"]
+@dataclass(frozen=True)
+class Range:
+    """The values an array may hold: ``low <= v <= high`` (NaN never is). ``high`` may depend
+    on the message's sizes, e.g. the last stack start within its frames."""
+
+    low: float
+    high: float | Callable[[Mapping[str, int]], float]
+
+    def bounds(self, sizes: Mapping[str, int]) -> tuple[float, float]:
+        return self.low, self.high(sizes) if callable(self.high) else self.high
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class ArrayRule:
     """The dtype it is cast to, checked in and stored as."""
     shape: tuple[int | str, ...]
     """Fixed sizes, or names of sizes bound per message (``frames``, ``transitions``, ...)."""
-    values: ValueRule | None = None
+    values: Range | None = None
     exact: bool = False
     """The wire dtype must be ``store`` itself (data that a cast would change, e.g. pixels)."""
 
@@ -56,43 +65,32 @@ class ArrayRule:
         return self.values is None and self.exact
 
 
-# -- value rules
+# The fast finiteness test overflows on purpose for huge values; it is not a problem to report.
+warnings.filterwarnings("ignore", "overflow encountered in dot", RuntimeWarning, __name__)
+
+# -- value rules (for the stored dtype)
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FINITE = Range(-FLOAT32_MAX, FLOAT32_MAX)  # for float32: finite, NaN and infinities refused
 
 
-def finite(array: np.ndarray, _sizes: Mapping[str, int]) -> str | None:
-    # min and max propagate NaN and show infinities, without a temporary the size of the array
-    if array.size and not (math.isfinite(array.min()) and math.isfinite(array.max())):
-        return "holds NaN or infinity"
-    return None
+def _surely_finite(array: np.ndarray) -> bool:
+    """A fast sufficient test: the sum of squares is finite only if every value is (it can
+    also overflow for finite values beyond ~1e19, which then take the exact min/max test).
+    One BLAS dot instead of two reductions: 0.6 against 3 us for a CartPole batch's frames."""
+    flat = array.reshape(-1)
+    return math.isfinite(flat.dot(flat))
 
 
-def within(low: float, high: float) -> ValueRule:
-    """Every value in [low, high] (NaN never is)."""
-
-    def rule(array: np.ndarray, _sizes: Mapping[str, int]) -> str | None:
-        if array.size and not (array.min() >= low and array.max() <= high):
-            return f"holds values outside [{low:g}, {high:g}] (min {array.min()}, max {array.max()})"
-        return None
-
-    return rule
-
-
-def below(bound: Callable[[Mapping[str, int]], int]) -> ValueRule:
+def below(bound: Callable[[Mapping[str, int]], int]) -> Range:
     """Integers in [0, bound(sizes)): e.g. actions, or stack starts within the message's frames."""
-
-    def rule(array: np.ndarray, sizes: Mapping[str, int]) -> str | None:
-        high = bound(sizes)
-        if array.size and not (array.min() >= 0 and array.max() < high):
-            return f"holds values outside [0, {high}) (min {array.min()}, max {array.max()})"
-        return None
-
-    return rule
+    return Range(0, lambda sizes: bound(sizes) - 1)
 
 
 def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype) -> ArrayRule:
     """Frames as the run stores them: images exactly as sent (uint8), vectors finite floats."""
     if frame_dtype.kind == "f":
-        return ArrayRule("frames", "f", frame_dtype, ("frames", *frame_shape), finite)
+        return ArrayRule("frames", "f", frame_dtype, ("frames", *frame_shape), FINITE)
     return ArrayRule("frames", frame_dtype.kind, frame_dtype, ("frames", *frame_shape), exact=True)
 
 
@@ -129,11 +127,16 @@ class BatchSchema:
                     out[rule.name] = array
                     continue
                 array = array.decompress()
-            with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is what we look for
-                array = array.astype(rule.store, copy=False)
-            if rule.values is not None and (problem := rule.values(array, sizes)) is not None:
-                reason = "out_of_range" if _all_finite(array) else "nonfinite"
-                raise RejectedMessage(reason, f"{rule.name} {problem}")
+            if array.dtype.kind == "f":  # cast, then check: a float64 1e300 is inf as float32
+                if array.dtype != rule.store:
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        array = array.astype(rule.store)
+                if not (rule.values is FINITE and _surely_finite(array)):
+                    _check_range(rule, array, sizes)
+            else:  # check, then cast: a narrowing cast could wrap a value into range
+                _check_range(rule, array, sizes)
+                if array.dtype != rule.store:
+                    array = array.astype(rule.store)
             out[rule.name] = array
         return out, sizes
 
@@ -145,14 +148,14 @@ class BatchSchema:
         sizes: dict[str, int] = {}
         for rule in self.rules:
             array = arrays[rule.name]
-            dtype, shape = array.dtype, tuple(array.shape)
+            dtype, shape = array.dtype, array.shape
             if dtype.kind not in rule.kinds or (rule.exact and dtype != rule.store):
                 wanted = rule.store if rule.exact else f"kind {rule.kinds!r}"
                 raise RejectedMessage("dtype", f"{rule.name} has dtype {dtype}, expected {wanted}")
             if len(shape) != len(rule.shape):
                 raise RejectedMessage("shape", f"{rule.name} has shape {list(shape)}, expected {list(rule.shape)}")
             for got, want in zip(shape, rule.shape):
-                if isinstance(want, str):
+                if want.__class__ is str:
                     want = sizes.setdefault(want, got)
                 if got != want:
                     raise RejectedMessage("shape", f"{rule.name} has shape {list(shape)}, expected "
@@ -165,8 +168,16 @@ class BatchSchema:
         return sizes
 
 
-def _all_finite(array: np.ndarray) -> bool:
-    return array.dtype.kind != "f" or finite(array, {}) is None
+def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -> None:
+    if rule.values is None:
+        return
+    low, high = rule.values.bounds(sizes)
+    # min and max: NaN fails both comparisons, infinities are out of every range
+    if not (array.min() >= low and array.max() <= high):
+        finite = array.dtype.kind != "f" or bool(np.isfinite(array).all())
+        raise RejectedMessage("out_of_range" if finite else "nonfinite",
+                              f"{rule.name} holds {'values outside' if finite else 'NaN or infinity, not in'} "
+                              f"[{low:g}, {high:g}] (min {array.min()}, max {array.max()})")
 
 
 def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_reward: float,

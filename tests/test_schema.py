@@ -42,7 +42,7 @@ def validate(algo: str, batch: dict, spec: EnvSpec, config: Config, num_envs: in
 def test_an_actors_own_batch_passes_cast_to_its_stored_dtypes(algo):
     batch, spec, config = actor_batch(algo)
     arrays, sizes = validate(algo, batch, spec, config)
-    assert arrays["action"].dtype == np.int64 and arrays["obs_frame"].dtype == np.int64
+    assert arrays["action"].dtype == np.int64 and arrays["obs_frame"].dtype == np.int32
     assert arrays["reward"].dtype == np.float32 and arrays["frames"].dtype == np.float32
     steps = sizes["transitions"] if algo == "apex_dqn" else sizes["unrolls"] * config.impala.unroll_length
     assert steps == (len(batch["action"]) if algo == "apex_dqn" else batch["action"].size)

@@ -36,7 +36,7 @@ from apex.models import QNetwork, load_numpy_weights, numpy_weights, to_device
 from apex.errors import ProtocolError
 from apex.protocol import Compressed, Message
 from apex.replay import RateLimiter, StackedReplay
-from apex.schema import ArrayRule, BatchSchema, below, frame_rule, within
+from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
 
 
 def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
@@ -169,13 +169,13 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     transitions = ("transitions",)
     return BatchSchema((
         frame_rule(spec.frame_shape, spec.frame_dtype),
-        ArrayRule("obs_frame", "iu", np.dtype(np.int64), transitions, stack_starts),
-        ArrayRule("next_obs_frame", "iu", np.dtype(np.int64), transitions, stack_starts),
+        ArrayRule("obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
+        ArrayRule("next_obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
         ArrayRule("action", "iu", np.dtype(np.int64), transitions, below(lambda _: spec.num_actions)),
-        ArrayRule("reward", "f", np.dtype(np.float32), transitions, within(-max_return, max_return)),
-        ArrayRule("discount", "f", np.dtype(np.float32), transitions, within(0.0, 1.0)),
+        ArrayRule("reward", "f", np.dtype(np.float32), transitions, Range(-max_return, max_return)),
+        ArrayRule("discount", "f", np.dtype(np.float32), transitions, Range(0.0, 1.0)),
         # float32 and finite: however many there are, their sum in the tree stays finite
-        ArrayRule("priority", "f", np.dtype(np.float32), transitions, within(0.0, float(np.finfo(np.float32).max))),
+        ArrayRule("priority", "f", np.dtype(np.float32), transitions, Range(0.0, FLOAT32_MAX)),
     ))
 
 

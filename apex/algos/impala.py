@@ -33,7 +33,7 @@ from apex.models import PolicyValueNetwork, load_numpy_weights, numpy_weights, t
 from apex.errors import ApexError, ProtocolError
 from apex.protocol import Compressed, Message
 from apex.replay import UnrollQueue
-from apex.schema import ArrayRule, BatchSchema, below, frame_rule, within
+from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
 
 
 class VTraceReturns(NamedTuple):
@@ -113,13 +113,13 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     steps = ("unrolls", T)
     return BatchSchema((
         frame_rule(spec.frame_shape, spec.frame_dtype),
-        ArrayRule("obs_frame", "iu", np.dtype(np.int64), ("unrolls", T + 1),
+        ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
                   below(lambda sizes: sizes["frames"] - spec.stack + 1)),
         ArrayRule("action", "iu", np.dtype(np.int64), steps, below(lambda _: spec.num_actions)),
-        ArrayRule("reward", "f", np.dtype(np.float32), steps, within(-max_reward, max_reward)),
-        ArrayRule("discount", "f", np.dtype(np.float32), steps, within(0.0, 1.0)),
+        ArrayRule("reward", "f", np.dtype(np.float32), steps, Range(-max_reward, max_reward)),
+        ArrayRule("discount", "f", np.dtype(np.float32), steps, Range(0.0, 1.0)),
         # log-probabilities: finite and <= 0 (with float32 rounding)
-        ArrayRule("behaviour_logp", "f", np.dtype(np.float32), steps, within(float(np.finfo(np.float32).min), 1e-6)),
+        ArrayRule("behaviour_logp", "f", np.dtype(np.float32), steps, Range(-FLOAT32_MAX, 1e-6)),
     ))
 
 
