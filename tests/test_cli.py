@@ -144,8 +144,8 @@ def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
         [sys.executable, "-m", "apex", "bench", "flood", "--seconds", "4", "--json", str(report_path)],
         capture_output=True, text=True, timeout=600,
     )
-    report = json.loads(report_path.read_text())["flood"]  # written even when a ratio fell short (exit 2)
-    assert result.returncode in (0, 2), result.stderr[-3000:]
+    assert result.returncode in (0, 2), result.stderr[-3000:]  # 2: a ratio fell short; the report is written all the same
+    report = json.loads(report_path.read_text())["flood"]
     phases = {r["phase"]: r for r in report["results"]}
     assert list(phases) == ["unloaded", "hello flood", "control garbage", "trajectory garbage", "unloaded again",
                             "all at once"]
@@ -159,4 +159,4 @@ def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
     assert phases["trajectory garbage"]["rejected_by_reason"].get("no_session", 0) > 0
     assert phases["all at once"]["rejected_messages"] > 0
     assert isinstance(report["sigterm_exit_s"], float) and report["learner_exit"] == 0
-    assert report["baseline"] == "the unloaded phase" and isinstance(report["passed"], bool)
+    assert report["baseline"].startswith("the unloaded phases") and isinstance(report["passed"], bool)

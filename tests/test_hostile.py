@@ -282,8 +282,9 @@ while True:
 # -- 8: forged stop
 
 
-def test_08_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path):
-    run = Run(tmp_path, "apex_dqn", "--stop-return", "450", "--stop-env-steps", "100000000")
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_08_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
+    run = Run(tmp_path, algo, "--stop-return", "450", "--stop-env-steps", "100000000")
     try:
         peer = run.session()
         batch = honest_batch(peer)

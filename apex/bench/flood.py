@@ -1,8 +1,9 @@
 """`apex bench flood`: a real learner and one honest actor under hostile floods (issue 12).
 
-A real `apex learner` (the embedded CartPole Ape-X run) and one `apex actor` run through
-phases of ``seconds`` each: unloaded, then one phase per attack, an unloaded phase again
-(how much the run drifts on its own), and every attack at once:
+A real `apex learner` (the embedded CartPole Ape-X run, every environment exploring with
+epsilon 1: see ``OVERRIDES``) and one `apex actor` run, from the moment the replay is full,
+through phases of ``seconds`` each: unloaded, one phase per attack, unloaded again, and
+every attack at once:
 
     hello flood          2 DEALER peers on the control port sending well-formed hellos as
                          fast as non-blocking sends allow, reading every reply
@@ -21,12 +22,16 @@ With one CPU nothing is pinned (the output says so) and the figures mean less.
 Each phase is measured from the learner's metrics.jsonl (a row every 0.5 s) after its first
 ``SKIP_S`` seconds: updates/s and env steps/s (the honest actor is the only sender whose
 batches count) as the change of their counters over the time between two rows, and their
-ratio to the first unloaded phase; refused messages by reason over the whole phase; the
-learner's RSS; the CPU time of learner, actor and flooders. It fails (exit 2) when an
-attack phase keeps less than ``MIN_RATIO`` of the unloaded update rate or env steps/s, when
-the learner takes more than ``SIGTERM_LIMIT_S`` from SIGTERM to its exit under the full
-flood (its final checkpoint included), when it does not exit 0, or when a flood was not
-refused at all (it never reached the learner: a broken benchmark).
+ratio to the baseline, the mean of the two unloaded phases (on a 2-core VM two unloaded
+phases of one run differed by up to 18%: one alone is a noisy yardstick); refused messages by reason over
+the whole phase; the learner's RSS; the CPU time of learner, actor and flooders. After a
+flood's senders are gone, what they left in the kernel's socket buffers still arrives: the
+next phase starts once the learner has refused the last of it (``refused after``, with the
+seconds that took). It fails (exit 2) when an attack phase keeps less than ``MIN_RATIO`` of
+the unloaded updates/s or env steps/s, when the learner takes more than ``SIGTERM_LIMIT_S``
+from SIGTERM to its exit under the full flood (its final checkpoint included), when it does
+not exit 0, or when a flood was not refused at all (it never reached the learner: a broken
+benchmark).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from apex import config as config_module
 from apex.bench.e2e import _cpu_seconds, memory_mb
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
@@ -50,8 +56,12 @@ TRAJECTORY_PEERS = 10
 MIN_RATIO = 0.5
 SIGTERM_LIMIT_S = 2.0  # "the learner acts on SIGTERM within 2 s under any flood"
 SKIP_S = 2.0  # start of each phase left out of its rates (flooders connecting, queues filling or draining)
-SETTLE_S = 3.0  # after the first update, before the unloaded phase (the rate limiter's slack)
 METRICS_INTERVAL_S = 0.5
+# Every environment explores with epsilon 1 (and none is set aside for evaluation), so that the
+# workload does not change as the agent learns: with the default ladder an unloaded run's
+# updates/s went from 110 to 175 and back to 140 within 100 s as CartPole's episodes grew
+# from ~20 to 500 steps (fewer resets) and shrank again, more than any flood moved them.
+OVERRIDES = (f"learner.metrics_interval_s={METRICS_INTERVAL_S}", "actor.eps_base=1.0", "actor.eval_envs=0")
 
 HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE = "hello", "control_garbage", "trajectory_garbage"
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -62,6 +72,9 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unloaded again", ()),
     ("all at once", (HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE)),
 )
+# `python -c PIN CPU ARGS...`: pins itself to CPU, then becomes `python ARGS...` (same pid).
+PIN = ("import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
+       "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 PEERS = {HELLO: f"{CONTROL_PEERS} control", CONTROL_GARBAGE: f"{CONTROL_PEERS} control",
          TRAJECTORY_GARBAGE: f"{TRAJECTORY_PEERS} trajectory"}
 
@@ -78,15 +91,15 @@ def run(seconds: float = 15.0) -> dict:
         logdir, port = workdir / "run", free_base_port()
         learner_log = workdir / "learner.log"
         budget = len(PHASES) * seconds + 180  # --stop-seconds: a learner this bench lost stops by itself
-        learner = _spawn([sys.executable, "-m", "apex", "learner", "--logdir", str(logdir), "--port", str(port),
-                          "--stop-seconds", str(budget), "--set", f"learner.metrics_interval_s={METRICS_INTERVAL_S}"],
-                         learner_log, apex_cpu)
-        actor = _spawn([sys.executable, "-m", "apex", "actor", "--learner", f"127.0.0.1:{port}", "--actor-index", "0"],
+        sets = [arg for item in OVERRIDES for arg in ("--set", item)]
+        learner = _spawn(["-m", "apex", "learner", "--logdir", str(logdir), "--port", str(port),
+                          "--stop-seconds", str(budget), *sets], learner_log, apex_cpu)
+        actor = _spawn(["-m", "apex", "actor", "--learner", f"127.0.0.1:{port}", "--actor-index", "0"],
                        workdir / "actor.log", apex_cpu)
         flooder: subprocess.Popen | None = None
         try:
-            _wait_for_updates(learner, logdir, learner_log, timeout=180)
-            time.sleep(SETTLE_S)
+            # Measured from a full replay on: until then the learner's memory grows anyway.
+            _wait_for_replay(learner, logdir, learner_log, config_module.load(None, []).replay.capacity, timeout=180)
             for name, kinds in PHASES:
                 flooder = _start_flooder(port, kinds, flood_cpu, workdir) if kinds else None
                 before = _last_row(logdir)
@@ -102,7 +115,10 @@ def run(seconds: float = 15.0) -> dict:
                     sigterm = _sigterm(learner, actor, logdir)
                 sent = _stop_flooder(flooder) if flooder else None
                 flooder = None
-                rows.append(_phase_row(name, kinds, before, first, last, cpu, rss, sent))
+                row = _phase_row(name, kinds, before, first, last, cpu, rss, sent)
+                if kinds and not sigterm:
+                    row["drain_s"], row["refused_after_flood"] = _drain(logdir, last)
+                rows.append(row)
                 for proc, what in ((learner, "learner"), (actor, "actor")):
                     if proc.poll() is not None and not sigterm:
                         raise RuntimeError(f"the {what} exited with {proc.returncode} during the {name!r} phase: "
@@ -130,12 +146,14 @@ def _pick_cpus() -> tuple[tuple[int, int] | None, str]:
 
 
 def _spawn(args: list[str], log: Path, cpu: int | None, stdout=None) -> subprocess.Popen:
-    """A child process pinned to ``cpu`` from its first instruction (threads it starts
-    inherit that), its stderr (and stdout unless given) to ``log``: a pipe that nobody reads
-    would block a learner that logs refused messages."""
-    preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    """``python ARGS...`` pinned to ``cpu`` before it starts (every thread it starts inherits
+    that), its stderr (and stdout unless given) to ``log``: a pipe that nobody reads would
+    block a learner that logs refused messages. (A small Python pins itself and execs the
+    command: preexec_fn is unsafe in a process with threads, as this one may have.)"""
+    if cpu is not None:
+        args = ["-c", PIN, str(cpu), *args]
     with open(log, "ab") as f:
-        return subprocess.Popen(args, stdout=stdout or f, stderr=f, preexec_fn=preexec)
+        return subprocess.Popen([sys.executable, *args], stdout=stdout or f, stderr=f)
 
 
 def _rows(logdir: Path) -> list[dict]:
@@ -164,19 +182,21 @@ def _tail(path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def _wait_for_updates(learner: subprocess.Popen, logdir: Path, log: Path, timeout: float) -> None:
+def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacity: int, timeout: float) -> None:
+    """Waits until the learner trains with a full replay."""
     deadline = time.monotonic() + timeout
-    while _last_row(logdir).get("learner_updates", 0) == 0:
+    while (row := _last_row(logdir)).get("learner_updates", 0) == 0 or row.get("replay_size", 0) < capacity:
         if learner.poll() is not None:
             raise RuntimeError(f"the learner exited with {learner.returncode} before training: {_tail(log)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the learner made no update in {timeout:g} s: {_tail(log)}")
+            raise RuntimeError(f"the learner did not train with a full replay ({capacity}) within {timeout:g} s: "
+                               f"{row}; {_tail(log)}")
         time.sleep(0.2)
 
 
 def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
     """The flooders of a phase, one process; returns once every socket is connected."""
-    proc = _spawn([sys.executable, "-m", "apex.bench.flood", str(port), *kinds], workdir / "flooder.log", cpu,
+    proc = _spawn(["-m", "apex.bench.flood", str(port), *kinds], workdir / "flooder.log", cpu,
                   stdout=subprocess.PIPE)
     line = proc.stdout.readline()
     if not line.startswith(b"ready"):
@@ -199,6 +219,21 @@ def _stop_flooder(proc: subprocess.Popen) -> dict:
         return json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {}
+
+
+def _drain(logdir: Path, last: dict, timeout: float = 60.0) -> tuple[float, int]:
+    """Waits until the learner has refused the last of a flood whose senders are gone (what
+    they queued in the kernel's socket buffers still arrives) before the next phase starts:
+    until ``rejected_messages`` has not grown for a second. Returns the seconds that took
+    and the messages refused meanwhile."""
+    start = time.monotonic()
+    count, still = _last_row(logdir).get("rejected_messages", 0), time.monotonic()
+    while time.monotonic() - still < 1.0 + METRICS_INTERVAL_S and time.monotonic() - start < timeout:
+        time.sleep(METRICS_INTERVAL_S / 2)
+        now = _last_row(logdir).get("rejected_messages", 0)
+        if now != count:
+            count, still = now, time.monotonic()
+    return round(still - start, 1), count - last.get("rejected_messages", 0)
 
 
 def _sigterm(learner: subprocess.Popen, actor: subprocess.Popen, logdir: Path) -> dict:
@@ -257,7 +292,8 @@ def _phase_row(name: str, kinds: tuple[str, ...], before: dict, first: dict, las
 
 
 def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learner_exit: int | None) -> dict:
-    base = rows[0]
+    unloaded = [r for r in rows if r["flooders"] == "none"]
+    base = {key: _mean([r[key] for r in unloaded]) for key in ("updates_per_s", "env_steps_per_s")}
     problems = []
     for row in rows:
         attacked = row["flooders"] != "none"
@@ -266,12 +302,12 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
             row[ratio_key] = round(row[key] / base[key], 3) if ok else None
             if attacked and (row[ratio_key] is None or row[ratio_key] < MIN_RATIO):
                 problems.append(f"{row['phase']}: {key} {row[key]} is {_percent(row[ratio_key])} of the unloaded "
-                                f"{base[key]} (at least {MIN_RATIO:.0%} required)")
+                                f"{base[key]:.1f} (at least {MIN_RATIO:.0%} required)")
         if attacked and row["rejected_messages"] == 0:
             problems.append(f"{row['phase']}: no message refused; the flood did not reach the learner")
         row["passed"] = not attacked or not any(p.startswith(row["phase"] + ":") for p in problems)
-    if not base["updates_per_s"]:
-        problems.append("the unloaded learner made no update: nothing to compare with")
+    if not base["updates_per_s"] or not base["env_steps_per_s"]:
+        problems.append("the unloaded run made no update or no env step: nothing to compare with")
     sigterm_exit_s = sigterm.get("learner")
     if sigterm_exit_s is None:
         problems.append("the learner did not exit within 60 s of SIGTERM under the full flood")
@@ -280,27 +316,37 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
                         f"(at most {SIGTERM_LIMIT_S:g} s)")
     if learner_exit not in (0, None):
         problems.append(f"the learner exited with {learner_exit} after SIGTERM")
+    first, again = unloaded[0]["updates_per_s"], unloaded[-1]["updates_per_s"]
+    drift = 100 * (again / first - 1) if len(unloaded) > 1 and first and again is not None else None
     print_table(
-        f"flood: CartPole Ape-X learner + 1 honest actor, {seconds:g} s per phase (first {SKIP_S:g} s not measured); "
-        f"pinning: {pinning}",
+        f"flood: CartPole Ape-X learner + 1 honest actor (epsilon 1), {seconds:g} s per phase, first {SKIP_S:g} s "
+        f"not measured; pinning: {pinning}",
         ["phase", "updates/s", "vs unloaded", "env steps/s", "vs unloaded", "refused", "refused by reason",
-         "flood msgs/s", "learner / actor / flooder CPU %", "learner RSS MB", "ok"],
+         "flood msgs/s", "refused after (s)", "learner / actor / flooder CPU %", "learner RSS MB", "ok"],
         [[r["phase"], r["updates_per_s"], _percent(r["updates_ratio"]), r["env_steps_per_s"],
           _percent(r["env_steps_ratio"]), r["rejected_messages"],
           ", ".join(f"{k} {v:,}" for k, v in sorted(r["rejected_by_reason"].items(), key=lambda kv: -kv[1])) or "-",
-          r["flood_msgs_per_s"], f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
+          r["flood_msgs_per_s"], f"{r['refused_after_flood']:,} ({r['drain_s']:g})" if "drain_s" in r else "-",
+          f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
           r["learner_rss_mb"], "-" if r["flooders"] == "none" else ("yes" if r["passed"] else "NO")] for r in rows],
     )
+    print(f"unloaded (the baseline, mean of the {len(unloaded)} unloaded phases): {base['updates_per_s']:.1f} updates/s, "
+          f"{base['env_steps_per_s']:.0f} env steps/s; the second unloaded phase differs from the first by "
+          f"{'-' if drift is None else f'{drift:+.0f}%'} in updates/s")
     print(f"SIGTERM under the full flood: the learner wrote summary.json after {_seconds(sigterm.get('summary'))} and "
           f"exited after {_seconds(sigterm_exit_s)} (limit {SIGTERM_LIMIT_S:g} s; exit code {learner_exit}); "
           f"the honest actor exited after {_seconds(sigterm.get('actor'))}")
     print("passed" if not problems else "FAILED: " + "; ".join(problems))
     return {
-        "baseline": "the unloaded phase",
+        "baseline": "the unloaded phases (mean of the one before and the one after the single attacks)",
         "seconds": seconds,
         "skip_s": SKIP_S,
         "pinning": pinning,
+        "overrides": list(OVERRIDES),
         "min_ratio": MIN_RATIO,
+        "unloaded_updates_per_s": None if base["updates_per_s"] is None else round(base["updates_per_s"], 1),
+        "unloaded_env_steps_per_s": None if base["env_steps_per_s"] is None else round(base["env_steps_per_s"], 1),
+        "unloaded_drift_percent": None if drift is None else round(drift, 1),
         "results": rows,
         "sigterm_exit_s": sigterm_exit_s,
         "sigterm_summary_s": sigterm.get("summary"),
@@ -310,6 +356,11 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
         "passed": not problems,
         "problems": problems,
     }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _seconds(value: float | None) -> str:
