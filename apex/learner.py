@@ -262,7 +262,7 @@ class LearnerProcess:
             session.limits = self.learner.batch_limits(session.num_envs)
             # Episodes under way when the session began were partly played before it.
             session.step_budget = session.num_envs * self._step_limit
-        arrays, sizes = self.learner.schema.validate(msg.arrays, session.limits)
+        arrays, sizes = self.learner.schema.validate(msg.arrays, session.limits, msg.layout)
         env_steps = self.learner.env_steps(sizes)
         episodes, used = check_episodes(msg.fields["info"], max_episodes=env_steps, step_limit=self._step_limit,
                                         max_abs_reward=self.config.transport.max_abs_reward,

@@ -163,6 +163,7 @@ class Message:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     peer: str | None = None  # sender's address, where the transport knows it
     session: Any = None  # the learner's session of a batch, once the transport checked it
+    layout: bytes = b""  # the layout blob it was decoded with (identical blobs, identical arrays' shapes)
 
 
 def encode(
@@ -364,7 +365,7 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
         array = array.reshape(shape)
         array.flags.writeable = False
         arrays[name] = array
-    return Message(msg_type, header, arrays)
+    return Message(msg_type, header, arrays, layout=blob)
 
 
 def _parse_layout(blob: bytes) -> _Layout:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,14 +34,16 @@ from apex.protocol import Compressed
 
 @dataclass(frozen=True)
 class Range:
-    """The values an array may hold: ``low <= v <= high`` (NaN never is). ``high`` may depend
-    on the message's sizes, e.g. the last stack start within its frames."""
+    """The values an array may hold: ``low <= v <= high`` (NaN never is), where ``high`` may
+    be relative to one of the message's sizes (``high_size``): ``sizes[high_size] + high``,
+    e.g. the last stack start within its frames."""
 
     low: float
-    high: float | Callable[[Mapping[str, int]], float]
+    high: float
+    high_size: str | None = None
 
     def bounds(self, sizes: Mapping[str, int]) -> tuple[float, float]:
-        return self.low, self.high(sizes) if callable(self.high) else self.high
+        return self.low, self.high if self.high_size is None else sizes[self.high_size] + self.high
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class ArrayRule:
 # The fast finiteness test overflows on purpose for huge values; it is not a problem to report.
 warnings.filterwarnings("ignore", "overflow encountered in dot", RuntimeWarning, __name__)
 
+LAYOUT_CACHE_SIZE = 256
+
 # -- value rules (for the stored dtype)
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -82,9 +86,12 @@ def _surely_finite(array: np.ndarray) -> bool:
     return math.isfinite(flat.dot(flat))
 
 
-def below(bound: Callable[[Mapping[str, int]], int]) -> Range:
-    """Integers in [0, bound(sizes)): e.g. actions, or stack starts within the message's frames."""
-    return Range(0, lambda sizes: bound(sizes) - 1)
+def below(bound: int | str, offset: int = 0) -> Range:
+    """Integers in [0, bound + offset), where ``bound`` is a number or one of the message's
+    sizes: actions, or stack starts within the message's frames."""
+    if isinstance(bound, str):
+        return Range(0, offset - 1, bound)
+    return Range(0, bound + offset - 1)
 
 
 def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype) -> ArrayRule:
@@ -103,6 +110,10 @@ class BatchSchema:
     def __init__(self, rules: tuple[ArrayRule, ...]) -> None:
         self.rules = rules
         self.names = frozenset(rule.name for rule in rules)
+        # What _check_layout found for a layout blob: its sizes, or its rejection. Actors send
+        # the same few layouts again and again; checking one costs a sixth of a CartPole
+        # batch's validation. Bounded like the codec's own cache of parsed layouts.
+        self._layouts: dict[bytes, dict[str, int] | RejectedMessage] = {}
 
     def max_bytes(self, limits: Mapping[str, int]) -> int:
         """Bytes of the largest batch within ``limits``, as stored."""
@@ -114,11 +125,27 @@ class BatchSchema:
             total += count * rule.store.itemsize
         return total
 
-    def validate(self, arrays: Mapping[str, Any], limits: Mapping[str, int]) -> tuple[dict[str, Any], dict[str, int]]:
+    def validate(self, arrays: Mapping[str, Any], limits: Mapping[str, int],
+                 layout: bytes = b"") -> tuple[dict[str, Any], dict[str, int]]:
         """Checks a (lazily decoded) batch; returns (arrays cast to their stored dtypes,
         the message's sizes). Arrays that may stay compressed are returned as they came.
-        Raises RejectedMessage."""
-        sizes = self._check_layout(arrays, limits)
+        ``layout``: the message's layout blob (``Message.layout``), whose check is then
+        remembered. Raises RejectedMessage."""
+        sizes = self._layouts.get(layout) if layout else None
+        if sizes is None:
+            try:
+                sizes = self._check_layout(arrays)
+            except RejectedMessage as e:
+                sizes = e
+            if layout:
+                if len(self._layouts) >= LAYOUT_CACHE_SIZE:
+                    self._layouts.clear()
+                self._layouts[layout] = sizes
+        if isinstance(sizes, RejectedMessage):
+            raise RejectedMessage(sizes.reason, str(sizes))
+        for name, size in sizes.items():
+            if size > limits[name]:
+                raise RejectedMessage("too_large", f"{size} {name} in one batch, over this actor's limit of {limits[name]}")
         out: dict[str, Any] = {}
         for rule in self.rules:
             array = arrays[rule.name]
@@ -140,8 +167,8 @@ class BatchSchema:
             out[rule.name] = array
         return out, sizes
 
-    def _check_layout(self, arrays: Mapping[str, Any], limits: Mapping[str, int]) -> dict[str, int]:
-        """Names, dtypes, shapes and sizes, from what the layout declares."""
+    def _check_layout(self, arrays: Mapping[str, Any]) -> dict[str, int]:
+        """Names, dtypes and shapes from what the layout declares; returns the sizes."""
         if arrays.keys() != self.names:
             missing, extra = sorted(self.names - arrays.keys()), sorted(arrays.keys() - self.names)
             raise RejectedMessage("fields", f"batch arrays: missing {missing}, unexpected {extra}")
@@ -163,8 +190,6 @@ class BatchSchema:
         for name, size in sizes.items():
             if size < 1:
                 raise RejectedMessage("shape", f"a batch holds at least one of {name}, got 0")
-            if size > limits[name]:
-                raise RejectedMessage("too_large", f"{size} {name} in one batch, over this actor's limit of {limits[name]}")
         return sizes
 
 

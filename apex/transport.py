@@ -21,8 +21,8 @@ Optional CURVE (``apex keygen DIR``): every socket is encrypted and the learner 
 the actor public keys in ``DIR/authorized/``.
 
 The learner's receiving side assumes an attacker: ZMQ_MAXMSGSIZE on every receiving socket,
-at most ``MAX_CONTROL_PER_POLL`` control messages handled per loop iteration, a hello rate
-limit per peer address, bounded hello fields, an actor index that a live actor keeps, and a
+at most ``MAX_CONTROL_PER_POLL`` control messages handled per loop iteration, hello rate
+limits per connection and per peer address, bounded hello fields, an actor index that a live actor keeps, and a
 weights socket that keeps state only for live sessions (PUB, and XPUB even with manual
 subscriptions, keep every topic a subscriber sends: measured, 20 MiB of random 1 KiB
 subscriptions grew the learner by 48 MB for good).
@@ -59,8 +59,9 @@ DEFAULT_PORT = 5550
 MAX_CONTROL_PER_POLL = 32  # control messages handled per loop iteration: the train loop goes on under a flood
 MAX_ACTOR_INDEX = 65_536
 MAX_HOST_CHARS = 255
-HELLO_RATE_PER_S = 20.0  # hellos a peer address may send (a burst of HELLO_BURST first)
+HELLO_RATE_PER_S = 20.0  # hellos a connection may send a second (a burst of HELLO_BURST first)
 HELLO_BURST = 40
+HELLO_ADDRESS_FACTOR = 16  # an address's hellos: as many as this many connections may send
 MAX_TRACKED_PEERS = 4096  # hello rate buckets kept (least recently seen dropped first)
 TOKEN_BYTES = 16
 AUTO_ID_PREFIX = b"\x00"  # routing ids that a ROUTER makes up start with a zero byte
@@ -297,22 +298,35 @@ class Sessions:
             return session
 
 
-class HelloLimiter:
-    """A token bucket per peer address: hellos beyond ``rate`` a second (after a burst) are
-    dropped unanswered. Buckets of the least recently seen peers are forgotten first."""
+class TokenBuckets:
+    """A token bucket per key: events beyond ``rate`` a second (after a burst) are refused.
+    Buckets of the least recently seen keys are forgotten first, so the table stays small."""
 
-    def __init__(self, rate: float = HELLO_RATE_PER_S, burst: int = HELLO_BURST, peers: int = MAX_TRACKED_PEERS) -> None:
-        self.rate, self.burst, self.peers = rate, burst, peers
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, time)
+    def __init__(self, rate: float, burst: float, keys: int = MAX_TRACKED_PEERS) -> None:
+        self.rate, self.burst, self.keys = rate, float(burst), keys
+        self._buckets: OrderedDict[Any, tuple[float, float]] = OrderedDict()  # key -> (tokens, time)
 
-    def allow(self, peer: str, now: float) -> bool:
-        tokens, then = self._buckets.pop(peer, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+    def allow(self, key: Any, now: float) -> bool:
+        tokens, then = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
         allowed = tokens >= 1.0
-        self._buckets[peer] = (tokens - 1.0 if allowed else tokens, now)
-        if len(self._buckets) > self.peers:
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._buckets) > self.keys:
             self._buckets.popitem(last=False)
         return allowed
+
+
+class HelloLimiter:
+    """Hellos per connection (routing id) and per peer address: one flooding connection
+    cannot starve the other actors of its host, and many connections from one address
+    together get a bounded share (HELLO_ADDRESS_FACTOR connections' worth)."""
+
+    def __init__(self, rate: float = HELLO_RATE_PER_S, burst: int = HELLO_BURST) -> None:
+        self._per_connection = TokenBuckets(rate, burst)
+        self._per_address = TokenBuckets(rate * HELLO_ADDRESS_FACTOR, burst * HELLO_ADDRESS_FACTOR)
+
+    def allow(self, address: str, identity: bytes, now: float) -> bool:
+        return self._per_connection.allow((address, identity), now) and self._per_address.allow(address, now)
 
 
 def _peer_address(frame: Any) -> str:
@@ -494,15 +508,17 @@ class LearnerEndpoint:
             # actor (they always set one). A welcome could not reach it: nothing to do.
             return
         if msg.type == "hello":
-            if self._hellos.allow(_peer_address(frames[0]), time.monotonic()):
+            address = _peer_address(frames[0])
+            if self._hellos.allow(address, identity, time.monotonic()):
                 self._hello(identity, msg)
             else:
-                self._reject("hello_rate", "dropped hellos from %s: over %.0f a second", _peer_address(frames[0]),
-                             HELLO_RATE_PER_S)
+                self._reject("hello_rate", "dropped hellos from %s: over the rate limit", address)
         elif msg.type == "heartbeat":
             session = self.sessions.get(identity)
             if self._stopping is not None:
                 self._send(identity, "stop", {"reason": self._stopping})
+                if session is not None:  # told: the learner's last moments need not wait for it
+                    self.sessions.close(session)
             elif session is None:  # e.g. this learner restarted: the actor must say hello again
                 self._send(identity, "reject", {"reason": "unknown actor: say hello again", "retry": True})
             else:

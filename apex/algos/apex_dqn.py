@@ -164,14 +164,14 @@ def merge_chunks(chunks: list[dict]) -> dict:
 def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     """What an Ape-X batch holds: frames, then per transition where its observation and
     bootstrap stacks start in them, its action, n-step return, discount and priority."""
-    stack_starts = below(lambda sizes: sizes["frames"] - spec.stack + 1)
+    stack_starts = below("frames", 1 - spec.stack)
     max_return = config.transport.max_abs_reward * config.learner.n_step
     transitions = ("transitions",)
     return BatchSchema((
         frame_rule(spec.frame_shape, spec.frame_dtype),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
         ArrayRule("next_obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
-        ArrayRule("action", "iu", np.dtype(np.int64), transitions, below(lambda _: spec.num_actions)),
+        ArrayRule("action", "iu", np.dtype(np.int64), transitions, below(spec.num_actions)),
         ArrayRule("reward", "f", np.dtype(np.float32), transitions, Range(-max_return, max_return)),
         ArrayRule("discount", "f", np.dtype(np.float32), transitions, Range(0.0, 1.0)),
         # float32 and finite: however many there are, their sum in the tree stays finite

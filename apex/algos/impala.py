@@ -114,8 +114,8 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     return BatchSchema((
         frame_rule(spec.frame_shape, spec.frame_dtype),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
-                  below(lambda sizes: sizes["frames"] - spec.stack + 1)),
-        ArrayRule("action", "iu", np.dtype(np.int64), steps, below(lambda _: spec.num_actions)),
+                  below("frames", 1 - spec.stack)),
+        ArrayRule("action", "iu", np.dtype(np.int64), steps, below(spec.num_actions)),
         ArrayRule("reward", "f", np.dtype(np.float32), steps, Range(-max_reward, max_reward)),
         ArrayRule("discount", "f", np.dtype(np.float32), steps, Range(0.0, 1.0)),
         # log-probabilities: finite and <= 0 (with float32 rounding)
