@@ -289,8 +289,12 @@ class Config:
         return dataclasses.asdict(self)
 
     def save(self, path: Path) -> Path:
-        """Writes the config as YAML that ``load`` reads back (for child processes)."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Writes the config as YAML that ``load`` reads back (for child processes); never
+        through a link planted at ``path``."""
+        from apex.files import write_atomic
+
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False).encode()
+        write_atomic(Path(path), lambda f: f.write(text))
         return Path(path)
 
 

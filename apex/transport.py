@@ -22,10 +22,10 @@ the actor public keys in ``DIR/authorized/``.
 
 The learner's receiving side assumes an attacker: ZMQ_MAXMSGSIZE on every receiving socket,
 at most ``MAX_CONTROL_PER_POLL`` control messages handled per loop iteration, hello rate
-limits per connection and per peer address, bounded hello fields, an actor index that a live actor keeps, and a
-weights socket that keeps state only for live sessions (PUB, and XPUB even with manual
-subscriptions, keep every topic a subscriber sends: measured, 20 MiB of random 1 KiB
-subscriptions grew the learner by 48 MB for good).
+limits per connection and per peer address, bounded hello fields, an actor index that a
+live actor keeps, and a weights socket that keeps state only for live sessions (PUB, and
+XPUB even with manual subscriptions, keep every topic a subscriber sends: measured, 20 MiB
+of random 1 KiB subscriptions grew the learner by 48 MB for good).
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ TOKEN_BYTES = 16
 AUTO_ID_PREFIX = b"\x00"  # routing ids that a ROUTER makes up start with a zero byte
 MAX_ENVS_PER_ACTOR = 4096
 CONTROL_HWM = 100  # control messages queued per peer before ZeroMQ stops reading its connection
-WEIGHTS_PORT_MAX_BYTES = 512
+WEIGHTS_PORT_MAX_BYTES = 512  # a registration (a session token), or a CURVE handshake command
 ACTOR_MAX_MESSAGE_BYTES = protocol.DEFAULT_MAX_MESSAGE_BYTES  # what an actor accepts from its learner
 POLL_SLICE_S = 0.1  # longest an actor waits without looking at should_stop
 WAITING_LOG_S = 10.0
 BACKOFF_FIRST_S = 0.25  # hello retries wait this long at first, doubling up to BACKOFF_MAX_S
-BACKOFF_MAX_S = 5.0  # a registration (a session token), or a CURVE handshake command
+BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -608,7 +608,8 @@ class LearnerEndpoint:
         for session in self.sessions:
             if session.last_seen < deadline:
                 self.sessions.close(session)
-                log.info("actor %d (%s) went silent; dropped", session.index, session.host)
+                log.info("actor %d (%s) went silent; dropped (its session sent %d env steps, %d episodes)",
+                         session.index, session.host, session.env_steps, session.episodes)
 
     def _send(self, identity: bytes, msg_type: str, fields: Mapping[str, Any]) -> bool:
         """Sends a control message; False if it could not be (encoded or queued)."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import time
 from pathlib import Path
 
 from apex.errors import ApexError
+from apex.files import write_atomic
 
 # Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
 # only when run: building the command line must not import torch, zmq and gymnasium.
@@ -53,9 +53,8 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, path)
+        text = (json.dumps(report, indent=2) + "\n").encode()
+        write_atomic(path, lambda f: f.write(text))
         print(f"\nwrote {path}")
     failed = [f"{name}: {'; '.join(r['problems'])}" for name, r in report.items() if r.get("passed") is False]
     if failed:
