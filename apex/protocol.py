@@ -147,13 +147,6 @@ class Compressed:
             raise ProtocolError(f"array {self.name!r}: corrupt lz4 payload (decoded {written} of {self.nbytes} bytes)")
 
 
-def materialize(arrays: dict[str, Any], keep_compressed: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The arrays of a lazily decoded message decompressed, but those named in
-    ``keep_compressed`` (which a consumer decompresses into place itself)."""
-    return {k: (v.decompress() if isinstance(v, Compressed) and k not in keep_compressed else v)
-            for k, v in arrays.items()}
-
-
 @dataclass
 class Message:
     """A decoded message: its type, its header fields and its named arrays."""
