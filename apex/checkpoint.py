@@ -231,15 +231,11 @@ class Checkpoint:
 
 
 def _check_replay_fits(header: dict, replay, name: str) -> None:
-    """The shape checks of StackedReplay.load, made first: a replay of another shape is the
-    run's configuration changing, not a damaged file."""
-    ours = {"frame_shape": list(replay.frame_shape), "frame_dtype": replay.frame_dtype.str,
-            "stack": replay.stack, "capacity": replay.capacity, "frame_capacity": replay.frames.capacity}
-    for key, value in ours.items():
-        if header[key] != value:
-            raise IncompatibleCheckpoint(
-                f"the replay of {name} has {key} {header[key]}, this run's has {value}: resume with the "
-                "configuration the checkpoint was made with (drop the --set that changes it)")
+    """The replay's shape checked first: another shape is the run's configuration
+    changing, not a damaged file."""
+    if (mismatch := replay.shape_mismatch(header)) is not None:
+        raise IncompatibleCheckpoint(f"{name}: {mismatch}: resume with the configuration the checkpoint was made "
+                                     "with (drop the --set that changes it)")
 
 
 class CheckpointWriter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
@@ -93,12 +94,17 @@ def _not_written_through(path: Path, what: str) -> str:
             "a special file; remove it or choose another --logdir")
 
 
+_OUR_TEMP = re.compile(r".+\.[0-9a-f]{12}\.tmp|.+\.(json|pt|replay|yaml)\.tmp")  # ours, and older apex's
+
+
 def remove_stale_temps(directory: Path) -> int:
-    """Removes the ``*.tmp`` files (and links) directly in ``directory``, left by a process
-    killed while writing; never follows a link, never touches a directory. Returns how many."""
+    """Removes the temporary files (and links) that apex names (``<name>.<12 hex>.tmp``,
+    and an older apex's ``<name>.tmp`` of its own files) directly in ``directory``, left by
+    a process killed while writing; a user's other ``*.tmp`` files in a shared --logdir stay.
+    Never follows a link, never touches a directory. Returns how many."""
     removed = 0
     for entry in os.scandir(directory):
-        if entry.name.endswith(TMP_SUFFIX) and not entry.is_dir(follow_symlinks=False):
+        if _OUR_TEMP.fullmatch(entry.name) and not entry.is_dir(follow_symlinks=False):
             try:
                 os.unlink(entry.path)  # a link is removed, not what it points to
             except FileNotFoundError:

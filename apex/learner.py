@@ -100,7 +100,7 @@ class LearnerProcess:
             options_from_config(config.transport),
         )
         try:
-            self.learner = self._new_core()
+            self.learner = algos.get(self.config.algo).Learner(self.config, self.spec, self.device)
         except BaseException:
             self.endpoint.close()
             raise
@@ -116,26 +116,27 @@ class LearnerProcess:
         self._step_limit = self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT
         self._lags: list[int] = []
         self._bad_log = RateLimitedLog(log)
+        self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._stop_ingest = threading.Event()
         self._ingest_thread: threading.Thread | None = None
         self._version = 0  # of the weights last published
         self._signal: int | None = None
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
-        self.checkpoints = CheckpointWriter(self.logdir / "checkpoints", config.learner.keep_checkpoints)
         self.resumed_from = None
-        if resume is not None:
-            try:
+        try:
+            self.checkpoints = CheckpointWriter(self.logdir / "checkpoints", config.learner.keep_checkpoints)
+            if resume is not None:
                 self._resume(resume)
-            except BaseException:
-                self.endpoint.close()
-                raise
-
-    def _new_core(self):
-        return algos.get(self.config.algo).Learner(self.config, self.spec, self.device)
+        except BaseException:
+            self.endpoint.close()
+            raise
 
     def _resume(self, newest: Checkpoint) -> None:
-        """Restores the newest checkpoint that loads; one that fails to (for any reason) is
-        reported, renamed ``*.corrupt``, and the one before it tried, on a fresh core."""
+        """Restores the newest checkpoint that loads; one that cannot be loaded (forged,
+        corrupt, inconsistent: CorruptCheckpoint) is reported, renamed ``*.corrupt``, and the
+        one before it tried. (A failed load changes nothing: the state is read before
+        anything is applied, and the replay is left empty.) One that does not fit this run's
+        configuration stops the resume with an ApexError: every one would say the same."""
         checkpoint: Checkpoint | None = newest
         others = None
         while checkpoint is not None:
@@ -144,8 +145,10 @@ class LearnerProcess:
                 return
             except CorruptCheckpoint as e:
                 mark_corrupt(checkpoint, str(e))
-            self.learner = self._new_core()  # the failed attempt may have filled part of the replay
-            others = others or candidates(newest.manifest_path.parent)
+            try:
+                others = others or candidates(newest.manifest_path.parent)
+            except ApexError:  # none left at all
+                break
             checkpoint = next(others, None)
         raise ApexError(f"no checkpoint in {newest.logdir} could be loaded (see the messages above); "
                         "start without --resume")
@@ -215,7 +218,7 @@ class LearnerProcess:
                 self._ingest_some()
             except Exception:  # our own bug, not the sender's: loud, counted apart, and ingest goes on
                 self.internal_errors += 1
-                log.exception("ingest failed (a bug in apex, please report it); continuing")
+                self._bug_log.exception("ingest failed (a bug in apex, please report it); continuing")
 
     def _ingest_some(self) -> None:
         receiver = self.endpoint.receiver
@@ -236,12 +239,12 @@ class LearnerProcess:
                     accepted.append((m, *self._validate(m)))
                 except ProtocolError as e:
                     receiver.reject(e)
-            errors = self.learner.insert_many([arrays for _, arrays, _, _ in accepted])
+            errors = self.learner.insert_many([arrays for _, arrays, *_ in accepted])
             with self._stats_lock:
-                for (m, _, env_steps, episodes), error in zip(accepted, errors):
+                for (m, _, env_steps, episodes, used), error in zip(accepted, errors):
                     session: Session = m.session
                     if error is not None:
-                        session.step_budget -= env_steps - sum(length for _, length, _ in episodes)
+                        session.step_budget -= env_steps - used  # what _validate granted it
                         receiver.reject(error)
                         continue
                     session.env_steps += env_steps
@@ -254,9 +257,10 @@ class LearnerProcess:
                     if 0 <= m.fields["weights_version"] <= self._version:  # an older learner's versions say nothing
                         self._lags.append(self._version - m.fields["weights_version"])
 
-    def _validate(self, msg: Message) -> tuple[dict, int, list]:
+    def _validate(self, msg: Message) -> tuple[dict, int, list, int]:
         """A batch checked against the algorithm's schema and its session's limits: (arrays
-        as stored, env steps it stands for, its episode records). Raises ProtocolError."""
+        as stored, env steps it stands for, its episode records, their steps). Raises
+        ProtocolError."""
         session: Session = msg.session
         if not session.limits:
             session.limits = self.learner.batch_limits(session.num_envs)
@@ -268,7 +272,7 @@ class LearnerProcess:
                                         max_abs_reward=self.config.transport.max_abs_reward,
                                         step_budget=session.step_budget + env_steps)
         session.step_budget += env_steps - used
-        return arrays, env_steps, episodes
+        return arrays, env_steps, episodes, used
 
     # -- main loop
 
@@ -419,12 +423,15 @@ class LearnerProcess:
 
     def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
         """Writes a checkpoint (in the background: the replay is copied piece by piece while
-        training and ingest go on). False if the previous one is still being written, or
-        if the network is not finite (a checkpoint must never hold a poisoned network)."""
+        training and ingest go on). False if the previous one is still being written (try
+        again soon); a network that is not finite is never written (counted, logged)."""
+        if self.checkpoints.busy:
+            return False
         if not all_finite(self.learner.weights()):
             self.nonfinite_weights += 1
-            log.error("weights hold NaN or infinity: checkpoint not written")
-            return False
+            self._bad_log.warning("weights hold NaN or infinity: checkpoint not written (%d refused so far)",
+                                  self.nonfinite_weights)
+            return True
         with self._stats_lock:
             state = {
                 **self.learner.state_dict(),

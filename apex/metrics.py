@@ -200,7 +200,7 @@ class MetricsWriter:
                 os.close(fd)
             except OSError as e:  # e.g. EIO from a network file system: the lines are what they are
                 self.write_failures += 1
-                self._failed.warning("writing %s failed: %s; the run goes on and retries", self.path, e.strerror or e)
+                self._failed.warning("closing %s failed: %s; its last lines may be missing", self.path, e.strerror or e)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -631,14 +631,19 @@ class StackedReplay:
             "chunks": chunks,
         }
 
+    def shape_mismatch(self, header: dict) -> str | None:
+        """How a saved replay's header (``save``'s) differs in shape from this replay, or None."""
+        ours = {"frame_shape": list(self.frame_shape), "frame_dtype": self.frame_dtype.str,
+                "stack": self.stack, "capacity": self.capacity, "frame_capacity": self.frames.capacity}
+        for key, value in ours.items():
+            if header[key] != value:
+                return f"the saved replay has {key} {header[key]}, this run's has {value}"
+        return None
+
     def load(self, f: BinaryIO, header: dict) -> None:
         """Restores what ``save`` wrote into this (new, empty) replay of the same shape."""
-        expected = {"frame_shape": list(self.frame_shape), "frame_dtype": self.frame_dtype.str,
-                    "stack": self.stack, "capacity": self.capacity, "frame_capacity": self.frames.capacity}
-        for key, value in expected.items():
-            if header[key] != value:
-                raise ValueError(f"the saved replay has {key} {header[key]}, this run's has {value}: "
-                                 "resume with the configuration the checkpoint was made with")
+        if (mismatch := self.shape_mismatch(header)) is not None:
+            raise ValueError(f"{mismatch}: resume with the configuration the checkpoint was made with")
         transitions, frames = self.transitions, self.frames
         frames_start, frames_valid, frames_end = header["frames"]
         items_start, items_valid, items_end = header["items"]

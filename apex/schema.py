@@ -113,7 +113,7 @@ class BatchSchema:
         # What _check_layout found for a layout blob: its sizes, or its rejection. Actors send
         # the same few layouts again and again; checking one costs a sixth of a CartPole
         # batch's validation. Bounded like the codec's own cache of parsed layouts.
-        self._layouts: dict[bytes, dict[str, int] | RejectedMessage] = {}
+        self._layouts: dict[bytes, dict[str, int] | tuple[str, str]] = {}  # sizes, or (reason, message)
 
     def max_bytes(self, limits: Mapping[str, int]) -> int:
         """Bytes of the largest batch within ``limits``, as stored."""
@@ -136,13 +136,13 @@ class BatchSchema:
             try:
                 sizes = self._check_layout(arrays)
             except RejectedMessage as e:
-                sizes = e
+                sizes = (e.reason, str(e))  # not the exception: its traceback holds the arrays
             if layout:
                 if len(self._layouts) >= LAYOUT_CACHE_SIZE:
                     self._layouts.clear()
                 self._layouts[layout] = sizes
-        if isinstance(sizes, RejectedMessage):
-            raise RejectedMessage(sizes.reason, str(sizes))
+        if isinstance(sizes, tuple):
+            raise RejectedMessage(*sizes)
         for name, size in sizes.items():
             if size > limits[name]:
                 raise RejectedMessage("too_large", f"{size} {name} in one batch, over this actor's limit of {limits[name]}")

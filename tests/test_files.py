@@ -117,11 +117,12 @@ def test_stale_temporary_files_are_removed_without_following_links(tmp_path):
     logdir = tmp_path / "run"
     logdir.mkdir()
     (logdir / "summary.json.tmp").write_text("left by a killed learner")
-    (logdir / "link.tmp").symlink_to(target)
-    (logdir / "folder.tmp").mkdir()
+    (logdir / "metrics.json.0123456789ab.tmp").symlink_to(target)
+    (logdir / "folder.0123456789ab.tmp").mkdir()
     (logdir / "keep.json").write_text("{}")
+    (logdir / "notes.tmp").write_text("a user's own file in a shared --logdir")
     MetricsWriter(logdir, console=Quiet(), tensorboard=False).close()
-    assert sorted(os.listdir(logdir)) == ["folder.tmp", "keep.json", "metrics.jsonl"]
+    assert sorted(os.listdir(logdir)) == ["folder.0123456789ab.tmp", "keep.json", "metrics.jsonl", "notes.tmp"]
     assert target.read_text() == "precious\n"
     assert remove_stale_temps(logdir) == 0
 

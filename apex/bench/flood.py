@@ -195,7 +195,8 @@ def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacit
 
 
 def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
-    """The flooders of a phase, one process; returns once every socket is connected."""
+    """The flooders of a phase, one process; returns once it has called connect() on every
+    socket (ZeroMQ connects in the background)."""
     proc = _spawn(["-m", "apex.bench.flood", str(port), *kinds], workdir / "flooder.log", cpu,
                   stdout=subprocess.PIPE)
     line = proc.stdout.readline()
@@ -330,8 +331,8 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
           f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
           r["learner_rss_mb"], "-" if r["flooders"] == "none" else ("yes" if r["passed"] else "NO")] for r in rows],
     )
-    print(f"unloaded (the baseline, mean of the {len(unloaded)} unloaded phases): {base['updates_per_s']:.1f} updates/s, "
-          f"{base['env_steps_per_s']:.0f} env steps/s; the second unloaded phase differs from the first by "
+    print(f"unloaded (the baseline, mean of the {len(unloaded)} unloaded phases): {_number(base['updates_per_s'], '.1f')} "
+          f"updates/s, {_number(base['env_steps_per_s'], '.0f')} env steps/s; the second unloaded phase differs from the first by "
           f"{'-' if drift is None else f'{drift:+.0f}%'} in updates/s")
     print(f"SIGTERM under the full flood: the learner wrote summary.json after {_seconds(sigterm.get('summary'))} and "
           f"exited after {_seconds(sigterm_exit_s)} (limit {SIGTERM_LIMIT_S:g} s; exit code {learner_exit}); "
@@ -361,6 +362,10 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
 def _mean(values: list[float | None]) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _seconds(value: float | None) -> str:
