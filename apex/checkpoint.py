@@ -31,13 +31,14 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 
 from apex.errors import ApexError
 from apex.files import remove_stale_temps, write_atomic
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FORMAT = 1
 MANIFESTS = "ckpt-*.json"  # one per complete checkpoint
@@ -488,6 +489,27 @@ def _set_aside(manifest_path: Path, reason: str | BaseException) -> None:
             continue
         except OSError as e:  # e.g. a read-only directory: said, and the next one tried
             log.warning("could not rename %s to *.corrupt: %s", bad.name, e.strerror)
+
+
+def first_loadable(path: Path, load: Callable[[Checkpoint], T], first: Checkpoint | None = None) -> T:
+    """What ``load`` returns for the newest checkpoint under ``path`` it succeeds on
+    (``first``, already verified, is tried before the others). One for which it raises
+    CorruptCheckpoint is set aside (``mark_corrupt``) and the one before tried; ApexError
+    if none loads."""
+    def newest_first() -> Iterator[Checkpoint]:
+        if first is not None:
+            yield first
+        try:
+            yield from candidates(path)
+        except ApexError:  # no checkpoints left at all
+            return
+
+    for checkpoint in newest_first():
+        try:
+            return load(checkpoint)
+        except CorruptCheckpoint as e:
+            mark_corrupt(checkpoint, e)
+    raise ApexError(f"no checkpoint under {path} could be loaded (see the messages above); start without --resume")
 
 
 def find_latest(path: Path) -> Checkpoint:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from apex import config as config_module
-from apex.checkpoint import CorruptCheckpoint, candidates, mark_corrupt, read_state, verify
+from apex.checkpoint import Checkpoint, CorruptCheckpoint, first_loadable, read_state, verify
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 from apex.models import PolicyValueNetwork, QNetwork
@@ -42,12 +42,7 @@ def load_checkpoint(path: str | Path) -> dict:
 def _newest_loadable(logdir: Path) -> dict:
     """The state of the newest checkpoint of a run that verifies and loads; those that do
     not are set aside as a resume would."""
-    for checkpoint in candidates(logdir):
-        try:
-            return checkpoint.load_state()
-        except CorruptCheckpoint as e:
-            mark_corrupt(checkpoint, e)
-    raise ApexError(f"no valid checkpoint in {logdir}: every one was truncated or corrupt (see the messages above)")
+    return first_loadable(logdir, Checkpoint.load_state)
 
 
 # The network each algorithm acts with, and what it is in a checkpoint.

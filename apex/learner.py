@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from apex import algos
-from apex.checkpoint import Checkpoint, CheckpointWriter, CorruptCheckpoint, candidates, mark_corrupt
+from apex.checkpoint import Checkpoint, CheckpointWriter, first_loadable
 from apex.config import Config, StopConditions
 from apex.envs import env_spec
 from apex.errors import ApexError, ProtocolError
@@ -133,25 +133,11 @@ class LearnerProcess:
 
     def _resume(self, newest: Checkpoint) -> None:
         """Restores the newest checkpoint that loads; one that cannot be loaded (forged,
-        corrupt, inconsistent: CorruptCheckpoint) is reported, renamed ``*.corrupt``, and the
-        one before it tried. (A failed load changes nothing: the state is read before
-        anything is applied, and the replay is left empty.) One that does not fit this run's
-        configuration stops the resume with an ApexError: every one would say the same."""
-        checkpoint: Checkpoint | None = newest
-        others = None
-        while checkpoint is not None:
-            try:
-                self._restore(checkpoint)
-                return
-            except CorruptCheckpoint as e:
-                mark_corrupt(checkpoint, str(e))
-            try:
-                others = others or candidates(newest.manifest_path.parent)
-            except ApexError:  # none left at all
-                break
-            checkpoint = next(others, None)
-        raise ApexError(f"no checkpoint in {newest.logdir} could be loaded (see the messages above); "
-                        "start without --resume")
+        corrupt, inconsistent: CorruptCheckpoint) is set aside and the one before tried (a
+        failed load changes nothing: the state is read before anything is applied, and the
+        replay is left empty). One that does not fit this run's configuration stops the
+        resume with an ApexError: every one would say the same."""
+        first_loadable(newest.manifest_path.parent, self._restore, first=newest)
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continues from a verified checkpoint: networks, optimizer, counters, episode
