@@ -1,7 +1,8 @@
-"""Builds the native extension apex.native from native/ (everything else is in pyproject.toml)."""
+"""Builds the native extension apex.native from native/ and lists the packages (everything
+else is in pyproject.toml)."""
 
 from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from setuptools import find_packages, setup
 
 native = Pybind11Extension(
     "apex.native",
@@ -14,4 +15,11 @@ native = Pybind11Extension(
     extra_compile_args=["-O3"],
 )
 
-setup(ext_modules=[native])
+setup(
+    ext_modules=[native],
+    # Every subpackage of apex, found rather than listed (a listed one was once missed), and
+    # the presets in configs/ shipped as apex.configs, so `--config NAME` works where apex is
+    # installed.
+    packages=[*find_packages(include=["apex", "apex.*"]), "apex.configs"],
+    package_dir={"apex.configs": "configs"},
+)

@@ -298,20 +298,39 @@ class Config:
         return Path(path)
 
 
+def presets() -> dict[str, Any]:
+    """The shipped presets (configs/*.yaml, installed as apex.configs): name -> file."""
+    from importlib.resources import files
+
+    return {f.name[: -len(".yaml")]: f for f in sorted(files("apex.configs").iterdir(), key=lambda f: f.name)
+            if f.name.endswith(".yaml")}
+
+
+def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """(where it came from, its sections) for a YAML file or a preset's name (``pong_apex``,
+    with or without ``.yaml``); a file of that name wins over a preset."""
+    name = str(path)
+    found = presets().get(name[: -len(".yaml")] if name.endswith(".yaml") else name)
+    if Path(path).is_file():
+        source, text = str(path), Path(path).read_text()
+    elif found is not None and "/" not in name:
+        source, text = f"preset {found.name}", found.read_text()
+    else:
+        raise ConfigError(f"config {name} not found: pass a YAML file or a preset name "
+                          f"({', '.join(presets())}; `apex config list`)")
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source} must hold a mapping of sections, got {type(raw).__name__}")
+    return source, raw
+
+
 def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Reads a YAML file (or the defaults when ``path`` is None), applies ``key=value``
-    overrides (values parsed as YAML), validates, and returns the Config."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found: pass an existing YAML file, e.g. configs/cartpole_apex.yaml")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+    """Reads a YAML file or a preset by name (or the defaults when ``path`` is None), applies
+    ``key=value`` overrides (values parsed as YAML), validates, and returns the Config."""
+    raw = read_yaml(path)[1] if path is not None else {}
     return load_dict(raw, overrides)
 
 

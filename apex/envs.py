@@ -31,7 +31,7 @@ def _register_atari() -> None:
     try:
         import ale_py
     except ImportError:
-        raise ConfigError("Atari environments need ale-py and OpenCV: pip install 'apex[atari]'") from None
+        raise ConfigError("Atari environments need ale-py and OpenCV: pip install 'apex-rl[atari]'") from None
     gym.register_envs(ale_py)
 
 

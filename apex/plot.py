@@ -56,7 +56,7 @@ def plot(logdirs: list[str], output: str) -> Path:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ApexError("apex plot needs matplotlib: pip install 'apex[plot]'") from None
+        raise ApexError("apex plot needs matplotlib: pip install 'apex-rl[plot]'") from None
     runs = {label: read_metrics(d) for label, d in zip(_labels(logdirs), logdirs)}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for label, rows in runs.items():

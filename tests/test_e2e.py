@@ -141,7 +141,7 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
     [
         (["--set", "env.id=CartPole-v9"], "env.id 'CartPole-v9' is not a registered Gymnasium environment; did you mean CartPole-v1?"),
         (["--set", "replay.capacty=5"], "unknown key replay.capacty; did you mean replay.capacity?"),
-        (["--config", "no/such.yaml"], "config file no/such.yaml not found"),
+        (["--config", "no/such.yaml"], "config no/such.yaml not found"),
     ],
 )
 def test_learner_bad_input_is_one_clear_line(args, message, tmp_path):

@@ -124,7 +124,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("apex bench e2e --plot needs matplotlib: pip install 'apex[plot]'") from None
+        raise SystemExit("apex bench e2e --plot needs matplotlib: pip install 'apex-rl[plot]'") from None
     actors = [r["actors"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(actors, [r["env_steps_per_s"] for r in rows], "o-")

@@ -145,7 +145,7 @@ def _plot(samples: list[dict], full_at: float | None, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("apex bench soak --plot needs matplotlib: pip install 'apex[plot]'") from None
+        raise SystemExit("apex bench soak --plot needs matplotlib: pip install 'apex-rl[plot]'") from None
     t = [s["t"] for s in samples]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     top.plot(t, [s["rss_mb"] for s in samples])
