@@ -8,6 +8,11 @@ A checkpoint ``ckpt-<updates>`` is up to three files in LOGDIR/checkpoints:
   replay's header. A checkpoint exists once its manifest does, so a learner killed
   while writing leaves nothing that looks complete.
 
+The manifest also records the run's evaluation return when the checkpoint was written
+(``return_mean_100``, null before the first evaluation episode), so that the best policy
+of a run is kept and found: pruning keeps the newest ``keep`` and the best-scoring one, and
+``find(path, "best")`` / ``candidates(path, "best")`` walk the checkpoints best first.
+
 Each file is written under a unique temporary name, fsync'ed and renamed (apex.files). A
 checkpoint whose manifest is malformed or whose files do not match it (truncated,
 corrupted) is never loaded: ``candidates`` says so, renames its files to ``*.corrupt`` and
@@ -22,6 +27,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import re
 import reprlib
@@ -29,10 +35,10 @@ import threading
 import time
 import warnings
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, TypeVar
-
+from typing import Any, BinaryIO, TypeVar
 
 from apex.errors import ApexError
 from apex.files import remove_stale_temps, write_atomic
@@ -42,6 +48,7 @@ T = TypeVar("T")
 
 FORMAT = 1
 MANIFESTS = "ckpt-*.json"  # one per complete checkpoint
+ORDERS = ("best", "newest")  # the ways of choosing among a run's checkpoints
 _READ_BYTES = 16 << 20
 
 
@@ -119,7 +126,7 @@ def read_state(path: Path) -> Any:
             import torch  # here, not at import: `apex run` and the CLI start without torch
 
             return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # untrusted bytes can fail the parser in any way, none of them our bug
+    except Exception as e:  # noqa: BLE001  (untrusted bytes can fail the parser in any way, none our bug)
         raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {_load_failure(e)}") from None
 
 
@@ -211,6 +218,12 @@ class Checkpoint:
     def replay_path(self) -> Path | None:
         return self.manifest_path.with_suffix(".replay") if "replay" in self.manifest["files"] else None
 
+    @property
+    def score(self) -> float | None:
+        """The run's return_mean_100 when it was written (None: no evaluation episode yet,
+        or a checkpoint older than scores)."""
+        return _score(self.manifest)
+
     def load_state(self) -> dict:
         """The learner state (networks, optimizer, counters, config), loaded without running
         code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
@@ -241,7 +254,7 @@ def _check_replay_fits(header: dict, replay, name: str) -> None:
 
 class CheckpointWriter:
     """Writes checkpoints into one directory, in the background if asked, keeping the
-    newest ``keep``."""
+    newest ``keep`` and the best-scoring one."""
 
     def __init__(self, directory: Path, keep: int) -> None:
         self.directory = Path(directory)
@@ -252,6 +265,9 @@ class CheckpointWriter:
         self.written = 0
         self.last_seconds = 0.0  # how long the last one took to write
         self.failures = 0
+        # The highest score saved in the directory (a resumed run's included): the learner
+        # compares its evaluation return with it to save a checkpoint when it improves.
+        self.best_score: float | None = _best_score(self.directory)
 
     @property
     def busy(self) -> bool:
@@ -261,17 +277,21 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
 
-    def save(self, name: str, state: dict, replay=None, *, background: bool = False) -> bool:
+    def save(self, name: str, state: dict, replay=None, *, background: bool = False,
+             score: float | None = None) -> bool:
         """Writes checkpoint ``name`` (e.g. ``ckpt-000001000``): ``state`` (serialised now, so
         training may go on) and, if given, the replay (copied piece by piece while ingest goes
-        on). Returns False, writing nothing, if a background write is still running."""
+        on). ``score`` is the run's return_mean_100 now (None before any evaluation episode;
+        a non-finite one is recorded as None): pruning and ``find(path, "best")`` rank by it.
+        Returns False, writing nothing, if a background write is still running."""
         if self.busy:
             return False
         buffer = io.BytesIO()
         import torch
 
         torch.save(state, buffer)
-        args = (name, buffer, replay, state.get("config"))
+        scored = {"return_mean_100": _finite_or_none(score), "eval_episodes": _eval_episodes(state)}
+        args = (name, buffer, replay, state.get("config"), scored)
         if background:
             self._thread = threading.Thread(target=self._write, args=args,
                                             name="checkpoint", daemon=True)
@@ -280,7 +300,7 @@ class CheckpointWriter:
             self._write(*args)
         return True
 
-    def _write(self, name: str, state: io.BytesIO, replay, config: dict | None) -> None:
+    def _write(self, name: str, state: io.BytesIO, replay, config: dict | None, scored: dict | None = None) -> None:
         start = time.monotonic()
         try:
             files, header = {}, None
@@ -289,9 +309,12 @@ class CheckpointWriter:
             files["state"], _ = _write_atomic(self.directory / f"{name}.pt",
                                               lambda f: f.write(state.getbuffer()))
             manifest = {"format": FORMAT, "name": name, "files": files, "replay_header": header,
-                        "config": config}
+                        "config": config, **(scored or {})}
             _write_atomic(self.directory / f"{name}.json", lambda f: f.write(json.dumps(manifest).encode()))
             _fsync_dir(self.directory)
+            score = _score(manifest)
+            if score is not None and (self.best_score is None or score > self.best_score):
+                self.best_score = score
             self._prune()
             self.written += 1
             self.last_seconds = time.monotonic() - start
@@ -302,7 +325,10 @@ class CheckpointWriter:
 
     def _prune(self) -> None:
         manifests = sorted(self.directory.glob(MANIFESTS))
+        best = _best(_readable(manifests))
         for old in manifests[: -self.keep]:
+            if best is not None and old == best[0]:
+                continue  # the run's best policy outlives the newest `keep`
             for suffix in (".json", ".replay", ".pt"):  # the manifest first: no manifest without its files
                 old.with_suffix(suffix).unlink(missing_ok=True)
         # Files of checkpoints whose manifest was never written (a learner killed while
@@ -311,6 +337,53 @@ class CheckpointWriter:
         for orphan in [*self.directory.glob("ckpt-*.pt"), *self.directory.glob("ckpt-*.replay")]:
             if orphan.stem not in committed:
                 orphan.unlink(missing_ok=True)
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _eval_episodes(state: dict) -> int | None:
+    """How many evaluation episodes the score is the mean of (at most 100): a best of one
+    lucky episode is told apart from a best of a hundred."""
+    stats = state.get("episode_stats")
+    returns = stats.get("eval") if isinstance(stats, dict) else None
+    return len(returns) if isinstance(returns, list) else None
+
+
+def _score(manifest: dict) -> float | None:
+    return _finite_or_none(manifest.get("return_mean_100"))
+
+
+def _readable(manifests: list[Path]) -> list[tuple[Path, dict]]:
+    """(path, manifest) of those whose manifest is valid; the others are left for
+    ``candidates`` to report and set aside when a checkpoint is chosen."""
+    readable = []
+    for path in manifests:
+        try:
+            readable.append((path, _read_manifest(path)))
+        except CorruptCheckpoint:
+            continue
+    return readable
+
+
+def _best(readable: list[tuple[Path, dict]]) -> tuple[Path, dict] | None:
+    """The highest-scoring of (path, manifest) pairs, the newest of equals; None if none
+    has a score."""
+    scored = [(path, manifest) for path, manifest in readable if _score(manifest) is not None]
+    return max(scored, key=lambda pm: (_score(pm[1]), pm[0].name), default=None)
+
+
+def _best_score(directory: Path) -> float | None:
+    best = _best(_readable(sorted(directory.glob(MANIFESTS))))
+    return None if best is None else _score(best[1])
+
+
+def _check_order(which: str) -> None:
+    if which not in ORDERS:
+        raise ApexError(f"which checkpoint: {which!r} is neither 'best' (highest return_mean_100) nor 'newest'")
 
 
 def has_checkpoint(logdir: Path) -> bool:
@@ -364,6 +437,13 @@ def _manifest_problems(manifest: Any, name: str) -> list[str]:
         problems.append(f"name is {_show(manifest.get('name'))}, its file says {name!r}")
     if not isinstance(manifest.get("config"), dict):
         problems.append("config must be an object")
+    # Optional (older manifests lack them); null before the run's first evaluation episode.
+    score = manifest.get("return_mean_100")
+    if score is not None and _finite_or_none(score) is None:
+        problems.append(f"return_mean_100 must be a finite number or null, got {_show(score)}")
+    episodes = manifest.get("eval_episodes")
+    if episodes is not None and not _is_int(episodes):
+        problems.append(f"eval_episodes must be an int >= 0 or null, got {_show(episodes)}")
     files = manifest.get("files")
     if not isinstance(files, dict) or "state" not in files:
         return [*problems, "files must be an object listing 'state'"]
@@ -453,22 +533,42 @@ def _check_file(path: Path, expected: dict) -> None:
         raise CorruptCheckpoint(f"{path.name} fails its CRC-32 check (corrupted on disk)")
 
 
-def candidates(path: Path) -> Iterator[Checkpoint]:
+def candidates(path: Path, which: str = "newest") -> Iterator[Checkpoint]:
     """The verified checkpoints under ``path`` (a run directory or its checkpoints/), newest
-    first. Each one refused is reported in one line and renamed ``*.corrupt``, so that
-    neither this nor a later resume tries it again. A caller that cannot load the one it
-    got calls ``mark_corrupt`` and takes the next. ApexError if ``path`` has no checkpoints."""
-    return _verified(checkpoint_dir(path))
+    first, or with ``which="best"`` best first: highest score first (the newest of equals),
+    then those without a score, newest first. Each one refused is reported in one line and
+    renamed ``*.corrupt``, so that neither this nor a later resume tries it again. A caller
+    that cannot load the one it got calls ``mark_corrupt`` and takes the next. ApexError if
+    ``path`` has no checkpoints or ``which`` is neither "best" nor "newest"."""
+    _check_order(which)
+    return _verified(checkpoint_dir(path), which)
 
 
-def _verified(directory: Path) -> Iterator[Checkpoint]:
-    for manifest_path in sorted(directory.glob(MANIFESTS), reverse=True):
+def _verified(directory: Path, which: str = "newest") -> Iterator[Checkpoint]:
+    manifests = sorted(directory.glob(MANIFESTS), reverse=True)
+    if which == "best":
+        manifests = _best_first(manifests)
+    for manifest_path in manifests:
         try:
             checkpoint = verify(manifest_path)
         except CorruptCheckpoint as e:
             _set_aside(manifest_path, e)
             continue
         yield checkpoint
+
+
+def _best_first(newest_first: list[Path]) -> list[Path]:
+    """The manifests ordered by score, those without one last; a malformed manifest is set
+    aside now, as verifying it would."""
+    readable = []
+    for path in newest_first:
+        try:
+            readable.append((path, _read_manifest(path)))
+        except CorruptCheckpoint as e:
+            _set_aside(path, e)
+    ranked = sorted(readable, key=lambda pm: (_score(pm[1]) is not None, _score(pm[1]) or 0.0, pm[0].name),
+                    reverse=True)
+    return [path for path, _ in ranked]
 
 
 def mark_corrupt(checkpoint: Checkpoint, reason: str | BaseException) -> None:
@@ -491,20 +591,23 @@ def _set_aside(manifest_path: Path, reason: str | BaseException) -> None:
             log.warning("could not rename %s to *.corrupt: %s", bad.name, e.strerror)
 
 
-def first_loadable(path: Path, load: Callable[[Checkpoint], T], first: Checkpoint | None = None) -> T:
-    """What ``load`` returns for the newest checkpoint under ``path`` it succeeds on
-    (``first``, already verified, is tried before the others). One for which it raises
-    CorruptCheckpoint is set aside (``mark_corrupt``) and the one before tried; ApexError
-    if none loads."""
-    def newest_first() -> Iterator[Checkpoint]:
+def first_loadable(path: Path, load: Callable[[Checkpoint], T], first: Checkpoint | None = None,
+                   which: str = "newest") -> T:
+    """What ``load`` returns for the newest (``which="best"``: the best, see ``candidates``)
+    checkpoint under ``path`` it succeeds on (``first``, already verified, is tried before
+    the others). One for which it raises CorruptCheckpoint is set aside (``mark_corrupt``)
+    and the next tried; ApexError if none loads."""
+    _check_order(which)
+
+    def in_order() -> Iterator[Checkpoint]:
         if first is not None:
             yield first
         try:
-            yield from candidates(path)
+            yield from candidates(path, which)
         except ApexError:  # no checkpoints left at all
             return
 
-    for checkpoint in newest_first():
+    for checkpoint in in_order():
         try:
             return load(checkpoint)
         except CorruptCheckpoint as e:
@@ -515,8 +618,34 @@ def first_loadable(path: Path, load: Callable[[Checkpoint], T], first: Checkpoin
 def find_latest(path: Path) -> Checkpoint:
     """The newest checkpoint under ``path`` whose manifest and files all verify (see
     ``candidates``); ApexError if there is none."""
+    return find(path, "newest")
+
+
+def find(path: Path, which: str) -> Checkpoint:
+    """The checkpoint under ``path`` to use: ``which="newest"`` the newest that verifies,
+    ``which="best"`` the highest-scoring one that verifies (the newest when none has a
+    score); the ones refused on the way are set aside (see ``candidates``). ApexError if
+    there is none."""
+    _check_order(which)
     directory = checkpoint_dir(path)  # now: the refused ones are gone from it below
-    for checkpoint in _verified(directory):
+    for checkpoint in _verified(directory, which):
         return checkpoint
     raise ApexError(f"no valid checkpoint in {directory}: every one was truncated or corrupt "
                     "(see the messages above); start without --resume")
+
+
+def best_and_newest(path: Path) -> tuple[Path | None, Path | None]:
+    """The state files (ckpt-*.pt) of the best and of the newest checkpoint under ``path``,
+    for a run's closing line: best is what ``find(path, "best")`` would choose (the newest
+    when none has a score). Only the manifests are read (the files are verified when one is
+    loaded), nothing is set aside, and (None, None) if there is no valid manifest."""
+    try:
+        directory = checkpoint_dir(path)
+    except ApexError:
+        return None, None
+    readable = _readable(sorted(directory.glob(MANIFESTS)))
+    if not readable:
+        return None, None
+    newest = readable[-1][0]
+    best = _best(readable)
+    return (best[0] if best else newest).with_suffix(".pt"), newest.with_suffix(".pt")

@@ -15,8 +15,18 @@ import numpy as np
 import pytest
 import torch
 
-from apex.checkpoint import (CheckpointWriter, CorruptCheckpoint, IncompatibleCheckpoint, candidates, find_latest,
-                             mark_corrupt, verify)
+from apex.checkpoint import (
+    CheckpointWriter,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    best_and_newest,
+    candidates,
+    find,
+    find_latest,
+    first_loadable,
+    mark_corrupt,
+    verify,
+)
 from apex.errors import ApexError
 from apex.replay import StackedReplay
 from tests.test_replay import assert_stacks_are_their_own, fill, new_like
@@ -130,6 +140,86 @@ def test_only_the_newest_k_are_kept(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["ckpt-000000003.json", "ckpt-000000004.json"]
     assert len(list(tmp_path.glob("*.replay"))) == 2 and len(list(tmp_path.glob("*.pt"))) == 2
     assert writer.written == 4
+
+
+def scored(directory, scores: dict[int, float | None], keep: int = 5) -> CheckpointWriter:
+    """Checkpoints ckpt-<updates> saved in order, each with its run's return_mean_100."""
+    writer = CheckpointWriter(directory, keep)
+    for updates, score in scores.items():
+        assert writer.save(f"ckpt-{updates:09d}", state(updates), score=score)
+    return writer
+
+
+def names(directory) -> list[str]:
+    return sorted(p.stem for p in pathlib.Path(directory).glob("*.json"))
+
+
+def test_pruning_keeps_the_best_beyond_the_newest_k(tmp_path):
+    writer = scored(tmp_path, {1: 10.0, 2: 500.0, 3: 377.0, 4: None, 5: 377.0}, keep=2)
+    assert names(tmp_path) == ["ckpt-000000002", "ckpt-000000004", "ckpt-000000005"]
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == [f"{n}.pt" for n in names(tmp_path)]
+    assert writer.best_score == 500.0
+    # A better one takes its place; the old best goes once it is not among the newest either.
+    scored(tmp_path, {6: 600.0}, keep=2)
+    assert names(tmp_path) == ["ckpt-000000005", "ckpt-000000006"]
+    # Ties: the newest of the equals is the best kept.
+    scored(tmp_path, {7: 600.0, 8: 1.0, 9: 2.0}, keep=2)
+    assert names(tmp_path) == ["ckpt-000000007", "ckpt-000000008", "ckpt-000000009"]
+    # A new writer (a resumed learner) knows the best saved before it.
+    assert CheckpointWriter(tmp_path, keep=2).best_score == 600.0
+
+
+def test_the_score_is_recorded_in_the_manifest(tmp_path):
+    scored(tmp_path, {1: None, 2: 12.5, 3: float("nan")})
+    manifests = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names(tmp_path)}
+    assert [m["return_mean_100"] for m in manifests.values()] == [None, 12.5, None]
+    assert manifests["ckpt-000000002"]["eval_episodes"] == 0  # state()'s episode_stats has no eval returns
+    assert [c.score for c in candidates(tmp_path)] == [None, 12.5, None]
+
+
+def test_find_best_picks_the_highest_score_and_newest_the_newest(tmp_path):
+    scored(tmp_path / "checkpoints", {1: 10.0, 2: 500.0, 3: 377.0, 4: None})
+    assert find(tmp_path, "best").name == "ckpt-000000002"
+    assert find(tmp_path, "newest").name == "ckpt-000000004" == find_latest(tmp_path).name
+    assert [c.name for c in candidates(tmp_path, "best")] == [
+        "ckpt-000000002", "ckpt-000000003", "ckpt-000000001", "ckpt-000000004"]
+    best, newest = best_and_newest(tmp_path)
+    assert (best.name, newest.name) == ("ckpt-000000002.pt", "ckpt-000000004.pt") and best.is_file()
+    with pytest.raises(ApexError, match="'latest' is neither 'best'"):
+        find(tmp_path, "latest")
+
+
+def test_best_without_any_score_is_the_newest(tmp_path):
+    scored(tmp_path, {1: None, 2: None, 3: None})
+    assert find(tmp_path, "best").name == "ckpt-000000003"
+    assert [p.name for p in best_and_newest(tmp_path)] == ["ckpt-000000003.pt"] * 2
+    assert best_and_newest(tmp_path / "nothing") == (None, None)
+
+
+def test_a_corrupt_best_is_set_aside_and_the_next_best_used(tmp_path, caplog):
+    scored(tmp_path, {1: 300.0, 2: 500.0, 3: 100.0})
+    path = tmp_path / "ckpt-000000002.pt"
+    path.write_bytes(path.read_bytes()[:-7])
+    with caplog.at_level(logging.WARNING):
+        assert find(tmp_path, "best").name == "ckpt-000000001"
+    assert "ckpt-000000002 refused" in caplog.text and (tmp_path / "ckpt-000000002.json.corrupt").exists()
+    # One that verifies but does not load: first_loadable walks on, best first.
+    forge(tmp_path, 4, tmp_path / "marker")
+    edit_manifest(tmp_path, 4, lambda m: m.update(return_mean_100=900.0))
+    assert first_loadable(tmp_path, lambda c: c.load_state()["updates"], which="best") == 1
+    assert (tmp_path / "ckpt-000000004.pt.corrupt").exists() and not (tmp_path / "marker").exists()
+    assert first_loadable(tmp_path, lambda c: c.load_state()["updates"], which="newest") == 3
+
+
+def test_an_old_manifest_without_a_score_still_loads(tmp_path):
+    write(tmp_path, 100)
+    scored(tmp_path, {200: 5.0})
+    edit_manifest(tmp_path, 100, lambda m: [m.pop("return_mean_100"), m.pop("eval_episodes")])
+    old = verify(tmp_path / "ckpt-000000100.json")
+    assert old.score is None and "return_mean_100" not in old.manifest
+    assert old.load_state()["updates"] == 100
+    assert [c.name for c in candidates(tmp_path, "best")] == ["ckpt-000000200", "ckpt-000000100"]
+    assert find(tmp_path, "newest").name == "ckpt-000000200"
 
 
 def test_a_second_background_save_while_one_runs_is_skipped(tmp_path):
@@ -327,6 +417,10 @@ def header(key, value):
         (lambda m: m.__setitem__("format", 2), "format is 2"),
         (lambda m: m.__setitem__("name", "ckpt-000000999"), "name is 'ckpt-000000999'"),
         (lambda m: m.__setitem__("config", ["algo"]), "config must be an object"),
+        (lambda m: m.__setitem__("return_mean_100", "500"), "return_mean_100 must be a finite number or null"),
+        (lambda m: m.__setitem__("return_mean_100", float("nan")), "return_mean_100 must be a finite number"),
+        (lambda m: m.__setitem__("return_mean_100", True), "return_mean_100 must be a finite number"),
+        (lambda m: m.__setitem__("eval_episodes", -1), "eval_episodes must be an int >= 0 or null"),
     ],
 )
 def test_an_edited_manifest_is_refused_and_the_one_before_is_used(tmp_path, caplog, edit, message):
