@@ -2,7 +2,8 @@
 
 Ape-X checkpoints act with epsilon (0 by default) on the online Q network; IMPALA
 checkpoints take the most likely action of the policy. Atari frames are stacked as the
-actors stack them; rewards are reported unclipped.
+actors stack them; rewards are reported unclipped. Given a run directory, eval plays its
+best checkpoint (the highest return_mean_100 the learner recorded) or its newest.
 """
 
 from __future__ import annotations
@@ -14,35 +15,51 @@ import numpy as np
 import torch
 
 from apex import config as config_module
-from apex.checkpoint import Checkpoint, CorruptCheckpoint, first_loadable, read_state, verify
+from apex.checkpoint import (
+    ORDERS,
+    Checkpoint,
+    CorruptCheckpoint,
+    first_loadable,
+    read_state,
+    verify,
+)
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 from apex.models import PolicyValueNetwork, QNetwork
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """A learner checkpoint (a ckpt-*.pt file, or the newest valid one of a run directory),
-    loaded without running code, or ApexError saying in one line why it cannot be used."""
-    path = Path(path)
+def load_checkpoint(path: str | Path, which: str = "best") -> dict:
+    """A learner checkpoint (a ckpt-*.pt file, or the best or newest valid one of a run
+    directory: ``which``), loaded without running code, or ApexError saying in one line why
+    it cannot be used."""
+    return _load(Path(path), which)[0]
+
+
+def _load(path: Path, which: str) -> tuple[dict, Path, float | None]:
+    """(state, the .pt file it came from, the score its manifest records)."""
+    if which not in ORDERS:
+        raise ApexError(f"--which must be one of {', '.join(ORDERS)}, got {which!r}")
     if path.is_dir():
-        return _newest_loadable(path)
+        return first_loadable(path, _loaded, which=which)
     if not path.is_file():
         raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/ or a LOGDIR")
+    score = None
     try:
         if path.with_suffix(".json").is_file():
-            verify(path.with_suffix(".json"))  # size and CRC-32: torch.load would not notice a flipped byte
+            # size and CRC-32: torch.load would not notice a flipped byte
+            score = verify(path.with_suffix(".json")).score
         state = read_state(path)
     except CorruptCheckpoint as e:
         raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise ApexError(f"{path} is not an apex learner checkpoint (no config inside)")
-    return state
+    return state, path, score
 
 
-def _newest_loadable(logdir: Path) -> dict:
-    """The state of the newest checkpoint of a run that verifies and loads; those that do
-    not are set aside as a resume would."""
-    return first_loadable(logdir, Checkpoint.load_state)
+def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
+    """A verified checkpoint of a run, loaded; CorruptCheckpoint (then it is set aside and
+    the next tried, as a resume would) if it does not load."""
+    return checkpoint.load_state(), checkpoint.state_path, checkpoint.score
 
 
 # The network each algorithm acts with, and what it is in a checkpoint.
@@ -77,13 +94,16 @@ def policy_from_checkpoint(state: dict):
 
 
 def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: int = 12345,
-             video_dir: str | None = None) -> dict:
-    """Plays ``episodes`` episodes; returns the returns and their mean and std."""
+             video_dir: str | None = None, which: str = "best") -> dict:
+    """Plays ``episodes`` episodes of ``checkpoint`` (a ckpt-*.pt file, or a run directory's
+    best or newest checkpoint: ``which``); returns the returns and their mean and std, the
+    .pt file played ("checkpoint"), how it was chosen ("which": best, newest or file) and
+    the return_mean_100 the learner recorded with it ("recorded_return_mean_100", or None)."""
     if episodes < 1:
         raise ApexError(f"--episodes must be >= 1, got {episodes}")
     if not 0 <= epsilon <= 1:
         raise ApexError(f"--epsilon must be in [0, 1], got {epsilon}")
-    state = load_checkpoint(checkpoint)
+    state, source, recorded = _load(Path(checkpoint), which)
     config, spec, act = policy_from_checkpoint(state)
     if video_dir is None:
         env = make_env(config.env, seed)
@@ -114,7 +134,9 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
     finally:
         env.close()
     return {
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(source),
+        "which": which if Path(checkpoint).is_dir() else "file",
+        "recorded_return_mean_100": recorded,
         "env": config.env.id,
         "algo": config.algo,
         "updates": state.get("updates"),

@@ -16,6 +16,7 @@ from apex.algos.apex_dqn import Learner
 from apex.cli import main
 from apex.config import Config
 from apex.envs import env_spec
+from apex.errors import ApexError
 from apex.evaluate import evaluate
 
 
@@ -97,7 +98,7 @@ def test_eval_of_a_forged_checkpoint_runs_no_code_and_says_so_in_one_line(checkp
     writer.save("ckpt-000000002", {**full_state(checkpoint, 2), "online": RunsCode(marker)})
     forged = run / "checkpoints" / "ckpt-000000002.pt"
     result = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(forged)],
-                            capture_output=True, text=True, timeout=120)
+                            check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("apex eval: error: checkpoint "), result.stderr
@@ -105,7 +106,7 @@ def test_eval_of_a_forged_checkpoint_runs_no_code_and_says_so_in_one_line(checkp
     assert not marker.exists()
     # Given the run, eval sets the forged one aside and plays the one before.
     result = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--episodes", "1"],
-                            capture_output=True, text=True, timeout=120)
+                            check=False, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "ckpt-000000002 refused" in result.stderr and "(apex_dqn, 1 updates)" in result.stdout
     assert not marker.exists()
@@ -125,3 +126,23 @@ def test_eval_of_a_checkpoint_without_its_network_names_the_key(checkpoint, tmp_
     assert main(["eval", "--checkpoint", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not fit" in err, err
+
+
+def test_eval_plays_the_best_or_the_newest_checkpoint_of_a_run(checkpoint, tmp_path):
+    from apex.checkpoint import CheckpointWriter
+
+    run = tmp_path / "run"
+    writer = CheckpointWriter(run / "checkpoints", keep=1)
+    for updates, score in ((1, 500.0), (2, 377.0), (3, None)):
+        writer.save(f"ckpt-{updates:09d}", full_state(checkpoint, updates), score=score)
+    best = evaluate(run, episodes=1)  # best by default
+    assert Path(best["checkpoint"]) == run / "checkpoints" / "ckpt-000000001.pt"
+    assert (best["which"], best["updates"], best["recorded_return_mean_100"]) == ("best", 1, 500.0)
+    newest = evaluate(run, episodes=1, which="newest")
+    assert Path(newest["checkpoint"]) == run / "checkpoints" / "ckpt-000000003.pt"
+    assert (newest["which"], newest["updates"], newest["recorded_return_mean_100"]) == ("newest", 3, None)
+    # A file is that file, whatever `which` says.
+    chosen = evaluate(run / "checkpoints" / "ckpt-000000003.pt", episodes=1, which="best")
+    assert (chosen["which"], chosen["updates"]) == ("file", 3)
+    with pytest.raises(ApexError, match="--which must be one of best, newest, got 'latest'"):
+        evaluate(run, episodes=1, which="latest")
