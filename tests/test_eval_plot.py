@@ -146,3 +146,90 @@ def test_eval_plays_the_best_or_the_newest_checkpoint_of_a_run(checkpoint, tmp_p
     assert (chosen["which"], chosen["updates"]) == ("file", 3)
     with pytest.raises(ApexError, match="--which must be one of best, newest, got 'latest'"):
         evaluate(run, episodes=1, which="latest")
+
+
+def metrics_run(directory: Path, slope: float = 1.0, config: Config | None = None) -> str:
+    """A run of 1.2M env steps over 20 minutes whose return zigzags up."""
+    directory.mkdir(parents=True)
+    rows = [{"time": 30.0 * t, "env_steps": 30_000 * t, "env_steps_per_s": 1000.0 + 10 * t,
+             "return_mean_100": None if t == 0 else slope * t + (-1) ** t * 3} for t in range(41)]
+    (directory / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    if config is not None:
+        config.save(directory / "config.yaml")
+    return str(directory)
+
+
+def config_of(env: str, algo: str) -> Config:
+    config = Config()
+    config.env.id, config.algo = env, algo
+    return config
+
+
+def visible_tick_labels(axis, which: str) -> list[str]:
+    """The labels the image shows (matplotlib also formats ticks just outside the view)."""
+    low, high = getattr(axis, f"get_{which}lim")()
+    ticks = getattr(axis, f"get_{which}ticks")()
+    labels = [label.get_text() for label in getattr(axis, f"get_{which}ticklabels")()]
+    return [label for tick, label in zip(ticks, labels) if low <= tick <= high]
+
+
+def test_plot_tick_labels_are_short_enough_to_read(tmp_path):
+    from apex.plot import figure, si
+
+    fig = figure([metrics_run(tmp_path / "run", config=config_of("CartPole-v1", "apex_dqn"))])
+    fig.canvas.draw()
+    steps, _, throughput = fig.axes
+    labels = visible_tick_labels(steps, "x")
+    assert 3 <= len(labels) <= 7, labels
+    # Not "100000200000300000", and no "1e6" in the corner either.
+    assert all(len(label) <= 6 for label in labels), labels
+    assert "250k" in labels and "1M" in labels and steps.xaxis.get_offset_text().get_text() == ""
+    assert all(len(label) <= 6 for label in visible_tick_labels(throughput, "y"))
+    assert fig.axes[1].get_xlabel() == "minutes"  # 1200 s of wall time
+    assert [si(v) for v in (0, 950, 1500, 999_600, 1_250_000, 2e9, -3000)] == [
+        "0", "950", "1.5k", "1M", "1.25M", "2B", "\N{MINUS SIGN}3k"]
+
+
+def test_plot_legend_names_each_runs_env_and_algorithm(tmp_path):
+    from apex.plot import figure
+
+    logdirs = [
+        metrics_run(tmp_path / "cartpole", config=config_of("CartPole-v1", "apex_dqn")),
+        metrics_run(tmp_path / "pong1", config=config_of("ALE/Pong-v5", "impala")),
+        metrics_run(tmp_path / "pong2", config=config_of("ALE/Pong-v5", "impala")),
+        metrics_run(tmp_path / "learner-only"),  # no config.yaml: the checkpoint's config
+        metrics_run(tmp_path / "bare"),  # neither: its directory
+    ]
+    checkpoints = tmp_path / "learner-only" / "checkpoints"
+    checkpoints.mkdir()
+    for updates, env in ((1, "Old-v0"), (2, "Acrobot-v1")):
+        manifest = {"name": f"ckpt-{updates:09d}", "config": config_of(env, "apex_dqn").to_dict()}
+        (checkpoints / f"ckpt-{updates:09d}.json").write_text(json.dumps(manifest))
+    fig = figure(logdirs)
+    legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert legend == ["CartPole-v1 apex_dqn", "ALE/Pong-v5 impala (pong1)", "ALE/Pong-v5 impala (pong2)",
+                      "Acrobot-v1 apex_dqn", "bare"]
+
+
+def test_plot_smoothing_is_an_ema_over_the_raw_curve(tmp_path):
+    from apex.plot import figure, plot
+
+    logdir = metrics_run(tmp_path / "run", config=config_of("CartPole-v1", "apex_dqn"))
+    raw = [t + (-1) ** t * 3 for t in range(1, 41)]
+
+    def curve(fig) -> list[float]:
+        [line] = [line for line in fig.axes[0].get_lines() if line.get_label() == "CartPole-v1 apex_dqn"]
+        return list(line.get_ydata())
+
+    assert curve(figure([logdir])) == raw
+    assert curve(figure([logdir], smooth=None)) == raw
+    smooth = figure([logdir], smooth=0.9)
+    ys = curve(smooth)
+    assert ys[0] == pytest.approx(raw[0]) and ys != pytest.approx(raw)
+    # Smoothed, the zigzag of +-3 is mostly gone; the raw curve stays behind, faint.
+    assert np.abs(np.diff(ys[10:])).max() < 2.5 < np.abs(np.diff(raw)).min()
+    assert any(list(line.get_ydata()) == raw and line.get_alpha() < 1 for line in smooth.axes[0].get_lines())
+    with pytest.raises(ApexError, match=r"--smooth must be in \[0, 1\)"):
+        figure([logdir], smooth=1.0)
+    output = plot([logdir], str(tmp_path / "smooth.png"), smooth=0.6)
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
