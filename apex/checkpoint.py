@@ -357,23 +357,31 @@ def _score(manifest: dict) -> float | None:
     return _finite_or_none(manifest.get("return_mean_100"))
 
 
-def _readable(manifests: list[Path]) -> list[tuple[Path, dict]]:
-    """(path, manifest) of those whose manifest is valid; the others are left for
-    ``candidates`` to report and set aside when a checkpoint is chosen."""
+def _readable(manifests: list[Path], set_aside: bool = False) -> list[tuple[Path, dict]]:
+    """(path, manifest) of those whose manifest is valid; the others are set aside if asked,
+    else left for ``candidates`` to report and set aside when a checkpoint is chosen."""
     readable = []
     for path in manifests:
         try:
             readable.append((path, _read_manifest(path)))
-        except CorruptCheckpoint:
-            continue
+        except CorruptCheckpoint as e:
+            if set_aside:
+                _set_aside(path, e)
     return readable
+
+
+def _rank(entry: tuple[Path, dict]) -> tuple[bool, float, str]:
+    """Best first when sorted in reverse: scored before unscored, then by score, then newest."""
+    path, manifest = entry
+    score = _score(manifest)
+    return score is not None, score or 0.0, path.name
 
 
 def _best(readable: list[tuple[Path, dict]]) -> tuple[Path, dict] | None:
     """The highest-scoring of (path, manifest) pairs, the newest of equals; None if none
     has a score."""
-    scored = [(path, manifest) for path, manifest in readable if _score(manifest) is not None]
-    return max(scored, key=lambda pm: (_score(pm[1]), pm[0].name), default=None)
+    best = max(readable, key=_rank, default=None)
+    return best if best is not None and _score(best[1]) is not None else None
 
 
 def _best_score(directory: Path) -> float | None:
@@ -557,18 +565,10 @@ def _verified(directory: Path, which: str = "newest") -> Iterator[Checkpoint]:
         yield checkpoint
 
 
-def _best_first(newest_first: list[Path]) -> list[Path]:
-    """The manifests ordered by score, those without one last; a malformed manifest is set
-    aside now, as verifying it would."""
-    readable = []
-    for path in newest_first:
-        try:
-            readable.append((path, _read_manifest(path)))
-        except CorruptCheckpoint as e:
-            _set_aside(path, e)
-    ranked = sorted(readable, key=lambda pm: (_score(pm[1]) is not None, _score(pm[1]) or 0.0, pm[0].name),
-                    reverse=True)
-    return [path for path, _ in ranked]
+def _best_first(manifests: list[Path]) -> list[Path]:
+    """The manifests ordered by score, those without one last, newest first; a malformed
+    manifest is set aside now, as verifying it would."""
+    return [path for path, _ in sorted(_readable(manifests, set_aside=True), key=_rank, reverse=True)]
 
 
 def mark_corrupt(checkpoint: Checkpoint, reason: str | BaseException) -> None:
