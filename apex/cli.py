@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from apex import __version__
+from apex.config import ALGOS
 from apex.errors import ApexError
 
 # Every flag that a container may rather set through the environment.
@@ -26,6 +28,17 @@ ENV = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a pointer to --set when a flag is not known: most unknown flags are
+    config values (`--lr 1e-3`), and every config value has a --set."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            message += ("; any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); "
+                        "`apex config show` lists them, `apex COMMAND --help` the flags")
+        super().error(message)
+
+
 def _env_default(name: str, cast=str):
     value = os.environ.get(ENV[name])
     if value in (None, ""):
@@ -36,13 +49,44 @@ def _env_default(name: str, cast=str):
         raise SystemExit(f"apex: error: environment variable {ENV[name]}={value!r} is not a valid {cast.__name__}") from None
 
 
-def _add_config_flags(p: argparse.ArgumentParser, required_help: str = "") -> None:
-    p.add_argument("--config", default=_env_default("config"), metavar="FILE",
-                   help=f"YAML config (default: the embedded CartPole Ape-X run; env {ENV['config']}){required_help}")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config value, e.g. --set env.id=Acrobot-v1 (repeatable)")
+def _add_config_flags(p: argparse.ArgumentParser, actor: bool = False) -> None:
+    if actor:
+        p.add_argument("--config", default=_env_default("config"), metavar="FILE|NAME",
+                       help="YAML config or preset; only its transport section is used, the rest comes from the "
+                            f"learner (env {ENV['config']})")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one transport value, e.g. --set transport.give_up_after_s=0 (repeatable); "
+                            "the environment, model and algorithm come from the learner")
+    else:
+        p.add_argument("--config", default=_env_default("config"), metavar="FILE|NAME",
+                       help="YAML config, or a shipped preset by name (`apex config list`; default: the embedded "
+                            f"CartPole Ape-X run; env {ENV['config']})")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override one config value, e.g. --set learner.lr=1e-3 (value parsed as YAML; repeatable; "
+                            "`apex config show` lists every key)")
     p.add_argument("--curve-dir", default=_env_default("curve_dir"), metavar="DIR",
                    help=f"CURVE keys from `apex keygen` (same as --set transport.curve_dir=DIR; env {ENV['curve_dir']})")
+
+
+def _add_shorthands(p: argparse.ArgumentParser, num_envs: bool = False) -> None:
+    group = p.add_argument_group("shorthands for --set")
+    group.add_argument("--env", metavar="ID", help="environment: a Gymnasium id (--set env.id=ID)")
+    group.add_argument("--algo", choices=ALGOS, help="algorithm (--set algo=ALGO)")
+    group.add_argument("--seed", type=int, metavar="N", help="seed of the run (--set seed=N)")
+    if num_envs:
+        group.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
+                           help=f"environments per actor (--set actor.num_envs=K; env {ENV['num_envs']})")
+
+
+def _shorthand_overrides(args: argparse.Namespace) -> list[str]:
+    """The --set equivalents of --env, --algo, --seed and --num-envs (put before the --set
+    flags, which win where both are given)."""
+    overrides = []
+    for flag, key in (("env", "env.id"), ("algo", "algo"), ("seed", "seed"), ("num_envs", "actor.num_envs")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: an id is read back as the string it is
+    return overrides
 
 
 def _add_stop_flags(p: argparse.ArgumentParser) -> None:
@@ -65,7 +109,7 @@ def _add_logdir(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="apex",
         description="Distributed reinforcement learning (Ape-X DQN, IMPALA) over ZeroMQ.",
     )
@@ -113,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
                                   description="Run the learner: it binds its ports and trains from what actors send.")
     _add_config_flags(learner)
+    _add_shorthands(learner)
     _add_logdir(learner)
     learner.add_argument("--bind-host", default=_env_default("bind_host") or "127.0.0.1", metavar="HOST",
                          help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 for actors on "
@@ -124,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("--auto-resume", action="store_true",
                          help="resume from --logdir's newest valid checkpoint if it has one, else start afresh "
                               "(for a container or service manager that restarts the learner)")
+    # apex run passes its own command for the closing line's "resume with".
+    learner.add_argument("--resume-command", help=argparse.SUPPRESS)
     learner.set_defaults(handler=_learner)
 
     actor = commands.add_parser("actor", help="run one actor process against a learner",
@@ -134,12 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"position on the exploration ladder (default: the learner assigns one; env {ENV['actor_index']})")
     actor.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
                        help=f"environments in this process (default: the learner's actor.num_envs; env {ENV['num_envs']})")
-    _add_config_flags(actor, required_help="; only its transport section is used, the rest comes from the learner")
+    _add_config_flags(actor, actor=True)
     actor.set_defaults(handler=_actor)
 
     run = commands.add_parser("run", help="run a learner and N actors on this machine",
                               description="Run a learner and N actor processes here, restarting actors that die.")
     _add_config_flags(run)
+    _add_shorthands(run, num_envs=True)
     run.add_argument("--actors", type=int, default=2, metavar="N", help="actor processes (default: 2)")
     _add_logdir(run)
     run.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
@@ -153,7 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="play a checkpoint's policy and report its returns",
                                    description="Play a learner checkpoint greedily (Ape-X: epsilon 0 by default).")
     evaluate.add_argument("--checkpoint", required=True, metavar="PATH",
-                          help="a LOGDIR/checkpoints/ckpt-*.pt file, or a LOGDIR (its newest valid checkpoint)")
+                          help="a LOGDIR/checkpoints/ckpt-*.pt file, or a LOGDIR (its checkpoint chosen by --which)")
+    evaluate.add_argument("--which", choices=["best", "newest"], default="best",
+                          help="for a LOGDIR: the checkpoint with the best return_mean_100 (the newest when none has "
+                               "one), or the newest (default: best)")
     evaluate.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to play (default: 10)")
     evaluate.add_argument("--epsilon", type=float, default=0.0, help="random-action probability (default: 0)")
     evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
@@ -165,7 +216,24 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Draw return vs env steps and wall time, and throughput, from metrics.jsonl.")
     plot.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="run directories (each with metrics.jsonl)")
     plot.add_argument("-o", "--output", default="apex-runs.png", metavar="FILE.png", help="output image (default: apex-runs.png)")
+    plot.add_argument("--smooth", type=float, default=0.0, metavar="W",
+                      help="smooth the curves: an exponential moving average of weight W in [0, 1), as in "
+                           "TensorBoard (default: 0, off; the raw curve stays behind, faint)")
     plot.set_defaults(handler=_plot)
+
+    config_cmd = commands.add_parser("config", help="list the shipped presets, or show a config with every setting explained",
+                                     description="List the shipped presets, or show a config as YAML with each "
+                                                 "setting's meaning as a comment.")
+    config_actions = config_cmd.add_subparsers(dest="action", required=True, metavar="ACTION")
+    config_actions.add_parser("list", help="the shipped presets (usable as --config NAME)",
+                              description="The shipped presets, usable as --config NAME.")
+    show = config_actions.add_parser("show", help="a config with every setting's docstring",
+                                     description="Print a config (a preset, a YAML file, or the embedded default) "
+                                                 "as YAML, each setting with its meaning.")
+    show.add_argument("name", nargs="?", metavar="NAME|FILE", help="preset name or YAML file (default: the embedded default)")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one config value first (repeatable)")
+    config_cmd.set_defaults(handler=_config)
 
     keygen = commands.add_parser(
         "keygen",
@@ -209,7 +277,7 @@ def _load_config(args: argparse.Namespace, resume=None):
     --config, the checkpoint's with --set."""
     from apex import config
 
-    overrides = list(args.overrides)
+    overrides = [*_shorthand_overrides(args), *args.overrides]
     if args.curve_dir:
         overrides.append(f"transport.curve_dir={args.curve_dir}")
     if resume is not None and not args.config:
@@ -252,9 +320,8 @@ def _learner(args: argparse.Namespace) -> int:
     config = _load_config(args, resume)
     stop = _stop(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)
-    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume)
-    print(f"apex learner: {config.env.id} ({config.algo}) on {process.device}; logdir {logdir}; "
-          f"ports {process.endpoint.ports.control}-{process.endpoint.ports.weights}", file=sys.stderr)
+    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
+                             resume_command=args.resume_command)
     code = process.run()
     # Everything is written and closed by now; tearing down torch's interpreter state takes
     # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
@@ -277,6 +344,10 @@ def _actor(args: argparse.Namespace) -> int:
         raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:5550") from None
     if args.num_envs is not None and args.num_envs < 1:
         raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
+    for override in args.overrides:
+        if not override.startswith("transport."):
+            raise ApexError(f"--set {override}: an actor takes only transport.* settings; the environment, model and "
+                            "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
     options = options_from_config(_load_config(args).transport)
     return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
 
@@ -290,8 +361,6 @@ def _run(args: argparse.Namespace) -> int:
         raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
     resume = _resume(args)
     config = _load_config(args, resume)
-    if not any(o.startswith("actor.num_actors=") for o in args.overrides):
-        config.actor.num_actors = args.actors
     stop = _stop(args)
     if resume is not None and args.logdir and Path(args.logdir).resolve() != resume.logdir.resolve():
         raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
@@ -301,8 +370,6 @@ def _run(args: argparse.Namespace) -> int:
     from apex.envs import env_spec
 
     env_spec(config.env)
-    print(f"apex run: learner + {args.actors} actors on {config.env.id}; logdir {logdir}"
-          + (f"; resuming from {resume.name}" if resume else ""), file=sys.stderr)
     return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
                       learner_restarts=args.learner_restarts)
 
@@ -312,7 +379,8 @@ def _eval(args: argparse.Namespace) -> int:
 
     from apex.evaluate import evaluate
 
-    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video)
+    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which)
+    print(f"{result['checkpoint']} ({result['which']})")
     print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
           f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
           f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})")
@@ -324,7 +392,18 @@ def _eval(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from apex.plot import plot
 
-    print(f"wrote {plot(args.logdirs, args.output)}")
+    print(f"wrote {plot(args.logdirs, args.output, smooth=args.smooth)}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from apex import config
+
+    if args.action == "list":
+        for name, preset in config.presets().items():
+            print(f"{name:20s} {config.describe_preset(preset)}")
+        return 0
+    print(config.annotated_yaml(config.load(args.name, args.overrides)), end="")
     return 0
 
 

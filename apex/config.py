@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from typing import Any
 import yaml
 
 from apex.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ALGOS = ("apex_dqn", "impala")
 
@@ -98,8 +101,12 @@ class LearnerConfig:
     """Seconds between periodic checkpoints (one is always written at stop)."""
     checkpoint_interval_updates: int = 0
     """Updates between periodic checkpoints as well (0: by time only)."""
+    best_checkpoint_interval_s: float = 120.0
+    """Least seconds between the checkpoints written because return_mean_100 (over a full
+    window of 100 evaluation episodes) reached a new best (0: only the periodic ones)."""
     keep_checkpoints: int = 3
-    """Newest checkpoints kept in LOGDIR/checkpoints; older ones are deleted."""
+    """Newest checkpoints kept in LOGDIR/checkpoints, and the best by return_mean_100
+    beside them; older ones are deleted."""
     checkpoint_replay: bool = True
     """Ape-X: save the replay contents with their priorities in every checkpoint, so that a
     resumed run does not start from an empty replay (IMPALA keeps no replay)."""
@@ -109,10 +116,9 @@ class LearnerConfig:
 class ActorConfig:
     num_envs: int = 16
     """Environments each actor process steps together."""
-    num_actors: int = 2
-    """Actors the exploration ladder is spread over (``apex run --actors`` sets it)."""
     eps_base: float = 0.4
-    """Ape-X ladder: eps_i = eps_base ** (1 + eps_alpha * i / (N - 1))."""
+    """Ape-X ladder: eps = eps_base ** (1 + eps_alpha * u), u in [0, 1] spread over every
+    exploring environment of the actors that join (however many; see README "Exploration")."""
     eps_alpha: float = 7.0
     """Ape-X ladder exponent."""
     eval_envs: int = 2
@@ -251,10 +257,11 @@ class Config:
         check(lr.checkpoint_interval_s > 0, f"learner.checkpoint_interval_s must be > 0, got {lr.checkpoint_interval_s}")
         check(lr.checkpoint_interval_updates >= 0,
               f"learner.checkpoint_interval_updates must be >= 0 (0: by time only), got {lr.checkpoint_interval_updates}")
+        check(lr.best_checkpoint_interval_s >= 0,
+              f"learner.best_checkpoint_interval_s must be >= 0 (0: off), got {lr.best_checkpoint_interval_s}")
         check(lr.keep_checkpoints >= 1, f"learner.keep_checkpoints must be >= 1, got {lr.keep_checkpoints}")
         a = self.actor
         check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
-        check(a.num_actors >= 1, f"actor.num_actors must be >= 1, got {a.num_actors}")
         check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
         check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
         check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}")
@@ -306,6 +313,63 @@ def presets() -> dict[str, Any]:
             if f.name.endswith(".yaml")}
 
 
+def describe_preset(preset: Any) -> str:
+    """A preset's first header comment line (what it is), without the '#'."""
+    for line in preset.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def setting_docs() -> dict[tuple[str, str], str]:
+    """(class name, field) -> the docstring written under that field in this module."""
+    import ast
+    import inspect
+    import sys
+
+    docs = {}
+    for node in ast.parse(inspect.getsource(sys.modules[__name__])).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for field_node, doc in zip(body, body[1:]):
+            if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                docs[(node.name, field_node.target.id)] = " ".join(doc.value.value.split())
+    return docs
+
+
+def annotated_yaml(config: Config) -> str:
+    """The config as YAML that ``load`` reads back, each setting preceded by its docstring."""
+    docs = setting_docs()
+    lines: list[str] = []
+
+    def emit(obj: Any, indent: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            doc = docs.get((type(obj).__name__, f.name))
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                emit(value, indent + "  ")
+                continue
+            if doc:
+                lines.extend(f"{indent}# {part}" for part in _wrap(doc, 96 - len(indent)))
+            dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, sort_keys=False).strip()
+            lines.append(f"{indent}{dumped.removeprefix('{').removesuffix('}')}")
+
+    emit(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, max(40, width))
+
+
 def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
     """(where it came from, its sections) for a YAML file or a preset's name (``pong_apex``,
     with or without ``.yaml``); a file of that name wins over a preset."""
@@ -342,8 +406,26 @@ def load_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) 
     return from_dict(raw)
 
 
+# Keys that older configs (and the configs saved in their checkpoints) hold and that no
+# longer mean anything: dropped with a warning, so that those runs still load and resume.
+RETIRED_KEYS = {
+    ("actor", "num_actors"): "the exploration ladder now follows the actors that join",
+}
+
+
+def _drop_retired(raw: Any) -> Any:
+    if not isinstance(raw, dict):
+        return raw  # said by _build
+    for (section, key), why in RETIRED_KEYS.items():
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raw = {**raw, section: {k: v for k, v in raw[section].items() if k != key}}
+            log.warning("ignoring %s.%s: %s; remove it from the config", section, key, why)
+    return raw
+
+
 def from_dict(raw: dict[str, Any]) -> Config:
     """Builds a validated Config from nested dicts (unknown keys are errors)."""
+    raw = _drop_retired(raw)
     problems: list[str] = []
     config = _build(Config, raw, "", problems)
     if problems:

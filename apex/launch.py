@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from pathlib import Path
 from apex.checkpoint import has_checkpoint
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
+from apex.transport import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,11 @@ def run(
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
+    resume_command = f"apex run --resume {shlex.quote(str(logdir))} --actors {actors}" + (
+        f" --port {port}" if port != DEFAULT_PORT else "")
     learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
-                    "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop)]
+                    "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop),
+                    "--resume-command", resume_command]
 
     def resumable() -> bool:
         return resume or has_checkpoint(logdir)

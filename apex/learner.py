@@ -8,6 +8,7 @@ import ipaddress
 import logging
 import os
 import resource
+import shlex
 import signal
 import threading
 import time
@@ -17,12 +18,12 @@ import numpy as np
 import torch
 
 from apex import algos
-from apex.checkpoint import Checkpoint, CheckpointWriter, first_loadable
+from apex.checkpoint import Checkpoint, CheckpointWriter, best_and_newest, first_loadable
 from apex.config import Config, StopConditions
 from apex.envs import env_spec
 from apex.errors import ApexError, ProtocolError
 from apex.malloc import keep_large_blocks
-from apex.metrics import EpisodeStats, MetricsWriter, Rate, write_json_atomic
+from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_json_atomic
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.schema import check_episodes
@@ -81,8 +82,12 @@ class LearnerProcess:
         port: int | None,
         stop: StopConditions,
         resume: Checkpoint | None = None,
+        resume_command: str | None = None,
     ) -> None:
         self.config = config
+        self.bind_host = bind_host
+        # What the closing line tells the user to run to go on (apex run says its own).
+        self.resume_command = resume_command or f"apex learner --resume {shlex.quote(str(logdir))}"
         self.logdir = Path(logdir)
         self.stop = stop
         self.spec = env_spec(config.env)
@@ -286,9 +291,12 @@ class LearnerProcess:
             # after it (times at or past this one), a history that was rolled back.
             metrics.write(self._metrics_row(self._elapsed_before, step_rate, update_rate, last))
         stop_reason = None
-        log.info("learner on %s: %s %s, ports %d-%d, %.1f MB for data", self.device, self.config.algo,
-                 self.config.env.id, self.endpoint.ports.control, self.endpoint.ports.weights,
-                 self.learner.memory_nbytes / 1e6)
+        log.info("starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
+                 self.config.algo, self.config.env.id, self.device, self.endpoint.ports.control,
+                 self.endpoint.ports.weights, self.bind_host, self.logdir, self.learner.memory_nbytes / 1e6,
+                 f", resumed from {self.resumed_from}" if self.resumed_from else "")
+        best_every = self.config.learner.best_checkpoint_interval_s
+        last_checkpoint = time.monotonic()
         try:
             while stop_reason is None:
                 self.endpoint.poll(0)
@@ -298,12 +306,19 @@ class LearnerProcess:
                     if self.learner.updates != updates and self.learner.updates % self.config.learner.publish_interval == 0:
                         self._publish(self.learner.updates)
                 now = time.monotonic()
+                new_best = False
                 if now >= next_metrics:
                     next_metrics = now + self.config.learner.metrics_interval_s
                     metrics.write(self._metrics_row(now - start, step_rate, update_rate, last))
+                    # A policy better than every checkpoint so far is kept (apex eval's default).
+                    score = self._score()
+                    best = self.checkpoints.best_score  # of every checkpoint of the run, resumed ones too
+                    new_best = (best_every > 0 and score is not None and (best is None or score > best)
+                                and now - last_checkpoint >= best_every)
                 stop_reason = self._stop_reason(now - start)
                 due_by_updates = next_checkpoint_updates is not None and self.learner.updates >= next_checkpoint_updates
-                if (now >= next_checkpoint or due_by_updates) and self.save_checkpoint(now - start, background=True):
+                if (now >= next_checkpoint or due_by_updates or new_best) and self.save_checkpoint(now - start, background=True):
+                    last_checkpoint = now
                     next_checkpoint = now + self.config.learner.checkpoint_interval_s
                     if every_updates:
                         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates
@@ -317,7 +332,7 @@ class LearnerProcess:
             metrics.close()
             self.checkpoints.wait()
             self.save_checkpoint(wall)
-            self._write_summary({
+            summary = {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
                 "data_nbytes_mb": round(self.learner.memory_nbytes / 2**20, 1),
                 "env_steps": self.env_steps,
@@ -329,11 +344,20 @@ class LearnerProcess:
                 "resumed_from": self.resumed_from,
                 "checkpoints_written": self.checkpoints.written,
                 "env_steps_by_host": dict(self.env_steps_by_host),
-            })
+            }
+            self._write_summary(summary)
             self._linger_for_stops()
             self.endpoint.close()
-        log.info("learner stopped: %s", stop_reason)
+            self._say_goodbye(summary)
         return 130 if self._signal == signal.SIGINT else 0
+
+    def _say_goodbye(self, summary: dict) -> None:
+        """The closing line: why the run stopped, its returns, its checkpoints, how to go on."""
+        try:
+            best, newest = best_and_newest(self.logdir)
+        except (ApexError, OSError):
+            best = newest = None
+        log.info("%s", closing_line(summary, best, newest, self.resume_command))
 
     def _write_summary(self, summary: dict) -> None:
         try:
@@ -407,6 +431,12 @@ class LearnerProcess:
         })
         return row
 
+    def _score(self) -> float | None:
+        """return_mean_100 once it is over a full window of evaluation episodes (a mean of a
+        few lucky episodes is no measure of a policy), else None."""
+        with self._stats_lock:
+            return self.stats.return_mean if self.stats.full_window else None
+
     def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
         """Writes a checkpoint (in the background: the replay is copied piece by piece while
         training and ingest go on). False if the previous one is still being written (try
@@ -427,5 +457,6 @@ class LearnerProcess:
                 "time": elapsed,
                 "config": self.config.to_dict(),
             }
+            score = self.stats.return_mean if self.stats.full_window else None  # as _score, with the same stats
         name = f"ckpt-{self.learner.updates:09d}"
-        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background)
+        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background, score=score)

@@ -80,10 +80,14 @@ def tensorboard_tag(key: str) -> str:
     return f"system/{key}"
 
 
+PROGRESS_INTERVAL_S = 30.0  # a plain progress line this often when the console is not a terminal
+
+
 class MetricsWriter:
     """Appends one JSON object per call to LOGDIR/metrics.jsonl, writes the numbers as
     TensorBoard scalars to LOGDIR/tb (by env steps), and keeps a status line on the console
-    when it is a terminal (nothing when it is not: the files have it all).
+    when it is a terminal; when it is not (a batch job, nohup, a container's log), it prints
+    the same line as plain text every ``progress_interval_s``.
 
     A full disk or any other write error does not end the run: ``write`` and ``close`` log
     it (rate-limited), count it in ``write_failures`` and go on. The metrics file is retried
@@ -92,7 +96,8 @@ class MetricsWriter:
     failure (its writer thread dies with it). A link planted at LOGDIR/metrics.jsonl or
     LOGDIR/tb is refused (ApexError), never written through."""
 
-    def __init__(self, logdir: Path, console: TextIO | None = None, tensorboard: bool = True) -> None:
+    def __init__(self, logdir: Path, console: TextIO | None = None, tensorboard: bool = True,
+                 progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(logdir)  # e.g. summary.json's, left by a learner killed while writing it
@@ -105,6 +110,8 @@ class MetricsWriter:
             raise ApexError(f"cannot append to {self.path}: {e.strerror}; check --logdir's permissions") from None
         self._console = console if console is not None else sys.stderr
         self._tty = self._console.isatty()
+        self._progress_interval_s = progress_interval_s
+        self._progress_slot: int | None = None  # run time // progress_interval_s of the last plain progress line
         self.write_failures = 0  # failed writes of metrics.jsonl and TensorBoard, since the start
         self._failed = RateLimitedLog(log, interval_s=5.0)  # a full disk fails every write
         self._file_failing = False
@@ -129,6 +136,9 @@ class MetricsWriter:
             self._add_scalars(row)
         if self._tty:
             self._status(row)
+        elif (slot := int(row.get("time", 0) // self._progress_interval_s)) != self._progress_slot:
+            self._progress_slot = slot  # the first row, then the first of every interval of run time
+            self._progress(row)
 
     def _append(self, line: bytes) -> None:
         try:
@@ -182,6 +192,13 @@ class MetricsWriter:
         except OSError:  # a terminal gone away: the files have it all
             self._tty = False
 
+    def _progress(self, row: dict[str, Any]) -> None:
+        try:
+            self._console.write(status_line(row) + "\n")
+            self._console.flush()
+        except (OSError, ValueError):  # a closed pipe (the reader went away): the files have it all
+            self._progress_interval_s = float("inf")
+
     def close(self) -> None:
         if self._tty:
             try:
@@ -227,15 +244,40 @@ def _quiet_tensorboard_thread_errors() -> None:
 
 
 def status_line(row: dict[str, Any]) -> str:
-    """One line: time, env steps and rate, updates and rate, return, replay fill, actors, lag."""
+    """One line that says what its numbers are: run time, env steps and rate, updates and
+    rate, the evaluation return and over how many episodes, replay fill, actors, and the
+    policy lag (how many updates behind the learner the actors' weights were)."""
     ret, lag = row.get("return_mean_100"), row.get("policy_lag_mean")
+    episodes = row.get("eval_episodes_in_window")
+    over = f" over {episodes} ep" if episodes else ""
     capacity = row.get("replay_capacity")
-    fill = f" ({100 * row['replay_size'] / capacity:3.0f}%)" if capacity else ""
+    replay = ""
+    if "replay_size" in row:
+        fill = f" ({100 * row['replay_size'] / capacity:3.0f}%)" if capacity else ""
+        replay = f"  replay {row['replay_size']:>9,}{fill}"
+    def get(key: str) -> Any:  # 0 for what a row does not hold (yet)
+        return row.get(key) or 0
+
     return (
-        f"[{row['time']:7.1f}s] steps {row['env_steps']:>10,} ({row['env_steps_per_s']:>8,.0f}/s)  "
-        f"updates {row['learner_updates']:>8,} ({row['updates_per_s']:>6,.0f}/s)  "
-        f"return {'-' if ret is None else f'{ret:7.1f}'}  replay {row['replay_size']:>9,}{fill}  "
-        f"actors {row['actors_connected']}  lag {'-' if lag is None else f'{lag:.0f}'}"
+        f"[{get('time'):7.1f}s] env steps {get('env_steps'):>10,} ({get('env_steps_per_s'):>8,.0f}/s)  "
+        f"updates {get('learner_updates'):>8,} ({get('updates_per_s'):>6,.0f}/s)  "
+        f"eval return {'-' if ret is None else f'{ret:7.1f}'}{over}{replay}  "
+        f"actors {get('actors_connected')}  policy lag {'-' if lag is None else f'{lag:.0f} updates'}"
+    )
+
+
+def closing_line(summary: dict[str, Any], best: Path | None, newest: Path | None, resume_command: str) -> str:
+    """The learner's last word: why it stopped, how far it got, the returns, where the
+    checkpoints are and how to go on."""
+    def ret(value: Any) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    checkpoints = (f"best checkpoint {best}" + (f", newest {newest}" if newest != best else " (also the newest)")
+                   if best is not None else f"newest checkpoint {newest}" if newest is not None else "no checkpoint")
+    return (
+        f"stopped ({summary['stop_reason']}) after {summary['wall_seconds']:.1f}s: {summary['env_steps']:,} env steps, "
+        f"{summary['learner_updates']:,} updates; eval return {ret(summary['return_mean_100'])} "
+        f"(best {ret(summary.get('best_return_mean_100'))}); {checkpoints}; resume with: {resume_command}"
     )
 
 

@@ -22,10 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Quiet:
-    """A console that is not a terminal (no status line)."""
+    """A console that is not a terminal (no status line; progress lines go nowhere)."""
 
     def isatty(self) -> bool:
         return False
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def row(n: int) -> dict:
@@ -229,6 +235,12 @@ logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 class Quiet:
     def isatty(self):
         return False
+
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
 
 logdir = Path(sys.argv[1])
 writer = MetricsWriter(logdir, console=Quiet())

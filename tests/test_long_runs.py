@@ -34,7 +34,7 @@ def checkpoint_with_replay(logdir, min_items: int) -> bool:
 def test_learner_killed_and_resumed_keeps_its_replay_and_its_actors(tmp_path):
     logdir, port = tmp_path / "run", free_base_port()
     learner = apex("learner", "--logdir", str(logdir), "--port", str(port), *FAST, *CHECKPOINT_OFTEN)
-    actors = [apex("actor", "--learner", f"127.0.0.1:{port}", *FAST) for _ in range(2)]
+    actors = [apex("actor", "--learner", f"127.0.0.1:{port}", *FAST[:4]) for _ in range(2)]
     try:
         wait_for(lambda: checkpoint_with_replay(logdir, 5000), 90, "a checkpoint holding 5000 transitions")
         learner.send_signal(signal.SIGKILL)
@@ -95,7 +95,7 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path):
 
 def test_actor_gives_up_on_a_learner_that_never_answers(tmp_path):
     start = time.monotonic()
-    proc = apex("actor", "--learner", f"127.0.0.1:{free_base_port()}", *FAST, "--set", "transport.give_up_after_s=3")
+    proc = apex("actor", "--learner", f"127.0.0.1:{free_base_port()}", *FAST[:4], "--set", "transport.give_up_after_s=3")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "no learner answered" in err and "transport.give_up_after_s" in err
@@ -116,18 +116,23 @@ class Console(io.StringIO):
         return self.tty
 
 
-def test_status_line_on_a_terminal_and_silence_otherwise(tmp_path):
+def test_status_line_on_a_terminal_and_plain_lines_every_30s_otherwise(tmp_path):
     tty, pipe = Console(True), Console(False)
+    rows = [{**ROW, "time": t} for t in (2.0, 4.0, 31.0, 33.0, 62.0)]
     for console, logdir in ((tty, tmp_path / "a"), (pipe, tmp_path / "b")):
         writer = MetricsWriter(logdir, console=console, tensorboard=False)
-        writer.write(ROW)
+        for row in rows:
+            writer.write(row)
         writer.close()
-        assert json.loads((logdir / "metrics.jsonl").read_text()) == ROW
-    assert pipe.getvalue() == ""
-    line = status_line(ROW)
-    assert line in tty.getvalue()
-    for part in ("5,000", "1,000/s", "updates", "21.5", "2,500 ( 25%)", "actors 2", "lag 3"):
+        assert [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()] == rows
+    # a terminal: one line redrawn in place; a pipe (Slurm, nohup): whole lines, every 30 s of run time
+    assert tty.getvalue().count("\r") == len(rows) and tty.getvalue().count("\n") == 1
+    assert pipe.getvalue().splitlines() == [status_line(rows[i]) for i in (0, 2, 4)]
+    line = status_line({**ROW, "eval_episodes_in_window": 100})
+    for part in ("env steps", "5,000", "1,000/s", "updates", "eval return    21.5 over 100 ep", "2,500 ( 25%)",
+                 "actors 2", "policy lag 3 updates"):
         assert part in line, part
+    assert "over" not in status_line(ROW) and "policy lag -" in status_line({**ROW, "policy_lag_mean": None})
 
 
 def test_tensorboard_reads_the_scalars(tmp_path):

@@ -1,7 +1,7 @@
 """Ape-X DQN (Horgan et al. 2018, "Distributed Prioritized Experience Replay").
 
 Actor side: the epsilon ladder (Sec. 4.1: eps_i = eps ** (1 + alpha * i / (N - 1)), eps=0.4,
-alpha=7), and ``NStepChunker``, which turns one environment's steps into n-step transitions
+alpha=7; here spread over the actors that join, see ``actor_epsilons``), and ``NStepChunker``, which turns one environment's steps into n-step transitions
 (Sec. 3, Alg. 1) with initial priorities from the actor's own Q-values:
 
     G_t = sum_{k<n} gamma^k r_{t+k},   target_t = G_t + gamma^n max_a Q(s_{t+n}, a)
@@ -40,29 +40,48 @@ from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame
 
 
 def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
-    """Exploration rate of the i-th of n exploring environments."""
+    """Exploration rate of the i-th of n exploring environments (the paper's ladder)."""
     if n <= 1:
         return base
-    return base ** (1 + alpha * i / (n - 1))
+    return ladder_epsilon(i / (n - 1), base, alpha)
+
+
+def ladder_epsilon(u: float, base: float = 0.4, alpha: float = 7.0) -> float:
+    """Exploration rate at position u in [0, 1] of the ladder: base at 0, base ** (1 + alpha) at 1."""
+    return base ** (1 + alpha * u)
+
+
+def actor_offset(actor_index: int) -> float:
+    """Where in [0, 1) an actor's environments sit between rungs: the base-2 van der Corput
+    sequence (0, 1/2, 1/4, 3/4, 1/8, ...), so that actors 0..M-1 together always spread
+    evenly, whatever M is, without an actor's epsilons changing as others join."""
+    offset, scale = 0.0, 0.5
+    while actor_index:
+        offset += scale * (actor_index & 1)
+        actor_index >>= 1
+        scale /= 2
+    return offset
 
 
 def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tuple[list[float], list[bool]]:
     """Per-environment epsilons for one actor, and which of its environments evaluate.
 
-    The ladder runs over the exploring environments of all ``num_actors`` actors,
-    interleaved so that every actor covers the whole range; the last ``eval_envs`` of each
-    actor play with ``eval_epsilon``. Evaluation episodes (return_mean_100) are those of
-    every environment whose epsilon is at most ``eval_epsilon``: the set-aside ones and
-    the near-greedy end of the ladder, never the exploring ones that would drag the
-    mean down.
+    The ladder follows the actors actually in the run, however many join: the K exploring
+    environments of actor i sit at positions u = (j + offset_i) / K, j = 0..K-1, on
+    eps = eps_base ** (1 + eps_alpha * u), with offset_i = ``actor_offset(i)``. Every actor
+    covers the whole range; actors with distinct indices (the learner hands out the lowest
+    free one, so a newcomer takes the place of one that left) get distinct epsilons, and
+    actors 0..M-1 fill the ladder evenly (exactly so for M a power of two; with M actors of
+    K environments it is the paper's ladder over M*K rungs, its greediest rung at u < 1).
+    The last ``eval_envs`` of each actor play with ``eval_epsilon``. Evaluation episodes
+    (return_mean_100) are those of every environment whose epsilon is at most
+    ``eval_epsilon``: the set-aside ones and the near-greedy end of the ladder, never the
+    exploring ones that would drag the mean down.
     """
     eval_envs = min(config.eval_envs, num_envs)
     exploring = num_envs - eval_envs
-    total = max(1, exploring * config.num_actors)
-    slot = actor_index % config.num_actors
-    epsilons = [
-        epsilon_ladder(j * config.num_actors + slot, total, config.eps_base, config.eps_alpha) for j in range(exploring)
-    ]
+    offset = actor_offset(actor_index)
+    epsilons = [ladder_epsilon((j + offset) / exploring, config.eps_base, config.eps_alpha) for j in range(exploring)]
     epsilons += [config.eval_epsilon] * eval_envs
     return epsilons, [eps <= config.eval_epsilon for eps in epsilons]
 

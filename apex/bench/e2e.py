@@ -55,7 +55,6 @@ def run(seconds: float = 20.0, algo: str = "apex_dqn", env: str | None = None,
     with tempfile.TemporaryDirectory(prefix="apex-e2e-") as tmp:
         workdir = Path(tmp)
         for n in actors:
-            config.actor.num_actors = n
             config_file = workdir / f"config-{n}.yaml"
             config.save(config_file)
             rows.append(_measure_processes(config_file, n, seconds, workdir))

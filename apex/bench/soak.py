@@ -43,8 +43,7 @@ def _last_metrics(path: Path) -> dict | None:
 def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoint_s: float = 60.0,
         overrides: tuple[str, ...] = (), plot: str | None = None, logdir: str | None = None, seed: int = 0) -> dict:
     """Runs the soak; returns the RSS series and the verdict (``passed``, ``problems``)."""
-    config = config_module.load(None, [f"learner.checkpoint_interval_s={checkpoint_s}",
-                                       f"actor.num_actors={actors}", *overrides])
+    config = config_module.load(None, [f"learner.checkpoint_interval_s={checkpoint_s}", *overrides])
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="apex-soak-") as tmp:
         run_dir = Path(logdir) if logdir else Path(tmp) / "run"
