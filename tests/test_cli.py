@@ -160,3 +160,12 @@ def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
     assert phases["all at once"]["rejected_messages"] > 0
     assert isinstance(report["sigterm_exit_s"], float) and report["learner_exit"] == 0
     assert report["baseline"].startswith("the unloaded phases") and isinstance(report["passed"], bool)
+
+
+def test_help_imports_nothing_heavy():
+    """`apex --help` stays fast (0.1 s here) by building the parser without torch, ZeroMQ,
+    gymnasium or the benchmarks."""
+    code = ("import sys; from apex.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'zmq', 'gymnasium', 'numpy', 'apex.bench.e2e') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
