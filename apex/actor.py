@@ -67,7 +67,9 @@ def _act(client: LearnerClient, stopping: dict) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
     spec = client.handshake().fields["spec"]
     config = config_module.from_dict(spec["config"])
-    core = algos.get(config.algo).Actor(config, spec, spec["seed"])
+    # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
+    # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
+    core = algos.get(config.algo).Actor(config, spec, spec["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         episodes: list[list] = []

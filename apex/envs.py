@@ -7,6 +7,7 @@ one 84x84 grayscale image for Atari. Stacking frames into observations is the ac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -94,9 +95,15 @@ class VectorEnv:
     and, for the environments that ended, the episode's final frame.
     """
 
-    def __init__(self, config: EnvConfig, num_envs: int, seed: int) -> None:
+    def __init__(self, config: EnvConfig, num_envs: int, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+        """``tick`` is called between environments while they are made and reset: Atari's take
+        a third of a second each, and the actor must heartbeat meanwhile."""
         self.spec = env_spec(config)
-        self.envs = [make_env(config, seed + i) for i in range(num_envs)]
+        self._tick = tick
+        self.envs = []
+        for i in range(num_envs):
+            self.envs.append(make_env(config, seed + i))
+            tick()
         self._seed = seed
         self._frames = np.zeros((num_envs, *self.spec.frame_shape), self.spec.frame_dtype)
 
@@ -108,6 +115,7 @@ class VectorEnv:
         for i, env in enumerate(self.envs):
             frame, _ = env.reset(seed=self._seed + i)
             self._frames[i] = frame
+            self._tick()
         return self._frames.copy()
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:

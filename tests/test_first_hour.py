@@ -191,6 +191,18 @@ def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
             c.close()
 
 
+def test_an_actor_keeps_its_connection_alive_while_its_environments_are_made():
+    """16 Atari environments take longer to make than the learner's heartbeat timeout: the
+    actor ticks (heartbeats) between them, or the learner drops it and it joins twice."""
+    from apex.envs import VectorEnv
+
+    ticks = []
+    envs = VectorEnv(config_module.EnvConfig(), 3, seed=0, tick=lambda: ticks.append(time.monotonic()))
+    assert len(ticks) == 3
+    envs.reset()
+    assert len(ticks) == 6
+
+
 # -- what apex run prints
 
 
@@ -207,6 +219,7 @@ def test_apex_run_prints_one_banner_progress_and_a_closing_line(tmp_path):
     assert len(banners) == 1 and "starting impala on Acrobot-v1" in banners[0] and str(logdir) in banners[0], banners
     # not a terminal: plain progress lines that say what their numbers are
     assert any("env steps" in line and "eval return" in line and "policy lag" in line for line in lines)
+    assert len([line for line in lines if "joined" in line]) == 1, lines  # one actor, answered once
     closing = [line for line in lines if "stopped (" in line]
     assert len(closing) == 1, lines
     assert "3000 env steps" in closing[0] and "checkpoint" in closing[0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -416,12 +417,13 @@ class Learner:
 class Actor:
     """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
 
-    def __init__(self, config: Config, welcome: dict, seed: int) -> None:
+    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+        """``tick`` keeps the connection alive while the environments are made."""
         torch.set_num_threads(1)
         self.config = config
         self.epsilons = np.asarray(welcome["epsilons"])
         self.eval_mask = list(welcome["eval_envs"])
-        self.envs = VectorEnv(config.env, len(self.epsilons), seed)
+        self.envs = VectorEnv(config.env, len(self.epsilons), seed, tick)
         self.spec = self.envs.spec
         self.net = QNetwork(self.spec, config.model).eval()
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)

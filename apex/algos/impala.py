@@ -21,6 +21,7 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -259,10 +260,11 @@ class Learner:
 
 
 class Actor:
-    def __init__(self, config: Config, welcome: dict, seed: int) -> None:
+    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+        """``tick`` keeps the connection alive while the environments are made."""
         torch.set_num_threads(1)
         self.config = config
-        self.envs = VectorEnv(config.env, welcome["num_envs"], seed)
+        self.envs = VectorEnv(config.env, welcome["num_envs"], seed, tick)
         self.spec = self.envs.spec
         self.net = PolicyValueNetwork(self.spec, config.model).eval()
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
