@@ -62,6 +62,16 @@ def test_a_wrong_env_id_fails_in_the_parent_within_3s(tmp_path):
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
+@pytest.mark.parametrize("command", ["run", "learner"])
+def test_an_unusable_action_space_fails_before_anything_starts(tmp_path, command):
+    start = time.monotonic()
+    code, _, err = run_cli(command, "--env", "Pendulum-v1", "--logdir", str(tmp_path / "run"),
+                           "--port", str(free_base_port()))
+    assert time.monotonic() - start < 10  # the learner imports torch first: still seconds, not a run
+    assert code == 2 and "Pendulum-v1" in err and "Discrete" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_taken_ports_fail_in_the_parent(tmp_path):
     port = free_base_port()
     with socket.socket() as squatter:
