@@ -309,7 +309,7 @@ def _logdir(args: argparse.Namespace, config) -> Path:
 
 def _learner(args: argparse.Namespace) -> int:
     from apex.checkpoint import has_checkpoint
-    from apex.learner import LearnerProcess
+    from apex.envs import env_spec
 
     if args.auto_resume:
         if args.resume or not args.logdir:
@@ -320,6 +320,9 @@ def _learner(args: argparse.Namespace) -> int:
     config = _load_config(args, resume)
     stop = _stop(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)
+    env_spec(config.env)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
+    from apex.learner import LearnerProcess
+
     process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
                              resume_command=args.resume_command)
     code = process.run()

@@ -67,7 +67,7 @@ def test_an_unusable_action_space_fails_before_anything_starts(tmp_path, command
     start = time.monotonic()
     code, _, err = run_cli(command, "--env", "Pendulum-v1", "--logdir", str(tmp_path / "run"),
                            "--port", str(free_base_port()))
-    assert time.monotonic() - start < 10  # the learner imports torch first: still seconds, not a run
+    assert time.monotonic() - start < 3  # checked before torch is imported
     assert code == 2 and "Pendulum-v1" in err and "Discrete" in err
     assert not (tmp_path / "run").exists()
 
