@@ -38,7 +38,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 from apex.errors import ApexError
 from apex.files import remove_stale_temps, write_atomic
@@ -634,18 +634,27 @@ def find(path: Path, which: str) -> Checkpoint:
                     "(see the messages above); start without --resume")
 
 
-def best_and_newest(path: Path) -> tuple[Path | None, Path | None]:
-    """The state files (ckpt-*.pt) of the best and of the newest checkpoint under ``path``,
-    for a run's closing line: best is what ``find(path, "best")`` would choose (the newest
-    when none has a score). Only the manifests are read (the files are verified when one is
-    loaded), nothing is set aside, and (None, None) if there is no valid manifest."""
+class RunCheckpoints(NamedTuple):
+    """A run's best checkpoint (None when none has a score yet), its score, and its newest."""
+
+    best: Path | None
+    best_score: float | None
+    newest: Path | None
+
+
+def best_and_newest(path: Path) -> RunCheckpoints:
+    """The state files (ckpt-*.pt) of the best-scoring and of the newest checkpoint under
+    ``path``, for a run's closing line. Only the manifests are read (the files are verified
+    when one is loaded), nothing is set aside; all None if there is no valid manifest."""
     try:
         directory = checkpoint_dir(path)
     except ApexError:
-        return None, None
+        return RunCheckpoints(None, None, None)
     readable = _readable(sorted(directory.glob(MANIFESTS)))
     if not readable:
-        return None, None
-    newest = readable[-1][0]
+        return RunCheckpoints(None, None, None)
+    newest = readable[-1][0].with_suffix(".pt")
     best = _best(readable)
-    return (best[0] if best else newest).with_suffix(".pt"), newest.with_suffix(".pt")
+    if best is None:
+        return RunCheckpoints(None, None, newest)
+    return RunCheckpoints(best[0].with_suffix(".pt"), _score(best[1]), newest)

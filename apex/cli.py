@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,15 +29,26 @@ ENV = {
 }
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse, with a pointer to --set when a flag is not known: most unknown flags are
-    config values (`--lr 1e-3`), and every config value has a --set."""
+# What an unknown flag's error adds, by subcommand: most unknown flags of run and learner
+# are config values (`--lr 1e-3`), and every config value has a --set.
+UNKNOWN_FLAG_HINTS = {
+    "run": "any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); `apex config show` lists them",
+    "learner": "any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); `apex config show` lists them",
+    "actor": "the environment, model and algorithm come from the learner (set them there); an actor takes "
+             "--set transport.KEY=VALUE",
+}
 
-    def error(self, message: str):
-        if message.startswith("unrecognized arguments"):
-            message += ("; any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); "
-                        "`apex config show` lists them, `apex COMMAND --help` the flags")
-        super().error(message)
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a hint for an unknown flag that says where such a setting goes."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            hint = UNKNOWN_FLAG_HINTS.get(getattr(parsed, "command", None))
+            self.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint else "")
+                       + f"; `apex {getattr(parsed, 'command', 'COMMAND')} --help` lists the flags")
+        return parsed
 
 
 def _env_default(name: str, cast=str):
@@ -272,14 +284,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_config(args: argparse.Namespace, resume=None):
+def _load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
     """The config of --config (or the embedded default) with --set; when resuming without
-    --config, the checkpoint's with --set."""
+    --config, the checkpoint's with --set. An actor's --num-envs is its own, not a shorthand
+    (``shorthands=False``)."""
     from apex import config
 
-    overrides = [*_shorthand_overrides(args), *args.overrides]
+    overrides = [*(_shorthand_overrides(args) if shorthands else []), *args.overrides]
     if args.curve_dir:
-        overrides.append(f"transport.curve_dir={args.curve_dir}")
+        overrides.append(f"transport.curve_dir={json.dumps(args.curve_dir)}")
     if resume is not None and not args.config:
         return config.load_dict(resume.config, overrides)
     return config.load(args.config, overrides)
@@ -323,8 +336,16 @@ def _learner(args: argparse.Namespace) -> int:
     env_spec(config.env)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
     from apex.learner import LearnerProcess
 
+    from apex.launch import stop_args
+
+    # The closing line's "resume with": this command's own addresses, keys and stops.
+    resume_command = args.resume_command or shlex.join([
+        "apex", "learner", "--resume", str(logdir),
+        *(["--port", str(args.port)] if args.port is not None else []),
+        *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
+        *(["--curve-dir", args.curve_dir] if args.curve_dir else []), *stop_args(stop)])
     process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
-                             resume_command=args.resume_command)
+                             resume_command=resume_command)
     code = process.run()
     # Everything is written and closed by now; tearing down torch's interpreter state takes
     # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
@@ -351,7 +372,7 @@ def _actor(args: argparse.Namespace) -> int:
         if not override.startswith("transport."):
             raise ApexError(f"--set {override}: an actor takes only transport.* settings; the environment, model and "
                             "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
-    options = options_from_config(_load_config(args).transport)
+    options = options_from_config(_load_config(args, shorthands=False).transport)
     return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
 
 

@@ -225,6 +225,7 @@ class Config:
                 problems.append(message)
 
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
+        check(0 <= self.seed < 2**32, f"seed must be in 0..2**32-1, got {self.seed}")
         check(bool(self.env.id), "env.id must name a Gymnasium environment")
         check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
@@ -264,7 +265,9 @@ class Config:
         check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
         check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
         check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
-        check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}")
+        check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}"
+              + (f": with {a.num_envs} environments per actor also set actor.eval_envs (e.g. --set actor.eval_envs=0)"
+                 if a.eval_envs > a.num_envs else ""))
         check(0 <= a.eval_epsilon <= 0.01, f"actor.eval_epsilon must be in [0, 0.01], got {a.eval_epsilon}")
         check(a.chunk_transitions >= 1, f"actor.chunk_transitions must be >= 1, got {a.chunk_transitions}")
         check(a.weights_update_steps >= 1, f"actor.weights_update_steps must be >= 1, got {a.weights_update_steps}")
@@ -309,8 +312,12 @@ def presets() -> dict[str, Any]:
     """The shipped presets (configs/*.yaml, installed as apex.configs): name -> file."""
     from importlib.resources import files
 
-    return {f.name[: -len(".yaml")]: f for f in sorted(files("apex.configs").iterdir(), key=lambda f: f.name)
-            if f.name.endswith(".yaml")}
+    try:
+        folder = files("apex.configs")
+    except ModuleNotFoundError:  # apex imported from a source tree (PYTHONPATH), not installed
+        folder = Path(__file__).resolve().parent.parent / "configs"
+    return {f.name[: -len(".yaml")]: f for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.name.endswith(".yaml")} if folder.is_dir() else {}
 
 
 def describe_preset(preset: Any) -> str:
@@ -372,16 +379,18 @@ def _wrap(text: str, width: int) -> list[str]:
 
 def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
     """(where it came from, its sections) for a YAML file or a preset's name (``pong_apex``,
-    with or without ``.yaml``); a file of that name wins over a preset."""
+    with or without ``.yaml``); a file at that path wins over a preset."""
     name = str(path)
-    found = presets().get(name[: -len(".yaml")] if name.endswith(".yaml") else name)
     if Path(path).is_file():
         source, text = str(path), Path(path).read_text()
-    elif found is not None and "/" not in name:
-        source, text = f"preset {found.name}", found.read_text()
     else:
-        raise ConfigError(f"config {name} not found: pass a YAML file or a preset name "
-                          f"({', '.join(presets())}; `apex config list`)")
+        found = presets().get(name.removesuffix(".yaml")) if "/" not in name else None
+        if found is None:
+            raise ConfigError(f"config {name} not found: pass a YAML file or a preset name "
+                              f"({', '.join(presets())}; `apex config list`)")
+        source, text = f"preset {found.name}", found.read_text()
+        if Path(f"{name}.yaml").is_file():
+            log.warning("--config %s is the shipped preset; to read ./%s.yaml instead, pass it with .yaml", name, name)
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
@@ -419,7 +428,7 @@ def _drop_retired(raw: Any) -> Any:
     for (section, key), why in RETIRED_KEYS.items():
         if isinstance(raw.get(section), dict) and key in raw[section]:
             raw = {**raw, section: {k: v for k, v in raw[section].items() if k != key}}
-            log.warning("ignoring %s.%s: %s; remove it from the config", section, key, why)
+            log.warning("ignoring %s.%s (from an older config or checkpoint): %s", section, key, why)
     return raw
 
 

@@ -103,8 +103,10 @@ def run(
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
-    resume_command = f"apex run --resume {shlex.quote(str(logdir))} --actors {actors}" + (
-        f" --port {port}" if port != DEFAULT_PORT else "")
+    resume_command = shlex.join([
+        "apex", "run", "--resume", str(logdir), "--actors", str(actors),
+        *(["--port", str(port)] if port != DEFAULT_PORT else []), *stop_args(stop),
+        *(["--learner-restarts", str(learner_restarts)] if learner_restarts != 10 else [])])
     learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
                     "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop),
                     "--resume-command", resume_command]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from apex import algos
-from apex.checkpoint import Checkpoint, CheckpointWriter, best_and_newest, first_loadable
+from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_and_newest, first_loadable
 from apex.config import Config, StopConditions
 from apex.envs import env_spec
 from apex.errors import ApexError, ProtocolError
@@ -86,8 +86,8 @@ class LearnerProcess:
     ) -> None:
         self.config = config
         self.bind_host = bind_host
-        # What the closing line tells the user to run to go on (apex run says its own).
-        self.resume_command = resume_command or f"apex learner --resume {shlex.quote(str(logdir))}"
+        # What the closing line tells the user to run to go on.
+        self.resume_command = resume_command or shlex.join(["apex", "learner", "--resume", str(logdir)])
         self.logdir = Path(logdir)
         self.stop = stop
         self.spec = env_spec(config.env)
@@ -286,15 +286,15 @@ class LearnerProcess:
         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
         step_rate, update_rate = Rate(self.env_steps), Rate(self.learner.updates)
         last: dict[str, float] = {}
+        log.info("starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
+                 self.config.algo, self.config.env.id, self.device, self.endpoint.ports.control,
+                 self.endpoint.ports.weights, self.bind_host, self.logdir, self.learner.memory_nbytes / 1e6,
+                 f", resumed from {self.resumed_from}" if self.resumed_from else "")
         if self.resumed_from is not None:
             # A row at the resume point: `apex plot` drops what a killed predecessor logged
             # after it (times at or past this one), a history that was rolled back.
             metrics.write(self._metrics_row(self._elapsed_before, step_rate, update_rate, last))
         stop_reason = None
-        log.info("starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
-                 self.config.algo, self.config.env.id, self.device, self.endpoint.ports.control,
-                 self.endpoint.ports.weights, self.bind_host, self.logdir, self.learner.memory_nbytes / 1e6,
-                 f", resumed from {self.resumed_from}" if self.resumed_from else "")
         best_every = self.config.learner.best_checkpoint_interval_s
         last_checkpoint = time.monotonic()
         try:
@@ -354,10 +354,10 @@ class LearnerProcess:
     def _say_goodbye(self, summary: dict) -> None:
         """The closing line: why the run stopped, its returns, its checkpoints, how to go on."""
         try:
-            best, newest = best_and_newest(self.logdir)
-        except (ApexError, OSError):
-            best = newest = None
-        log.info("%s", closing_line(summary, best, newest, self.resume_command))
+            checkpoints = best_and_newest(self.logdir)
+        except OSError:
+            checkpoints = RunCheckpoints(None, None, None)
+        log.info("%s", closing_line(summary, checkpoints, self.resume_command))
 
     def _write_summary(self, summary: dict) -> None:
         try:

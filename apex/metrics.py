@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import shlex
+import shutil
 import sys
 import threading
 import time
@@ -187,7 +189,9 @@ class MetricsWriter:
 
     def _status(self, row: dict[str, Any]) -> None:
         try:
-            self._console.write("\r" + status_line(row) + "\033[K")
+            # Cut to the terminal's width: a wrapped line would not be redrawn in place.
+            width = shutil.get_terminal_size().columns - 1
+            self._console.write("\r" + status_line(row)[:width] + "\033[K")
             self._console.flush()
         except OSError:  # a terminal gone away: the files have it all
             self._tty = False
@@ -266,18 +270,26 @@ def status_line(row: dict[str, Any]) -> str:
     )
 
 
-def closing_line(summary: dict[str, Any], best: Path | None, newest: Path | None, resume_command: str) -> str:
-    """The learner's last word: why it stopped, how far it got, the returns, where the
-    checkpoints are and how to go on."""
+def closing_line(summary: dict[str, Any], checkpoints: Any, resume_command: str) -> str:
+    """The learner's last word: why it stopped, how far it got, the returns, where the best
+    and the newest checkpoints are (``checkpoint.RunCheckpoints``) and how to go on."""
     def ret(value: Any) -> str:
         return "-" if value is None else f"{value:.1f}"
 
-    checkpoints = (f"best checkpoint {best}" + (f", newest {newest}" if newest != best else " (also the newest)")
-                   if best is not None else f"newest checkpoint {newest}" if newest is not None else "no checkpoint")
+    best, best_score, newest = checkpoints
+    if newest is None:
+        where = "no checkpoint"
+    elif best is None:
+        where = f"newest checkpoint {shlex.quote(str(newest))} (none scored yet: 100 evaluation episodes are needed)"
+    elif best == newest:
+        where = f"best checkpoint {shlex.quote(str(best))} (return_mean_100 {ret(best_score)}; also the newest)"
+    else:
+        where = (f"best checkpoint {shlex.quote(str(best))} (return_mean_100 {ret(best_score)}), "
+                 f"newest {shlex.quote(str(newest))}")
     return (
         f"stopped ({summary['stop_reason']}) after {summary['wall_seconds']:.1f}s: {summary['env_steps']:,} env steps, "
         f"{summary['learner_updates']:,} updates; eval return {ret(summary['return_mean_100'])} "
-        f"(best {ret(summary.get('best_return_mean_100'))}); {checkpoints}; resume with: {resume_command}"
+        f"(best seen {ret(summary.get('best_return_mean_100'))}); {where}; resume with: {resume_command}"
     )
 
 

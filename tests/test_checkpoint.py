@@ -183,8 +183,8 @@ def test_find_best_picks_the_highest_score_and_newest_the_newest(tmp_path):
     assert find(tmp_path, "newest").name == "ckpt-000000004" == find_latest(tmp_path).name
     assert [c.name for c in candidates(tmp_path, "best")] == [
         "ckpt-000000002", "ckpt-000000003", "ckpt-000000001", "ckpt-000000004"]
-    best, newest = best_and_newest(tmp_path)
-    assert (best.name, newest.name) == ("ckpt-000000002.pt", "ckpt-000000004.pt") and best.is_file()
+    best, best_score, newest = best_and_newest(tmp_path)
+    assert (best.name, best_score, newest.name) == ("ckpt-000000002.pt", 500.0, "ckpt-000000004.pt") and best.is_file()
     with pytest.raises(ApexError, match="'latest' is neither 'best'"):
         find(tmp_path, "latest")
 
@@ -192,8 +192,9 @@ def test_find_best_picks_the_highest_score_and_newest_the_newest(tmp_path):
 def test_best_without_any_score_is_the_newest(tmp_path):
     scored(tmp_path, {1: None, 2: None, 3: None})
     assert find(tmp_path, "best").name == "ckpt-000000003"
-    assert [p.name for p in best_and_newest(tmp_path)] == ["ckpt-000000003.pt"] * 2
-    assert best_and_newest(tmp_path / "nothing") == (None, None)
+    best, best_score, newest = best_and_newest(tmp_path)
+    assert (best, best_score, newest.name) == (None, None, "ckpt-000000003.pt")  # nothing to call best yet
+    assert best_and_newest(tmp_path / "nothing") == (None, None, None)
 
 
 def test_a_corrupt_best_is_set_aside_and_the_next_best_used(tmp_path, caplog):

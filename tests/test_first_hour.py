@@ -44,6 +44,29 @@ def test_shorthands_set_the_config_and_set_wins_over_them():
     assert (_load_config(args).env.id, _load_config(args).seed) == ("ALE/Pong-v5", 0)
 
 
+def test_an_actors_num_envs_is_its_own_not_a_config_shorthand():
+    """`apex actor --num-envs 1` (APEX_NUM_ENVS in containers) asks the learner for 1
+    environment; it is not checked against the actor's local config's eval_envs."""
+    code, _, err = run_cli("actor", "--learner", f"127.0.0.1:{free_base_port()}", "--num-envs", "1",
+                           "--set", "transport.heartbeat_interval_s=0.5", "--set", "transport.heartbeat_timeout_s=1",
+                           "--set", "transport.give_up_after_s=2")
+    assert code == 2 and "no learner answered" in err, err
+
+
+def test_a_seed_out_of_range_is_a_config_error():
+    with pytest.raises(config_module.ConfigError, match="seed must be in 0..2"):
+        config_module.load(None, ["seed=-1"])
+
+
+def test_the_learners_resume_command_repeats_its_port_and_stops(tmp_path):
+    port = free_base_port()
+    code, _, err = run_cli("learner", "--port", str(port), "--logdir", str(tmp_path / "run"), "--stop-seconds", "1")
+    assert code == 0, err
+    closing = next(line for line in err.splitlines() if "stopped (" in line)
+    assert closing.endswith(f"resume with: apex learner --resume {tmp_path / 'run'} --port {port} --stop-seconds 1.0")
+    assert "newest checkpoint" in closing and "none scored yet" in closing
+
+
 def test_an_unknown_flag_points_at_set():
     code, _, err = run_cli("run", "--lr", "1e-3")
     assert code == 2 and "unrecognized arguments: --lr" in err and "--set" in err
@@ -250,7 +273,7 @@ def test_the_learner_keeps_its_best_checkpoint_and_eval_plays_it(tmp_path):
     assert scores, "no checkpoint carries the run's return_mean_100"
     best = max(scores, key=lambda name: (scores[name], name))
     newest = max(manifests)
-    assert best in manifests and newest in manifests  # keep_checkpoints=1, and the best beside it
+    assert set(manifests) == {best, newest}  # keep_checkpoints=1, and the best beside it
     closing = next(line for line in err.splitlines() if "stopped (" in line)
     assert f"{best}.pt" in closing
     code, out, err = run_cli("eval", "--checkpoint", str(logdir), "--episodes", "1")
