@@ -7,8 +7,9 @@ deploy/base-image.sh (debootstrap, from the host's Debian mirror; needs root), t
 come from the host's pip (`pip download`) into a wheelhouse the build installs from with
 --no-index. Both are cached between runs in APEX_CONTAINER_CACHE (default
 $XDG_CACHE_HOME/apex-container-test), keyed by their inputs. Skipped only where no container
-engine answers (`docker info`); .ci/run installs and starts one. About 6 minutes cold, 4 warm,
-on two cores; each phase's wall time is printed.
+engine answers (`docker info`); .ci/run installs and starts one. On two cores about 4.5
+minutes cold (debootstrap ~80 s, the build ~2 min) and 2.5-3.5 warm; each phase's wall time,
+the image size and the total are printed.
 
 Everything the test makes is named after this run (images, compose projects) and removed at
 the end, also on failure: containers, networks, volumes, images. The containers talk only to
