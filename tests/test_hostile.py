@@ -312,7 +312,7 @@ def test_09_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_
     local = start("learner", "--logdir", str(tmp_path / "a"), "--port", str(port), "--stop-seconds", "600",
                   log=tmp_path / "a.log")
     try:
-        wait_for(lambda: "learner on" in (tmp_path / "a.log").read_text(), 60, "the learner to start")
+        wait_for(lambda: "starting apex_dqn on" in (tmp_path / "a.log").read_text(), 60, "the learner to start")
         listening = Path("/proc/net/tcp").read_text()
         assert f"0100007F:{port:04X}" in listening and f"00000000:{port:04X}" not in listening
         assert "without CURVE" not in (tmp_path / "a.log").read_text()
