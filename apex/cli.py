@@ -317,7 +317,7 @@ def _stop(args: argparse.Namespace):
 def _logdir(args: argparse.Namespace, config) -> Path:
     if args.logdir:
         return Path(args.logdir)
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.env.id.replace('/', '-')}"
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.env.id.replace('/', '-').replace(':', '-')}"
 
 
 def _learner(args: argparse.Namespace) -> int:

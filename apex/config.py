@@ -30,7 +30,17 @@ ALGOS = ("apex_dqn", "impala")
 @dataclass
 class EnvConfig:
     id: str = "CartPole-v1"
-    """Any Gymnasium id; ``ALE/...`` ids get the standard Atari preprocessing."""
+    """Any Gymnasium id, or ``module:EnvId`` (the module is imported first, as gym.make
+    does); ``ALE/...`` ids get the standard Atari preprocessing."""
+    imports: list[str] = field(default_factory=list)
+    """Modules imported before the environment is made, in the learner and in every actor
+    (e.g. the one that registers your ids); each must be importable on every actor host."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for gym.make (plain YAML values)."""
+    wrappers: list[Any] = field(default_factory=list)
+    """Applied in order after gym.make: each a dotted path to a wrapper class or any callable
+    taking an env (``gymnasium.wrappers.TimeAwareObservation``, ``mymod:wrap``), or a mapping
+    ``{type: dotted.path, kwargs: {...}}``."""
     max_episode_steps: int | None = None
     """Truncate episodes after this many steps (None: the environment's own limit)."""
     frame_stack: int = 4
@@ -227,6 +237,11 @@ class Config:
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
         check(0 <= self.seed < 2**32, f"seed must be in 0..2**32-1, got {self.seed}")
         check(bool(self.env.id), "env.id must name a Gymnasium environment")
+        check(all(isinstance(m, str) and m for m in self.env.imports),
+              f"env.imports must be a list of module names, got {self.env.imports!r}")
+        for i, wrapper in enumerate(self.env.wrappers):
+            problem = wrapper_problem(wrapper)
+            check(problem is None, f"env.wrappers[{i}]: {problem}")
         check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
         check(self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
@@ -518,7 +533,40 @@ def _convert(value: Any, hint: Any) -> tuple[Any, bool]:
         return value, False
     if hint is str:
         return value, isinstance(value, str)
+    if origin is dict:
+        ok = isinstance(value, dict) and all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+        return (dict(value) if ok else value), ok
+    if hint is Any:
+        return value, _is_plain(value)
     return value, False
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether a value is plain data (what YAML, JSON and the handshake's msgpack all hold)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def wrapper_problem(wrapper: Any) -> str | None:
+    """What is wrong with one env.wrappers item, or None (its import is checked where the
+    environment is made)."""
+    if isinstance(wrapper, str):
+        return None if wrapper.strip() else "an empty name"
+    if isinstance(wrapper, dict):
+        unknown = set(wrapper) - {"type", "kwargs"}
+        if unknown:
+            return f"unknown keys {sorted(unknown)}: a wrapper is a dotted path or {{type: dotted.path, kwargs: {{...}}}}"
+        if not isinstance(wrapper.get("type"), str) or not wrapper["type"]:
+            return "a mapping needs type: dotted.path.to.Wrapper"
+        if not isinstance(wrapper.get("kwargs", {}), dict):
+            return f"kwargs must be a mapping, got {wrapper['kwargs']!r}"
+        return None
+    return f"a dotted path or {{type: dotted.path, kwargs: {{...}}}}, got {wrapper!r}"
 
 
 def _type_name(hint: Any) -> str:
@@ -527,6 +575,10 @@ def _type_name(hint: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(hint))
     if origin is list:
         return f"a list of {_type_name(typing.get_args(hint)[0])}"
+    if origin is dict:
+        return "a mapping of names to plain values"
+    if hint is Any:
+        return "a plain value"
     if hint is type(None):
         return "null"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))

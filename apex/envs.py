@@ -7,8 +7,12 @@ one 84x84 grayscale image for Atari. Stacking frames into observations is the ac
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -36,36 +40,99 @@ def _register_atari() -> None:
     gym.register_envs(ale_py)
 
 
+def import_env_modules(config: EnvConfig) -> None:
+    """Imports env.imports and the module of a ``module:EnvId`` id; ConfigError naming the
+    module that cannot be imported."""
+    modules = list(config.imports)
+    if ":" in config.id:
+        modules.append(config.id.partition(":")[0])
+    if modules and "" not in sys.path and os.getcwd() not in sys.path:
+        # Where `python -m apex` (apex run's children) looks first: the `apex` script does not.
+        sys.path.insert(0, os.getcwd())
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # its own import errors too: any of them means the env cannot be made
+            raise ConfigError(f"cannot import {name!r} (from env.imports or env.id): {type(e).__name__}: {e}; "
+                              "install it, or make it importable here (PYTHONPATH, the working directory)") from None
+
+
+def resolve(path: str, what: str) -> Any:
+    """The object at a dotted path (``pkg.mod.Name`` or ``pkg.mod:Name``); ConfigError if none."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{what} {path!r} is not a dotted path such as gymnasium.wrappers.TimeAwareObservation")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:
+        raise ConfigError(f"{what} {path!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _apply_wrappers(env: gym.Env, config: EnvConfig) -> gym.Env:
+    for i, item in enumerate(config.wrappers):
+        path, kwargs = (item, {}) if isinstance(item, str) else (item["type"], item.get("kwargs", {}))
+        wrapper = resolve(path, f"env.wrappers[{i}]")
+        if not callable(wrapper):
+            raise ConfigError(f"env.wrappers[{i}] {path!r} is not a wrapper class or a callable taking an env")
+        try:
+            env = wrapper(env, **kwargs)
+        except Exception as e:
+            raise ConfigError(f"env.wrappers[{i}] {path!r} failed on {config.id}: {type(e).__name__}: {e}") from None
+        if not isinstance(env, gym.Env):
+            raise ConfigError(f"env.wrappers[{i}] {path!r} returned {type(env).__name__}, not a gymnasium.Env")
+    return env
+
+
 def make_env(config: EnvConfig, seed: int | None = None, render_mode: str | None = None) -> gym.Env:
-    """Creates one environment; raises ConfigError for an unknown id or an unusable one.
-    ``render_mode`` (e.g. ``rgb_array`` for recording videos) is passed to gymnasium."""
+    """Creates one environment: env.imports imported, gym.make(env.id, **env.kwargs), the
+    Atari preprocessing for ALE ids, then env.wrappers in order; raises ConfigError for an
+    unknown id or an unusable one. ``render_mode`` (e.g. ``rgb_array`` for recording videos)
+    is passed to gymnasium."""
     is_atari = config.id.startswith("ALE/")
     if is_atari:
         _register_atari()
+    import_env_modules(config)
+    registered_id = config.id.partition(":")[2] or config.id
     try:
-        gym.spec(config.id)
+        gym.spec(registered_id)
     except gym.error.Error:
         known = [name for name in gym.registry if not name.startswith("ALE/") or is_atari]
         import difflib
 
-        close = difflib.get_close_matches(config.id, known, n=1)
+        close = difflib.get_close_matches(registered_id, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else "; see gymnasium.registry for the ids installed"
+        if ":" not in config.id and not config.imports:
+            hint += " (your own environment: env.imports: [your_module] or env.id: your_module:Id)"
         raise ConfigError(f"env.id {config.id!r} is not a registered Gymnasium environment{hint}") from None
-    kwargs = {} if render_mode is None else {"render_mode": render_mode}
+    kwargs = {**config.kwargs, **({} if render_mode is None else {"render_mode": render_mode})}
     if config.max_episode_steps is not None:
         kwargs["max_episode_steps"] = config.max_episode_steps
-    if is_atari:
-        env = gym.make(config.id, frameskip=1, **kwargs)
-        env = gym.wrappers.AtariPreprocessing(
-            env,
-            noop_max=config.noop_max,
-            frame_skip=config.frame_skip,
-            screen_size=84,
-            terminal_on_life_loss=config.terminal_on_life_loss,
-            grayscale_obs=True,
-        )
-    else:
-        env = gym.make(config.id, **kwargs)
+    try:
+        if is_atari:
+            env = gym.make(config.id, frameskip=1, **kwargs)
+            env = gym.wrappers.AtariPreprocessing(
+                env,
+                noop_max=config.noop_max,
+                frame_skip=config.frame_skip,
+                screen_size=84,
+                terminal_on_life_loss=config.terminal_on_life_loss,
+                grayscale_obs=True,
+            )
+        else:
+            env = gym.make(config.id, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:  # e.g. a keyword the environment does not take
+        raise ConfigError(f"gym.make({config.id!r}) with env.kwargs {config.kwargs!r} failed: "
+                          f"{type(e).__name__}: {e}") from None
+    env = _apply_wrappers(env, config)
     if not isinstance(env.action_space, gym.spaces.Discrete):
         raise ConfigError(f"env.id {config.id!r} has {env.action_space} actions; apex needs a Discrete action space")
     if not isinstance(env.observation_space, gym.spaces.Box):
