@@ -401,7 +401,7 @@ def _run(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import json
 
-    from apex.evaluate import evaluate
+    from apex.evaluation import evaluate
 
     result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which)
     print(f"{result['checkpoint']} ({result['which']})")

@@ -18,7 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from apex.checkpoint import has_checkpoint
@@ -91,6 +93,7 @@ def run(
     *,
     resume: bool = False,
     learner_restarts: int = 10,
+    on_tick: Callable[[], None] | None = None,
 ) -> int:
     """Runs learner + actors until the learner exits for good; returns its exit code.
 
@@ -133,7 +136,10 @@ def run(
     def on_signal(signum, _frame):
         interrupted["signal"] = signum
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Signal handlers can only be set from the main thread; elsewhere (apex.train in a
+    # notebook's worker thread, say) Ctrl-C is not ours to catch.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     try:
         while True:
             now = time.monotonic()
@@ -171,6 +177,8 @@ def run(
                     procs[i] = _spawn(actor_args[i])
                     restarts[i] += 1
                     restart_at[i] = 0.0
+            if on_tick is not None:
+                on_tick()
             time.sleep(0.2)
     finally:
         for proc in [learner, *procs]:

@@ -240,7 +240,7 @@ def test_a_second_background_save_while_one_runs_is_skipped(tmp_path):
 
 
 def test_eval_refuses_a_corrupt_checkpoint_with_one_line(tmp_path):
-    from apex.evaluate import load_checkpoint
+    from apex.evaluation import load_checkpoint
 
     write(tmp_path, 100)
     path = tmp_path / "ckpt-000000100.pt"

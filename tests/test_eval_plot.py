@@ -17,7 +17,7 @@ from apex.cli import main
 from apex.config import Config
 from apex.envs import env_spec
 from apex.errors import ApexError
-from apex.evaluate import evaluate
+from apex.evaluation import evaluate
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ best checkpoint (the highest return_mean_100 the learner recorded) or its newest
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -66,8 +67,8 @@ def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
 _POLICY_NETWORK = {"apex_dqn": ("online", "the online Q network"), "impala": ("net", "the policy network")}
 
 
-def policy_from_checkpoint(state: dict):
-    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action; ApexError (one
+def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, torch.nn.Module]:
+    """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
     line) if the state lacks its algorithm's network or the network does not fit."""
     config = config_module.from_dict(state["config"])
     spec = env_spec(config.env)
@@ -81,16 +82,30 @@ def policy_from_checkpoint(state: dict):
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
         raise ApexError(f"the checkpoint's {key!r} does not fit {what} of its own config "
                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
-    net.eval()
-    if config.algo == "impala":
+    return config, spec, net.eval()
 
-        def act(obs: torch.Tensor) -> int:
-            return int(net(obs)[0].argmax(dim=1)[0])
-    else:
 
-        def act(obs: torch.Tensor) -> int:
-            return int(net(obs).argmax(dim=1)[0])
+def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor) -> torch.Tensor:
+    """The most valuable (Ape-X) or most likely (IMPALA) action of each observation in a batch."""
+    out = net(obs)
+    return (out[0] if config.algo == "impala" else out).argmax(dim=1)
+
+
+def policy_from_checkpoint(state: dict):
+    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action; ApexError (one
+    line) if the state lacks its algorithm's network or the network does not fit."""
+    config, spec, net = network_from_checkpoint(state)
+
+    def act(obs: torch.Tensor) -> int:
+        return int(greedy_actions(config, net, obs)[0])
+
     return config, spec, act
+
+
+def load_state(path: str | Path, which: str = "best") -> tuple[dict, Path, float | None]:
+    """(checkpoint state, the .pt file it came from, the return_mean_100 recorded with it) for
+    a ckpt-*.pt file or a run directory's best or newest checkpoint."""
+    return _load(Path(path), which)
 
 
 def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: int = 12345,

@@ -1,0 +1,222 @@
+"""The Python API: train from a script or a notebook, load a config, act with a trained policy.
+
+``train`` runs the same processes as ``apex run`` (a learner and N actors, each a fresh
+Python process), so an environment must be importable there: registered by a module named
+in ``env.imports`` or by the ``module`` of ``env.id: module:Id``. One registered only in the
+calling process (a notebook cell) is refused before anything starts, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from apex import config as config_module
+from apex.config import Config, StopConditions
+from apex.errors import ApexError
+
+# Run in a fresh interpreter (as the learner and the actors are) to see that it can make
+# the environment: the config comes on stdin.
+_PROBE = """
+import json, sys
+from apex import config
+from apex.envs import env_spec
+from apex.errors import ApexError
+try:
+    env_spec(config.from_dict(json.load(sys.stdin)).env)
+except ApexError as e:
+    sys.exit(str(e))
+"""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What ``train`` returns: summary.json's content, the run directory, and the checkpoint
+    with the best return_mean_100 (the newest where none was scored; None if none was written)."""
+
+    summary: dict
+    logdir: Path
+    best_checkpoint: Path | None
+
+
+def load_config(path_or_name: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """A config from a YAML file or a shipped preset's name (None: the embedded default),
+    with ``overrides`` applied like --set: ``{"learner.lr": 1e-3, "env.id": "Acrobot-v1"}``."""
+    return config_module.load(path_or_name, _set_flags(overrides))
+
+
+def _set_flags(overrides: Mapping[str, Any] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if not isinstance(overrides, Mapping):
+        raise ApexError(f"overrides must be a mapping of dotted keys to values, e.g. {{'learner.lr': 1e-3}}, "
+                        f"got {type(overrides).__name__}")
+    # JSON is YAML: each value is read back as the value it is.
+    return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
+
+
+def _resolve(config: str | Path | Config | None, overrides: Mapping[str, Any] | None) -> Config:
+    if isinstance(config, Config):
+        return config_module.load_dict(config.to_dict(), _set_flags(overrides))
+    return load_config(config, overrides)
+
+
+def train(
+    config: str | Path | Config | None = None,
+    *,
+    actors: int = 2,
+    stop_return: float | None = None,
+    stop_seconds: float | None = None,
+    stop_env_steps: int | None = None,
+    logdir: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    on_metrics: Callable[[dict], None] | None = None,
+    port: int | None = None,
+) -> RunResult:
+    """Trains as ``apex run`` does (a learner and ``actors`` actor processes on this machine)
+    until a stop condition, and returns the run's summary, directory and best checkpoint.
+
+    ``config`` is a YAML file, a shipped preset's name or a Config (None: the embedded
+    default); ``overrides`` a mapping like --set; ``on_metrics`` is called with each new row
+    of metrics.jsonl while the run goes on (in this thread; an exception from it stops the
+    run). Works from any thread (signals are left alone off the main thread). Raises
+    ApexError, before anything starts, for a bad config, an environment the processes cannot
+    make, or taken ports; and if the learner fails (KeyboardInterrupt if it was interrupted).
+    """
+    from apex import launch
+    from apex.checkpoint import best_and_newest
+    from apex.envs import env_spec
+
+    if actors < 1:
+        raise ApexError(f"actors must be >= 1, got {actors}")
+    stop = StopConditions(stop_return, stop_seconds, stop_env_steps)
+    if stop == StopConditions():
+        raise ApexError("apex.train needs a stop condition: stop_return, stop_seconds or stop_env_steps")
+    for name, value in (("stop_seconds", stop_seconds), ("stop_env_steps", stop_env_steps)):
+        if value is not None and value <= 0:
+            raise ApexError(f"{name} must be positive, got {value}")
+    cfg = _resolve(config, overrides)
+    env_spec(cfg.env)  # here first: the error names the problem without a process started
+    _check_in_fresh_process(cfg)
+    run_dir = Path(logdir) if logdir is not None else (
+        Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.env.id.replace('/', '-').replace(':', '-')}")
+    tail = _MetricsTail(run_dir / "metrics.jsonl", on_metrics) if on_metrics is not None else None
+    code = launch.run(cfg, actors, run_dir, stop, port if port is not None else cfg.transport.port,
+                      on_tick=tail)
+    if tail is not None:
+        tail()  # the rows written at the end
+    if code == 130:
+        raise KeyboardInterrupt
+    if code != 0:
+        raise ApexError(f"the learner exited with code {code}; its log is above, its files in {run_dir}")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ApexError(f"the run ended but {run_dir / 'summary.json'} could not be read: {e}") from None
+    checkpoints = best_and_newest(run_dir)
+    return RunResult(summary, run_dir, checkpoints.best or checkpoints.newest)
+
+
+def _check_in_fresh_process(config: Config) -> None:
+    """The learner and the actors are fresh processes: what they cannot import, they cannot
+    make, whatever this process has registered."""
+    probe = subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(config.to_dict()),
+                           capture_output=True, text=True, timeout=120, check=False)
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or ["it exited with code %d" % probe.returncode])[-1]
+        raise ApexError(
+            f"a fresh Python process cannot make env {config.env.id!r} ({reason}); the learner and the actors "
+            "are fresh processes: register the environment in a module and name it in env.imports "
+            "(or use env.id: module:Id), rather than only in this script or notebook")
+
+
+class _MetricsTail:
+    """Calls ``on_metrics`` with each whole line appended to metrics.jsonl since the last call."""
+
+    def __init__(self, path: Path, on_metrics: Callable[[dict], None]) -> None:
+        self.path = path
+        self.on_metrics = on_metrics
+        self._offset = path.stat().st_size if path.exists() else 0  # a resumed run's old rows are not new
+
+    def __call__(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        whole = data[: data.rfind(b"\n") + 1]
+        self._offset += len(whole)
+        for line in whole.splitlines():
+            if line.strip():
+                self.on_metrics(json.loads(line))
+
+
+class Policy:
+    """A trained policy: ``act(obs)`` for one observation or a batch of them, greedy unless
+    ``epsilon`` says otherwise. An observation is what the network sees: the environment's
+    observation as apex makes it (``env_config``: its id, kwargs and wrappers), with
+    ``stack`` frames stacked on a new first axis where ``stack`` > 1 (Atari, images)."""
+
+    def __init__(self, state: dict, source: Path) -> None:
+        from apex.evaluation import network_from_checkpoint
+
+        self.config, self.spec, self._net = network_from_checkpoint(state)
+        self.source = source
+        self.env_config = self.config.env
+        self.stack = self.spec.stack
+        self._rng = np.random.default_rng()
+
+    @property
+    def observation_shape(self) -> tuple[int, ...]:
+        frame = tuple(self.spec.frame_shape)
+        return (self.stack, *frame) if self.stack > 1 else frame
+
+    def act(self, obs: Any, epsilon: float = 0.0) -> int | np.ndarray:
+        """The action for one observation (an int), or for a batch (an array of ints)."""
+        import torch
+
+        from apex.evaluation import greedy_actions
+
+        if not 0 <= epsilon <= 1:
+            raise ApexError(f"epsilon must be in [0, 1], got {epsilon}")
+        obs = np.asarray(obs, dtype=self.spec.frame_dtype)
+        single = obs.shape == self.observation_shape
+        if not single and obs.shape[1:] != self.observation_shape:
+            raise ApexError(f"act takes an observation of shape {self.observation_shape} or a batch of them, "
+                            f"got shape {obs.shape}")
+        batch = obs[None] if single else obs
+        if self.stack == 1:
+            batch = batch[:, None]  # the networks take a stack axis
+        with torch.no_grad():
+            actions = greedy_actions(self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch))).numpy()
+        if epsilon > 0:
+            explore = self._rng.random(len(actions)) < epsilon
+            actions[explore] = self._rng.integers(self.spec.num_actions, size=int(explore.sum()))
+        return int(actions[0]) if single else actions
+
+
+def load_policy(path: str | Path, which: str = "best") -> Policy:
+    """The policy of a checkpoint: a ckpt-*.pt file, or a run directory's best (by
+    return_mean_100; the newest where none was scored) or newest checkpoint."""
+    from apex.evaluation import load_state
+
+    state, source, _ = load_state(path, which)
+    return Policy(state, source)
+
+
+def evaluate(path: str | Path, episodes: int = 10, *, which: str = "best", epsilon: float = 0.0,
+             seed: int = 12345) -> dict:
+    """Plays ``episodes`` episodes of a checkpoint (as ``apex eval``); returns what it prints:
+    returns, their mean and std, the checkpoint played, env, algorithm, updates."""
+    from apex.evaluation import evaluate as play
+
+    return play(path, episodes, epsilon, seed, which=which)
