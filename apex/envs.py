@@ -1,8 +1,10 @@
 """Environments: ``make_env`` for any Gymnasium id (Atari preprocessed), and ``VectorEnv``.
 
-An environment here yields *frames*: the observation vector for classic-control tasks,
-one 84x84 grayscale image for Atari. Stacking frames into observations is the actor's job
-(``FrameStacker``) and the replay's, so that each Atari frame is sent and stored once.
+An environment here yields *frames* (``apex.spaces``): a float32 vector (CartPole's
+observation; Discrete, MultiBinary, MultiDiscrete, Dict and Tuple observations flattened),
+or an image (H x W or C x H x W, uint8 or float32: Atari's 84x84 grayscale frames, any
+other Box image). Stacking image frames into observations is the actor's job
+(``FrameStacker``) and the replay's, so that each frame is sent and stored once.
 """
 
 from __future__ import annotations
@@ -17,19 +19,42 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from apex import spaces
 from apex.config import EnvConfig
 from apex.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class EnvSpec:
-    """What the learner and the model need to know about an environment."""
+    """What the learner and the model need to know about an environment: its frames (a
+    vector: rank 1, never stacked; an image: rank 2 or 3, ``stack`` of them make one
+    observation) and its actions."""
 
     frame_shape: tuple[int, ...]
     frame_dtype: np.dtype
     stack: int
-    num_actions: int
+    num_actions: int  # Discrete: n; MultiDiscrete: the policy's logits, sum(action_nvec)
     max_episode_steps: int | None = None  # the environment's time limit, where it has one
+    action_nvec: tuple[int, ...] | None = None  # MultiDiscrete: choices per component; None: Discrete
+
+    @property
+    def is_image(self) -> bool:
+        return len(self.frame_shape) > 1
+
+    @property
+    def action_shape(self) -> tuple[int, ...]:
+        """One action as the actors send it: () for Discrete, (components,) for MultiDiscrete."""
+        return () if self.action_nvec is None else (len(self.action_nvec),)
+
+    def random_actions(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        """``count`` uniformly random actions: [count] or [count, components] int64."""
+        if self.action_nvec is None:
+            return rng.integers(0, self.num_actions, count)
+        return rng.integers(0, np.asarray(self.action_nvec), (count, len(self.action_nvec)))
+
+    def env_action(self, action: np.ndarray) -> int | np.ndarray:
+        """One network action as ``VectorEnv`` passes it to the (adapted) environment."""
+        return int(action) if self.action_nvec is None else np.asarray(action, np.int64)
 
 
 def _register_atari() -> None:
@@ -92,9 +117,15 @@ def _apply_wrappers(env: gym.Env, config: EnvConfig) -> gym.Env:
 
 def make_env(config: EnvConfig, seed: int | None = None, render_mode: str | None = None) -> gym.Env:
     """Creates one environment: env.imports imported, gym.make(env.id, **env.kwargs), the
-    Atari preprocessing for ALE ids, then env.wrappers in order; raises ConfigError for an
+    Atari preprocessing for ALE ids, env.wrappers in order, then apex.spaces' adapters
+    (observations to frames, actions from 0-based indices); raises ConfigError for an
     unknown id or an unusable one. ``render_mode`` (e.g. ``rgb_array`` for recording videos)
     is passed to gymnasium."""
+    return _make(config, seed, render_mode)[0]
+
+
+def _make(config: EnvConfig, seed: int | None = None,
+          render_mode: str | None = None) -> tuple[gym.Env, spaces.ObservationPlan, spaces.ActionPlan]:
     is_atari = config.id.startswith("ALE/")
     if is_atari:
         _register_atari()
@@ -133,24 +164,29 @@ def make_env(config: EnvConfig, seed: int | None = None, render_mode: str | None
         raise ConfigError(f"gym.make({config.id!r}) with env.kwargs {config.kwargs!r} failed: "
                           f"{type(e).__name__}: {e}") from None
     env = _apply_wrappers(env, config)
-    if not isinstance(env.action_space, gym.spaces.Discrete):
-        raise ConfigError(f"env.id {config.id!r} has {env.action_space} actions; apex needs a Discrete action space")
-    if not isinstance(env.observation_space, gym.spaces.Box):
-        raise ConfigError(f"env.id {config.id!r} has {env.observation_space} observations; apex needs a Box")
+    # Last, after the user's wrappers: observations become frames, actions 0-based indices
+    # (apex.spaces), the same in every actor, the learner's EnvSpec and apex eval.
+    try:
+        env, obs, act = spaces.adapt(env, config.id)
+    except ConfigError:
+        env.close()
+        raise
     if seed is not None:
         env.action_space.seed(seed)
-    return env
+    return env, obs, act
 
 
-def env_spec(config: EnvConfig) -> EnvSpec:
-    env = make_env(config)
+def env_spec(config: EnvConfig, algo: str | None = None) -> EnvSpec:
+    """The spec of ``config``'s environments (one is made and closed); with ``algo``, also a
+    ConfigError naming a fix when that algorithm cannot act in its action space."""
+    env, obs, act = _make(config)
     try:
-        space = env.observation_space
-        is_atari = config.id.startswith("ALE/")
-        dtype = np.dtype(np.uint8) if is_atari else np.dtype(np.float32)
+        if algo is not None:
+            spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
         limit = env.spec.max_episode_steps if env.spec is not None else None
-        return EnvSpec(tuple(space.shape), dtype, config.frame_stack if is_atari else 1, int(env.action_space.n),
-                       config.max_episode_steps or limit)
+        return EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
+                       sum(act.nvec), config.max_episode_steps or limit,
+                       act.nvec if act.kind == "MultiDiscrete" else None)
     finally:
         env.close()
 
@@ -193,7 +229,7 @@ class VectorEnv:
         truncated = np.zeros(n, bool)
         final = {}
         for i, env in enumerate(self.envs):
-            frame, reward, term, trunc, _ = env.step(int(actions[i]))
+            frame, reward, term, trunc, _ = env.step(self.spec.env_action(actions[i]))
             rewards[i], terminated[i], truncated[i] = reward, term, trunc
             if term or trunc:
                 final[i] = np.asarray(frame, self.spec.frame_dtype)

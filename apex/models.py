@@ -1,10 +1,13 @@
-"""Networks: an MLP torso for vector observations, the Nature CNN for Atari, a dueling Q
-head (Ape-X) and a policy-value head (IMPALA)."""
+"""Networks: an MLP torso for vector observations, a conv torso for images (the Nature CNN
+from 64 x 64 up, as for Atari's 84 x 84, smaller ones below), a dueling Q head (Ape-X) and
+a policy-value head (IMPALA) whose policy is one categorical, or one per component of a
+MultiDiscrete action (factorised)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from apex.config import ModelConfig
@@ -25,28 +28,66 @@ class MLP(nn.Module):
         return self.net(obs.float())
 
 
-class NatureCNN(nn.Module):
-    """Mnih et al. 2015: three conv layers and a 512-unit layer over uint8 frame stacks."""
+def _conv_features(convs: list[nn.Module], channels: int, height: int, width: int) -> int:
+    """Features out of ``convs`` for one input of that size: computed, not hard-coded."""
+    with torch.no_grad():
+        return int(nn.Sequential(*convs, nn.Flatten())(torch.zeros(1, channels, height, width)).shape[1])
 
-    def __init__(self, in_channels: int) -> None:
+
+class ConvTorso(nn.Module):
+    """Conv layers and one fully connected layer over stacks of image frames: [B, stack, H, W]
+    or [B, stack, C, H, W] (stack and C become the input channels), uint8 scaled to 0..1,
+    float32 as it is."""
+
+    def __init__(self, convs: list[nn.Module], channels: int, height: int, width: int, hidden: int,
+                 scale: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
-            nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(64 * 7 * 7, 512), nn.ReLU(),
-        )
-        self.out_features = 512
+        features = _conv_features(convs, channels, height, width)
+        self.net = nn.Sequential(*convs, nn.Flatten(), nn.Linear(features, hidden), nn.ReLU())
+        self.out_features = hidden
+        self.scale = scale
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:  # obs: [B, stack, 84, 84] uint8
-        return self.net(obs.float() / 255.0)
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        x = obs.float() if self.scale == 1.0 else obs.float() * self.scale
+        return self.net(x.flatten(1, -3))  # [B, stack * C, H, W]
+
+
+def NatureCNN(in_channels: int, height: int = 84, width: int = 84, scale: float = 1 / 255) -> ConvTorso:
+    """Mnih et al. 2015: three conv layers and a 512-unit layer (64 * 7 * 7 inputs at 84 x 84)."""
+    return ConvTorso([
+        nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
+        nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
+    ], in_channels, height, width, 512, scale)
+
+
+def SmallCNN(in_channels: int, height: int, width: int, scale: float) -> ConvTorso:
+    """Images below 64 x 64: from 20 x 20 (e.g. 40 x 40), strides 2, 2, 1 and 256 units;
+    below (MinAtar's 10 x 10), one 3 x 3 conv of 16 channels and 128 units, as in
+    Young & Tian 2019 (the MinAtar paper)."""
+    if min(height, width) >= 20:
+        convs = [
+            nn.Conv2d(in_channels, 32, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
+        ]
+        return ConvTorso(convs, in_channels, height, width, 256, scale)
+    return ConvTorso([nn.Conv2d(in_channels, 16, 3, stride=1), nn.ReLU()], in_channels, height, width, 128, scale)
+
+
+NATURE_CNN_MIN_SIDE = 64
 
 
 def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
-    """The Nature CNN for image frames, an MLP for vectors."""
-    if len(spec.frame_shape) == 2:
-        return NatureCNN(spec.stack)
+    """A conv torso for image frames (the Nature CNN from 64 x 64, as for Atari), an MLP for
+    vectors."""
+    if spec.is_image:
+        height, width = spec.frame_shape[-2:]
+        channels = spec.stack * (spec.frame_shape[0] if len(spec.frame_shape) == 3 else 1)
+        scale = 1 / 255 if spec.frame_dtype == np.uint8 else 1.0
+        if min(height, width) >= NATURE_CNN_MIN_SIDE:
+            return NatureCNN(channels, height, width, scale)
+        return SmallCNN(channels, height, width, scale)
     in_features = spec.stack
     for d in spec.frame_shape:
         in_features *= d
@@ -54,17 +95,47 @@ def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
 
 
 class PolicyValueNetwork(nn.Module):
-    """Policy logits and a state value over a shared torso (IMPALA)."""
+    """Policy logits and a state value over a shared torso (IMPALA). For a MultiDiscrete
+    action the logits are the components' side by side (``spec.num_actions`` = their sum):
+    see ``log_probs``."""
 
     def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
         self.torso = make_torso(spec, config)
         self.policy = nn.Linear(self.torso.out_features, spec.num_actions)
         self.value = nn.Linear(self.torso.out_features, 1)
+        self.nvec = spec.action_nvec
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> [B, A], [B]
         features = self.torso(obs)
         return self.policy(features), self.value(features).squeeze(-1)
+
+    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The most likely action: [B] for Discrete, [B, components] for MultiDiscrete."""
+        if self.nvec is None:
+            return logits.argmax(dim=-1)
+        return torch.stack([part.argmax(dim=-1) for part in logits.split(self.nvec, dim=-1)], dim=-1)
+
+
+def log_probs(logits: torch.Tensor, nvec: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """Log-softmax of each component's logits ([..., A] -> [[..., n_i]]): one for Discrete
+    (``nvec`` None), one per component for a factorised MultiDiscrete policy."""
+    if nvec is None:
+        return [F.log_softmax(logits, dim=-1)]
+    return [F.log_softmax(part, dim=-1) for part in logits.split(nvec, dim=-1)]
+
+
+def action_log_prob(log_policies: list[torch.Tensor], actions: torch.Tensor, nvec: tuple[int, ...] | None) -> torch.Tensor:
+    """log pi(a | x): the chosen entry, summed over the components of a MultiDiscrete action
+    (actions [...] for Discrete, [..., components] for MultiDiscrete) -> [...]."""
+    if nvec is None:
+        return log_policies[0].gather(-1, actions[..., None]).squeeze(-1)
+    return sum(lp.gather(-1, actions[..., i, None]).squeeze(-1) for i, lp in enumerate(log_policies))
+
+
+def entropy(log_policies: list[torch.Tensor]) -> torch.Tensor:
+    """The policy's entropy, summed over components (they are independent) -> [...]."""
+    return sum(-(lp.exp() * lp).sum(-1) for lp in log_policies)
 
 
 class QNetwork(nn.Module):

@@ -36,13 +36,14 @@ from apex.protocol import Compressed
 class Range:
     """The values an array may hold: ``low <= v <= high`` (NaN never is), where ``high`` may
     be relative to one of the message's sizes (``high_size``): ``sizes[high_size] + high``,
-    e.g. the last stack start within its frames."""
+    e.g. the last stack start within its frames; or one bound per index of the array's last
+    axis (a tuple: the components of a MultiDiscrete action)."""
 
     low: float
-    high: float
+    high: float | tuple[float, ...]
     high_size: str | None = None
 
-    def bounds(self, sizes: Mapping[str, int]) -> tuple[float, float]:
+    def bounds(self, sizes: Mapping[str, int]) -> tuple[float, float | tuple[float, ...]]:
         return self.low, self.high if self.high_size is None else sizes[self.high_size] + self.high
 
 
@@ -92,6 +93,11 @@ def below(bound: int | str, offset: int = 0) -> Range:
     if isinstance(bound, str):
         return Range(0, offset - 1, bound)
     return Range(0, bound + offset - 1)
+
+
+def below_each(nvec: tuple[int, ...]) -> Range:
+    """Integers in [0, nvec[i]) for component i (the last axis): MultiDiscrete actions."""
+    return Range(0, tuple(float(n - 1) for n in nvec))
 
 
 def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype) -> ArrayRule:
@@ -197,6 +203,14 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
     if rule.values is None:
         return
     low, high = rule.values.bounds(sizes)
+    if isinstance(high, tuple):  # per component (integers): each one's own bound
+        rows = array.reshape(-1, len(high))
+        bad = (rows.min(axis=0) < low) | (rows.max(axis=0) > np.asarray(high))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise RejectedMessage("out_of_range", f"{rule.name} component {i} holds values outside [{low:g}, "
+                                  f"{high[i]:g}] (min {rows[:, i].min()}, max {rows[:, i].max()})")
+        return
     # min and max: NaN fails both comparisons, infinities are out of every range
     if not (array.min() >= low and array.max() <= high):
         finite = array.dtype.kind != "f" or bool(np.isfinite(array).all())

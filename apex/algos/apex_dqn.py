@@ -38,6 +38,7 @@ from apex.errors import ProtocolError
 from apex.protocol import Compressed, Message
 from apex.replay import RateLimiter, StackedReplay
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
+from apex.spaces import check_algo_actions
 
 
 def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
@@ -252,6 +253,8 @@ class Learner:
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
         torch.manual_seed(config.seed)
+        if spec.action_nvec is not None:  # env_spec(..., algo) says so first, in the parent process
+            check_algo_actions("MultiDiscrete", spec.action_nvec, "apex_dqn", config.env.id)
         self.config = config
         self.spec = spec
         self.device = device

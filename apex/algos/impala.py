@@ -26,15 +26,14 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from apex.config import Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
-from apex.models import PolicyValueNetwork, load_numpy_weights, numpy_weights, to_device
+from apex.models import PolicyValueNetwork, action_log_prob, entropy, load_numpy_weights, log_probs, numpy_weights, to_device
 from apex.errors import ApexError, ProtocolError
 from apex.protocol import Compressed, Message
 from apex.replay import UnrollQueue
-from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
+from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 
 
 class VTraceReturns(NamedTuple):
@@ -79,7 +78,7 @@ class LossOutput(NamedTuple):
 def impala_loss(
     logits: torch.Tensor,  # [T+1, B, A] (the last step only bootstraps)
     values: torch.Tensor,  # [T+1, B]
-    actions: torch.Tensor,  # [T, B]
+    actions: torch.Tensor,  # [T, B], or [T, B, components] for MultiDiscrete
     behaviour_logp: torch.Tensor,  # [T, B]
     rewards: torch.Tensor,  # [T, B]
     discounts: torch.Tensor,  # [T, B]
@@ -87,16 +86,19 @@ def impala_loss(
     c_bar: float,
     baseline_cost: float,
     entropy_cost: float,
+    nvec: tuple[int, ...] | None = None,  # MultiDiscrete: a factorised policy over these components
 ) -> LossOutput:
-    log_policy = F.log_softmax(logits[:-1], dim=-1)  # [T, B, A]
-    target_logp = log_policy.gather(-1, actions[..., None]).squeeze(-1)  # [T, B]
+    """The V-trace actor-critic loss. A MultiDiscrete policy is a product of independent
+    categoricals: log pi(a | x) and the entropy are sums over the components."""
+    log_policies = log_probs(logits[:-1], nvec)  # per component [T, B, n_i]
+    target_logp = action_log_prob(log_policies, actions, nvec)  # [T, B]
     returns = vtrace(behaviour_logp, target_logp.detach(), rewards, discounts, values[:-1].detach(),
                      values[-1].detach(), rho_bar, c_bar)
     pg_loss = -(target_logp * returns.pg_advantages).mean()
     baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
-    entropy = -(log_policy.exp() * log_policy).sum(-1).mean()
-    loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * entropy
-    return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), entropy.detach())
+    policy_entropy = entropy(log_policies).mean()
+    loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * policy_entropy
+    return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), policy_entropy.detach())
 
 
 MAX_RETURN_HORIZON = 1e4  # a truncation bootstrap is at most this many rewards' worth
@@ -112,11 +114,13 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     horizon = 1 + (min(MAX_RETURN_HORIZON, gamma / (1 - gamma)) if gamma < 1 else MAX_RETURN_HORIZON)
     max_reward = config.transport.max_abs_reward * horizon
     steps = ("unrolls", T)
+    # Discrete: one index per step; MultiDiscrete: one per component, each within its own n
+    actions = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
     return BatchSchema((
         frame_rule(spec.frame_shape, spec.frame_dtype),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
                   below("frames", 1 - spec.stack)),
-        ArrayRule("action", "iu", np.dtype(np.int64), steps, below(spec.num_actions)),
+        ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), actions),
         ArrayRule("reward", "f", np.dtype(np.float32), steps, Range(-max_reward, max_reward)),
         ArrayRule("discount", "f", np.dtype(np.float32), steps, Range(0.0, 1.0)),
         # log-probabilities: finite and <= 0 (with float32 rounding)
@@ -208,7 +212,7 @@ class Learner:
         logits, values = self.net(obs.reshape(steps * size, *obs.shape[2:]))
         out = impala_loss(
             logits.reshape(steps, size, -1), values.reshape(steps, size), to("action"), to("behaviour_logp"),
-            to("reward"), to("discount"), im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost,
+            to("reward"), to("discount"), im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost, self.spec.action_nvec,
         )
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -272,7 +276,7 @@ class Actor:
         self.gamma = config.learner.gamma
         self.clip_rewards = config.is_atari and config.env.clip_rewards
         T, K = config.impala.unroll_length, self.num_envs
-        self.action = np.zeros((K, T), np.int64)
+        self.action = np.zeros((K, T, *self.spec.action_shape), np.int64)
         self.reward = np.zeros((K, T), np.float32)
         self.discount = np.zeros((K, T), np.float32)
         self.behaviour_logp = np.zeros((K, T), np.float32)
@@ -297,17 +301,25 @@ class Actor:
         load_numpy_weights(self.net, msg.arrays)
         self.weights_version = msg.fields["version"]
 
-    def _forward(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _forward(self, obs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """(log-policy of each action component [K, n_i], values [K])."""
         with torch.no_grad():
             logits, values = self.net(torch.from_numpy(obs))
-            return torch.log_softmax(logits, dim=-1).numpy(), values.numpy()
+            return [lp.numpy() for lp in log_probs(logits, self.spec.action_nvec)], values.numpy()
+
+    def _sample(self, log_policies: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """a ~ pi (Gumbel-max, per component) and log pi(a): [K] or [K, components], and [K]."""
+        rows = np.arange(self.num_envs)
+        picks = [np.argmax(lp + self.rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
+        logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
+        return (picks[0] if self.spec.action_nvec is None else np.stack(picks, axis=1)), logp
 
     def act(self) -> tuple[dict | None, list[list]]:
-        log_policy, _ = self._forward(self.stacker.obs)
-        actions = np.argmax(log_policy + self.rng.gumbel(size=log_policy.shape), axis=1)  # a ~ pi
+        log_policies, _ = self._forward(self.stacker.obs)
+        actions, logp = self._sample(log_policies)
         K, t = self.num_envs, self.t
         self.action[:, t] = actions
-        self.behaviour_logp[:, t] = log_policy[np.arange(K), actions]
+        self.behaviour_logp[:, t] = logp
         frames, rewards, terminated, truncated, final = self.envs.step(actions)
         self.steps += 1
         self._returns += rewards
