@@ -31,7 +31,8 @@ from apex import config
 from apex.envs import env_spec
 from apex.errors import ApexError
 try:
-    env_spec(config.from_dict(json.load(sys.stdin)).env)
+    cfg = config.from_dict(json.load(sys.stdin))
+    env_spec(cfg.env, cfg.algo)
 except ApexError as e:
     sys.exit(str(e))
 """
@@ -104,7 +105,7 @@ def train(
         if value is not None and value <= 0:
             raise ApexError(f"{name} must be positive, got {value}")
     cfg = _resolve(config, overrides)
-    env_spec(cfg.env)  # here first: the error names the problem without a process started
+    env_spec(cfg.env, cfg.algo)  # here first: the error names the problem without a process started
     _check_in_fresh_process(cfg)
     run_dir = Path(logdir) if logdir is not None else (
         Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.env.id.replace('/', '-').replace(':', '-')}")
@@ -175,13 +176,22 @@ class Policy:
         self.stack = self.spec.stack
         self._rng = np.random.default_rng()
 
+    def make_env(self, seed: int | None = None, render_mode: str | None = None):
+        """The environment as apex made it for training (its kwargs and wrappers, and the
+        adapter that turns Discrete, Dict, Tuple and image observations into what the
+        network takes): its observations go to ``act`` as they are (stacked, for images)."""
+        from apex.envs import make_env
+
+        return make_env(self.env_config, seed, render_mode)
+
     @property
     def observation_shape(self) -> tuple[int, ...]:
         frame = tuple(self.spec.frame_shape)
         return (self.stack, *frame) if self.stack > 1 else frame
 
     def act(self, obs: Any, epsilon: float = 0.0) -> int | np.ndarray:
-        """The action for one observation (an int), or for a batch (an array of ints)."""
+        """The action for one observation (an int; a MultiDiscrete action: an array of its
+        components), or for a batch (an array, one row per observation)."""
         import torch
 
         from apex.evaluation import greedy_actions
@@ -200,8 +210,8 @@ class Policy:
             actions = greedy_actions(self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch))).numpy()
         if epsilon > 0:
             explore = self._rng.random(len(actions)) < epsilon
-            actions[explore] = self._rng.integers(self.spec.num_actions, size=int(explore.sum()))
-        return int(actions[0]) if single else actions
+            actions[explore] = self.spec.random_actions(self._rng, int(explore.sum()))
+        return self.spec.env_action(actions[0]) if single else actions
 
 
 def load_policy(path: str | Path, which: str = "best") -> Policy:

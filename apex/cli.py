@@ -333,7 +333,7 @@ def _learner(args: argparse.Namespace) -> int:
     config = _load_config(args, resume)
     stop = _stop(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)
-    env_spec(config.env)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
+    env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
     from apex.learner import LearnerProcess
 
     from apex.launch import stop_args
@@ -393,7 +393,7 @@ def _run(args: argparse.Namespace) -> int:
     # A wrong env id fails here, in a second, not in every child process after its imports.
     from apex.envs import env_spec
 
-    env_spec(config.env)
+    env_spec(config.env, config.algo)
     return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
                       learner_restarts=args.learner_restarts)
 

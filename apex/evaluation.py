@@ -86,18 +86,21 @@ def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, tor
 
 
 def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor) -> torch.Tensor:
-    """The most valuable (Ape-X) or most likely (IMPALA) action of each observation in a batch."""
-    out = net(obs)
-    return (out[0] if config.algo == "impala" else out).argmax(dim=1)
+    """The most valuable (Ape-X) or most likely (IMPALA) action of each observation in a
+    batch: [B], or [B, components] for a MultiDiscrete action."""
+    if config.algo == "impala":
+        return net.greedy(net(obs)[0])
+    return net(obs).argmax(dim=1)
 
 
 def policy_from_checkpoint(state: dict):
-    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> action; ApexError (one
-    line) if the state lacks its algorithm's network or the network does not fit."""
+    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> an action as the
+    environment takes it; ApexError (one line) if the state lacks its algorithm's network or
+    the network does not fit."""
     config, spec, net = network_from_checkpoint(state)
 
-    def act(obs: torch.Tensor) -> int:
-        return int(greedy_actions(config, net, obs)[0])
+    def act(obs: torch.Tensor) -> int | np.ndarray:
+        return spec.env_action(greedy_actions(config, net, obs)[0].numpy())
 
     return config, spec, act
 
@@ -136,7 +139,7 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
                 with torch.no_grad():
                     action = act(torch.from_numpy(stacker.obs))
                 if rng.random() < epsilon:
-                    action = int(rng.integers(spec.num_actions))
+                    action = spec.env_action(spec.random_actions(rng, 1)[0])
                 frame, reward, terminated, truncated, _ = env.step(action)
                 stacker.push(0, frame)
                 total += float(reward)

@@ -90,7 +90,7 @@ class LearnerProcess:
         self.resume_command = resume_command or shlex.join(["apex", "learner", "--resume", str(logdir)])
         self.logdir = Path(logdir)
         self.stop = stop
-        self.spec = env_spec(config.env)
+        self.spec = env_spec(config.env, config.algo)
         self.device = pick_device(config.learner.device)
         torch.set_num_threads(config.learner.torch_threads)
         keep_large_blocks()

@@ -78,8 +78,12 @@ def test_train_from_a_thread_on_an_imported_env_then_act(tmp_path):
 
     policy = apex.load_policy(result.best_checkpoint)
     assert policy.env_config.id == "apex-test/ProbeCartPole-v0" and policy.observation_shape == (4,)
-    action = policy.act(np.zeros(4, np.float32))
+    env = policy.make_env(seed=0)
+    obs, _ = env.reset(seed=0)
+    action = policy.act(obs)
     assert isinstance(action, int) and action in (0, 1)
+    env.step(action)
+    env.close()
     batch = policy.act(np.zeros((5, 4), np.float32), epsilon=1.0)
     assert batch.shape == (5,) and set(batch.tolist()) <= {0, 1}
     with pytest.raises(ApexError, match=r"shape \(4,\)"):
