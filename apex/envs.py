@@ -124,6 +124,30 @@ def make_env(config: EnvConfig, seed: int | None = None, render_mode: str | None
     return _make(config, seed, render_mode)[0]
 
 
+def _register_plugin(env_id: str) -> bool:
+    """Registers the ids of the installed package that declares a ``gymnasium.envs`` entry
+    point named after ``env_id``'s namespace (``MinAtar`` for ``MinAtar/Breakout-v1``), as
+    gym did for its plugins and gymnasium 1.x no longer does; True if it did."""
+    namespace = env_id.partition("/")[0] if "/" in env_id else None
+    if namespace is None or any(name.startswith(f"{namespace}/") for name in gym.registry):
+        return False  # no namespace, or its plugin is registered already: the id is wrong
+    from importlib.metadata import entry_points
+
+    for entry in entry_points(group="gymnasium.envs"):
+        if entry.name == namespace:
+            try:
+                entry.load()()
+            except Exception as e:  # its own import errors too: then the id stays unknown
+                raise ConfigError(f"env.id {env_id!r}: the {namespace} plugin ({entry.value}) failed to register: "
+                                  f"{type(e).__name__}: {e}") from None
+            try:
+                gym.spec(env_id)
+                return True
+            except gym.error.Error:
+                return False
+    return False
+
+
 def _make(config: EnvConfig, seed: int | None = None,
           render_mode: str | None = None) -> tuple[gym.Env, spaces.ObservationPlan, spaces.ActionPlan]:
     is_atari = config.id.startswith("ALE/")
@@ -134,6 +158,8 @@ def _make(config: EnvConfig, seed: int | None = None,
     try:
         gym.spec(registered_id)
     except gym.error.Error:
+        if _register_plugin(registered_id):
+            return _make(config, seed, render_mode)
         known = [name for name in gym.registry if not name.startswith("ALE/") or is_atari]
         import difflib
 

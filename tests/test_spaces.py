@@ -424,11 +424,13 @@ def test_impala_learns_catch_from_pixels(tmp_path):
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_minatar_runs_through_the_image_path(tmp_path, algo):
+    """MinAtar's ids come from its gymnasium.envs entry point; its 10 x 10 x C bool frames
+    become C x 10 x 10 uint8 ones for the small conv torso."""
     pytest.importorskip("minatar")
     small = APEX_SMALL if algo == "apex_dqn" else IMPALA_SMALL
     logdir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "apex", "run", "--env", "MinAtar/Breakout-v1", "--logdir", str(logdir),
-                           "--set", "env.imports=[minatar.gym]", "--port", str(free_base_port()),
+                           "--port", str(free_base_port()),
                            "--stop-env-steps", "3000", "--stop-seconds", "120", *FAST, *small],
                           check=False, cwd=ROOT, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
