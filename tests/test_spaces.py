@@ -189,6 +189,14 @@ def test_apex_dqn_refuses_multidiscrete_actions_before_anything_starts():
         apex_dqn.Learner(Config(env=config), spec, torch.device("cpu"))
 
 
+def test_apex_run_refuses_multidiscrete_actions_for_apex_dqn_in_the_parent(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "apex", "run", "--env", "tests.envs:apex-test/MultiDial-v0",
+                           "--logdir", str(tmp_path / "run"), "--port", str(free_base_port())],
+                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--algo impala" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def test_pendulum_runs_through_the_named_fix():
     wrap = [{"type": "gymnasium.wrappers.DiscretizeAction", "kwargs": {"bins": 5}}]
     with pytest.raises(ConfigError, match="DiscretizeAction"):
