@@ -44,7 +44,8 @@ class EnvConfig:
     max_episode_steps: int | None = None
     """Truncate episodes after this many steps (None: the environment's own limit)."""
     frame_stack: int = 4
-    """Atari: frames stacked into one observation (vector observations are not stacked)."""
+    """Image observations (Atari and any other): frames stacked into one observation, each
+    frame sent and stored once (vector observations are not stacked)."""
     frame_skip: int = 4
     """Atari: emulator frames per action (max-pooled over the last two)."""
     noop_max: int = 30
@@ -58,7 +59,8 @@ class EnvConfig:
 @dataclass
 class ModelConfig:
     hidden: list[int] = field(default_factory=lambda: [128, 128])
-    """MLP hidden layer sizes for vector observations (Atari uses the Nature CNN)."""
+    """MLP hidden layer sizes for vector observations (images get a conv torso sized to the
+    input: the Nature CNN from 64 pixels)."""
     dueling: bool = True
     """Dueling value/advantage heads (Wang et al. 2016)."""
 
