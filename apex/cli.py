@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--logdir", metavar="DIR", help="keep the soak's run directory here (default: a temporary one)")
     soak.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a learner config value, e.g. --set replay.capacity=50000")
+    learn = bench.add_argument_group("learn options (not part of all; --plot draws the curves)")
+    learn.add_argument("--tasks", metavar="T,T,...", help="tasks to learn: cartpole, acrobot, mountaincar (default: all)")
+    learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
+    learn.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per task and algorithm (default: 3)")
+    learn.add_argument("--minutes", type=float, default=5.0, metavar="M",
+                       help="time limit per run (default: 5; --seconds overrides it)")
     bench.set_defaults(handler=_bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
@@ -280,7 +286,10 @@ def _bench(args: argparse.Namespace) -> int:
     e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
     soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
                     "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
-    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options)
+    learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
+                     "plot": args.plot}
+    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
+              learn_options=learn_options)
     return 0
 
 

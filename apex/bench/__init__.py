@@ -17,19 +17,21 @@ from apex.files import write_atomic
 # Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
 # only when run: building the command line must not import torch, zmq and gymnasium.
 BENCHMARKS: tuple[str, ...] = (
-    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak", "flood",
+    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak", "flood", "learn",
 )
-# Not part of `all`: minutes long, and a check (pass/fail) more than a throughput figure.
-LONG = ("soak", "flood")
+# Not part of `all`: minutes long (to hours for learn), a check (pass/fail) or learning more
+# than a throughput figure.
+LONG = ("soak", "flood", "learn")
 
 
 def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,
-        soak_options: dict | None = None) -> dict:
+        soak_options: dict | None = None, learn_options: dict | None = None) -> dict:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
 
     ``seconds``: time per measured operation (each benchmark's own default when None);
     ``e2e_options``: algo, env, actors and plot for the e2e benchmark; ``soak_options``:
-    actors, churn_s, overrides and plot for the soak. Raises ApexError (after writing the
+    actors, churn_s, overrides and plot for the soak; ``learn_options``: tasks, algos, seeds,
+    minutes and plot for learn. Raises ApexError (after writing the
     report) if a benchmark that checks something (the soak) failed.
     """
     from apex.bench.timing import machine_info
@@ -46,6 +48,8 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
             kwargs.update(e2e_options or {})
         if name == "soak":
             kwargs.update(soak_options or {})
+        if name == "learn":
+            kwargs.update(learn_options or {})
         result = importlib.import_module(f"apex.bench.{name}").run(**kwargs)
         result["machine"] = machine
         result["wall_seconds"] = round(time.perf_counter() - started, 1)
