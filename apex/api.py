@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,14 +100,11 @@ def train(
     stop = StopConditions(stop_return, stop_seconds, stop_env_steps)
     if stop == StopConditions():
         raise ApexError("apex.train needs a stop condition: stop_return, stop_seconds or stop_env_steps")
-    for name, value in (("stop_seconds", stop_seconds), ("stop_env_steps", stop_env_steps)):
-        if value is not None and value <= 0:
-            raise ApexError(f"{name} must be positive, got {value}")
+    stop.validate()
     cfg = _resolve(config, overrides)
     env_spec(cfg.env, cfg.algo)  # here first: the error names the problem without a process started
     _check_in_fresh_process(cfg)
-    run_dir = Path(logdir) if logdir is not None else (
-        Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.env.id.replace('/', '-').replace(':', '-')}")
+    run_dir = Path(logdir) if logdir is not None else launch.default_logdir(cfg)
     tail = _MetricsTail(run_dir / "metrics.jsonl", on_metrics) if on_metrics is not None else None
     code = launch.run(cfg, actors, run_dir, stop, port if port is not None else cfg.transport.port,
                       on_tick=tail)

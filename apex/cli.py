@@ -8,7 +8,6 @@ import logging
 import os
 import shlex
 import sys
-import time
 from pathlib import Path
 
 from apex import __version__
@@ -62,20 +61,18 @@ def _env_default(name: str, cast=str):
 
 
 def _add_config_flags(p: argparse.ArgumentParser, actor: bool = False) -> None:
-    if actor:
-        p.add_argument("--config", default=_env_default("config"), metavar="FILE|NAME",
-                       help="YAML config or preset; only its transport section is used, the rest comes from the "
-                            f"learner (env {ENV['config']})")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one transport value, e.g. --set transport.give_up_after_s=0 (repeatable); "
-                            "the environment, model and algorithm come from the learner")
+    if actor:  # the learner decides everything but the transport
+        config_help = "YAML config or preset; only its transport section is used, the rest comes from the learner"
+        set_help = ("override one transport value, e.g. --set transport.give_up_after_s=0 (repeatable); "
+                    "the environment, model and algorithm come from the learner")
     else:
-        p.add_argument("--config", default=_env_default("config"), metavar="FILE|NAME",
-                       help="YAML config, or a shipped preset by name (`apex config list`; default: the embedded "
-                            f"CartPole Ape-X run; env {ENV['config']})")
-        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one config value, e.g. --set learner.lr=1e-3 (value parsed as YAML; repeatable; "
-                            "`apex config show` lists every key)")
+        config_help = ("YAML config, or a shipped preset by name (`apex config list`; default: the embedded "
+                       "CartPole Ape-X run)")
+        set_help = ("override one config value, e.g. --set learner.lr=1e-3 (value parsed as YAML; repeatable; "
+                    "`apex config show` lists every key)")
+    p.add_argument("--config", default=_env_default("config"), metavar="FILE|NAME",
+                   help=f"{config_help} (env {ENV['config']})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
     p.add_argument("--curve-dir", default=_env_default("curve_dir"), metavar="DIR",
                    help=f"CURVE keys from `apex keygen` (same as --set transport.curve_dir=DIR; env {ENV['curve_dir']})")
 
@@ -317,16 +314,15 @@ def _resume(args: argparse.Namespace):
 def _stop(args: argparse.Namespace):
     from apex.config import StopConditions
 
-    for flag, value in (("--stop-seconds", args.stop_seconds), ("--stop-env-steps", args.stop_env_steps)):
-        if value is not None and value <= 0:
-            raise ApexError(f"{flag} must be positive, got {value}")
-    return StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
+    stop = StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
+    stop.validate()
+    return stop
 
 
 def _logdir(args: argparse.Namespace, config) -> Path:
-    if args.logdir:
-        return Path(args.logdir)
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.env.id.replace('/', '-').replace(':', '-')}"
+    from apex.launch import default_logdir
+
+    return Path(args.logdir) if args.logdir else default_logdir(config)
 
 
 def _learner(args: argparse.Namespace) -> int:

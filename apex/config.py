@@ -203,6 +203,12 @@ class StopConditions:
     seconds: float | None = None
     env_steps: int | None = None
 
+    def validate(self) -> None:
+        """ConfigError for a limit that is not positive (named as flag and as keyword)."""
+        for name, value in (("seconds", self.seconds), ("env_steps", self.env_steps)):
+            if value is not None and value <= 0:
+                raise ConfigError(f"--stop-{name.replace('_', '-')} (stop_{name}) must be positive, got {value}")
+
 
 @dataclass
 class Config:

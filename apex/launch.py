@@ -53,6 +53,11 @@ def _spawn(args: list[str]) -> subprocess.Popen:
     )
 
 
+def default_logdir(config: Config) -> Path:
+    """runs/<time>-<env>, for a run not given a --logdir (or logdir=)."""
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{config.env.id.replace('/', '-').replace(':', '-')}"
+
+
 def stop_args(stop: StopConditions) -> list[str]:
     args = []
     if stop.return_mean is not None:
