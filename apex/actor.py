@@ -14,6 +14,8 @@ import time
 
 from apex import algos
 from apex import config as config_module
+from apex.errors import ProtocolError
+from apex.logs import RateLimitedLog
 from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions
 
 log = logging.getLogger(__name__)
@@ -31,11 +33,11 @@ def run_actor(
 ) -> int:
     """The actor process: connect, act, send, until the learner says stop or a signal
     arrives. Returns 0 (130 after SIGINT)."""
-    # torch and gymnasium first, under the default signal handlers (a signal ends the
-    # process at once): after the welcome the actor has only a heartbeat timeout to build
-    # its environments and say it is alive.
+    # gymnasium first, under the default signal handlers (a signal ends the process at
+    # once): after the welcome the actor has only a heartbeat timeout to build its
+    # environments and say it is alive. torch is imported only for image observations
+    # (apex.inference), once the welcome has said what they are.
     import apex.envs  # noqa: F401
-    import apex.models  # noqa: F401
 
     stopping = {"signal": None}
 
@@ -69,9 +71,10 @@ def _act(client: LearnerClient, stopping: dict) -> None:
     config = config_module.from_dict(spec["config"])
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = algos.get(config.algo).Actor(config, spec, spec["seed"], tick=client.tick)
+    core = algos.actor_module(config.algo).Actor(config, spec, spec["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
+        bad_weights = RateLimitedLog(log, interval_s=10.0)
         episodes: list[list] = []
         last_tick = 0.0
         sent = False
@@ -84,7 +87,10 @@ def _act(client: LearnerClient, stopping: dict) -> None:
             # for the learner while it trained on.
             if sent or core.steps % config.actor.weights_update_steps == 0:
                 if (weights := client.take_weights()) is not None:
-                    core.set_weights(weights)
+                    try:
+                        core.set_weights(weights)
+                    except ProtocolError as e:  # it acts on with the weights it has
+                        bad_weights.warning("actor %d: weights refused: %s", client.actor_index, e)
                 sent = False
             batch, finished = core.act()
             episodes += finished

@@ -162,11 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a learner config value, e.g. --set replay.capacity=50000")
     learn = bench.add_argument_group("learn options (not part of all; --plot draws the curves)")
-    learn.add_argument("--tasks", metavar="T,T,...", help="tasks to learn: cartpole, acrobot, mountaincar (default: all)")
+    learn.add_argument("--tasks", metavar="T,T,...",
+                       help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
+                            "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra) "
+                            "(default: all)")
     learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
     learn.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per task and algorithm (default: 3)")
-    learn.add_argument("--minutes", type=float, default=5.0, metavar="M",
-                       help="time limit per run (default: 5; --seconds overrides it)")
+    learn.add_argument("--minutes", type=float, default=None, metavar="M",
+                       help="time limit per run (default: each task's own: 2 for cartpole and acrobot, 5 for "
+                            "mountaincar and lunarlander, 20 for MinAtar; --seconds overrides it)")
     bench.set_defaults(handler=_bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",

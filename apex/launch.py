@@ -35,7 +35,6 @@ _PR_SET_PDEATHSIG = 1
 # fail again), interrupted by the user (130).
 _FINAL_EXITS = (0, 2, 130)
 _HEALTHY_S = 300.0  # a learner that ran this long before dying starts a fresh count of restarts
-_ACTOR_START_WAIT_S = 60.0  # actors start then even if the learner is not listening yet
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -67,14 +66,6 @@ def stop_args(stop: StopConditions) -> list[str]:
     if stop.env_steps is not None:
         args += ["--stop-env-steps", str(stop.env_steps)]
     return args
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def check_ports_free(port: int) -> None:
@@ -129,9 +120,11 @@ def run(
     learner_started = time.monotonic()
     actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
                   for i in range(actors)]
-    # Actors start once the learner has bound its ports: a learner that cannot start says so
-    # without sharing two cores with their imports, and then nothing else was started.
-    procs: list[subprocess.Popen] = []
+    # Actors start with the learner, not once it listens: they import and make their
+    # environments while it imports torch (vector actors never do), and their hellos wait
+    # in ZeroMQ's queue. Configuration errors were caught before this (the parent checks the
+    # environment and the ports), so a learner that fails now is rare and stops them all.
+    procs = [_spawn(args) for args in actor_args]
     restarts = [0] * actors
     restart_at = [0.0] * actors
     learner_restarted = 0
@@ -169,8 +162,6 @@ def run(
                 learner_started = time.monotonic()
                 learner_restarted += 1
                 learner_restart_at = 0.0
-            if not procs and (_listening(port) or now - learner_started > _ACTOR_START_WAIT_S):
-                procs = [_spawn(args) for args in actor_args]
             for i, proc in enumerate(procs):
                 if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
                     continue

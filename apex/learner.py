@@ -295,6 +295,9 @@ class LearnerProcess:
             # after it (times at or past this one), a history that was rolled back.
             metrics.write(self._metrics_row(self._elapsed_before, step_rate, update_rate, last))
         stop_reason = None
+        # Wall-clock times (Unix s) for what measures start-up and time to a threshold from
+        # outside (`apex bench learn`): this process's first update and its stop.
+        first_update_unix_s = stopped_unix_s = None
         best_every = self.config.learner.best_checkpoint_interval_s
         last_checkpoint = time.monotonic()
         try:
@@ -303,6 +306,8 @@ class LearnerProcess:
                 if self.learner.wait_to_step(timeout=0.002):
                     updates = self.learner.updates
                     last = self.learner.step() or last  # {}: the update was skipped as non-finite
+                    if first_update_unix_s is None and self.learner.updates != updates:
+                        first_update_unix_s = time.time()
                     if self.learner.updates != updates and self.learner.updates % self.config.learner.publish_interval == 0:
                         self._publish(self.learner.updates)
                 now = time.monotonic()
@@ -325,6 +330,7 @@ class LearnerProcess:
                 if self._signal is not None:
                     stop_reason = f"signal {signal.Signals(self._signal).name}"
         finally:
+            stopped_unix_s = time.time()
             self.endpoint.stop_actors(stop_reason or "learner error")
             self.stop_ingest()
             wall = time.monotonic() - start
@@ -344,6 +350,8 @@ class LearnerProcess:
                 "resumed_from": self.resumed_from,
                 "checkpoints_written": self.checkpoints.written,
                 "env_steps_by_host": dict(self.env_steps_by_host),
+                "first_update_unix_s": first_update_unix_s,
+                "stopped_unix_s": stopped_unix_s,
             }
             self._write_summary(summary)
             self._linger_for_stops()

@@ -11,25 +11,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from apex.algos import apex_dqn
+from apex.algos import apex_dqn, apex_dqn_actor
 from apex.config import ActorConfig
 
 
 def test_epsilon_ladder_matches_the_paper():
     n = 8
     expected = [0.4 ** (1 + 7 * i / (n - 1)) for i in range(n)]
-    assert [apex_dqn.epsilon_ladder(i, n) for i in range(n)] == pytest.approx(expected)
-    assert apex_dqn.epsilon_ladder(0, n) == pytest.approx(0.4)
-    assert apex_dqn.epsilon_ladder(7, n) == pytest.approx(0.4**8)
-    assert apex_dqn.epsilon_ladder(0, 1) == 0.4
+    assert [apex_dqn_actor.epsilon_ladder(i, n) for i in range(n)] == pytest.approx(expected)
+    assert apex_dqn_actor.epsilon_ladder(0, n) == pytest.approx(0.4)
+    assert apex_dqn_actor.epsilon_ladder(7, n) == pytest.approx(0.4**8)
+    assert apex_dqn_actor.epsilon_ladder(0, 1) == 0.4
 
 
 def test_actor_epsilons_cover_the_ladder_across_actors():
     config = ActorConfig(num_envs=4, eval_envs=1, eval_epsilon=0.01)
-    eps0, eval0 = apex_dqn.actor_epsilons(0, 4, config)
-    eps1, eval1 = apex_dqn.actor_epsilons(1, 4, config)
+    eps0, eval0 = apex_dqn_actor.actor_epsilons(0, 4, config)
+    eps1, eval1 = apex_dqn_actor.actor_epsilons(1, 4, config)
     # two actors of 3 exploring envs: the rungs u = 0, 1/6, ..., 5/6 of the ladder, each once
-    ladder = [apex_dqn.ladder_epsilon(i / 6) for i in range(6)]
+    ladder = [apex_dqn_actor.ladder_epsilon(i / 6) for i in range(6)]
     assert sorted(eps0[:3] + eps1[:3]) == pytest.approx(sorted(ladder))
     assert eps0[3] == eps1[3] == 0.01
     # evaluation: the set-aside env and every rung at or below eval_epsilon
@@ -41,7 +41,7 @@ def test_actor_epsilons_cover_the_ladder_across_actors():
 def test_the_ladder_follows_the_actors_that_join(actors):
     """However many actors join, every exploring environment has its own epsilon."""
     config = ActorConfig(num_envs=6, eval_envs=1)
-    epsilons = [apex_dqn.actor_epsilons(i, 6, config)[0][:5] for i in range(actors)]
+    epsilons = [apex_dqn_actor.actor_epsilons(i, 6, config)[0][:5] for i in range(actors)]
     flat = [e for eps in epsilons for e in eps]
     assert len(set(flat)) == len(flat) == actors * 5
     assert max(flat) == pytest.approx(0.4) and min(flat) < 0.4 ** 7
@@ -51,7 +51,7 @@ def test_the_ladder_follows_the_actors_that_join(actors):
 
 
 def test_actor_offsets_are_van_der_corput():
-    assert [apex_dqn.actor_offset(i) for i in range(8)] == [0, 0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875]
+    assert [apex_dqn_actor.actor_offset(i) for i in range(8)] == [0, 0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875]
 
 
 def reference_transitions(frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack):
@@ -95,7 +95,7 @@ def test_chunker_matches_reference(length, n, stack, chunk, terminated, seed):
     q_taken = rng.standard_normal(length)
     final_value = float(rng.standard_normal())
 
-    chunker = apex_dqn.NStepChunker(stack, n, gamma, chunk, clip_rewards=False)
+    chunker = apex_dqn_actor.NStepChunker(stack, n, gamma, chunk, clip_rewards=False)
     chunker.start(frames[0])
     chunks = []
     for t in range(length):
@@ -127,7 +127,7 @@ def test_chunker_matches_reference(length, n, stack, chunk, terminated, seed):
 
 
 def test_chunker_clips_training_rewards_but_not_the_return():
-    chunker = apex_dqn.NStepChunker(1, 1, 0.5, 10, clip_rewards=True)
+    chunker = apex_dqn_actor.NStepChunker(1, 1, 0.5, 10, clip_rewards=True)
     chunker.start(np.zeros(1))
     for r in (5.0, -3.0):
         chunker.record_action(0, 0.0, 0.0)
@@ -142,7 +142,7 @@ def test_merge_chunks_offsets_frame_indices():
          "action": np.array([0, 1]), "reward": np.ones(2), "discount": np.ones(2), "priority": np.ones(2)}
     b = {"frames": np.arange(10.0, 12.0)[:, None], "obs_frame": np.array([0]), "next_obs_frame": np.array([1]),
          "action": np.array([2]), "reward": np.ones(1), "discount": np.ones(1), "priority": np.ones(1)}
-    m = apex_dqn.merge_chunks([a, b])
+    m = apex_dqn_actor.merge_chunks([a, b])
     assert m["frames"][m["obs_frame"], 0].tolist() == [0.0, 1.0, 10.0]
     assert m["frames"][m["next_obs_frame"], 0].tolist() == [1.0, 2.0, 11.0]
     assert m["action"].tolist() == [0, 1, 2]

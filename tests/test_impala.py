@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apex.algos import impala
+from apex.algos import impala, impala_actor
 from apex.config import Config
 from apex.replay import UnrollQueue
 
@@ -120,7 +120,7 @@ def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_reset
     config = Config()
     config.algo = "impala"
     config.impala.unroll_length = 7
-    actor = impala.Actor(config, {"num_envs": 3}, seed=0)
+    actor = impala_actor.Actor(config, {"num_envs": 3}, seed=0)
     frames_seen = []  # what the network saw, step by step, per env
     batches = []
     for _ in range(40):

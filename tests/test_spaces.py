@@ -18,7 +18,7 @@ from gymnasium import spaces as gs
 
 import tests.envs  # noqa: F401  (registers the apex-test/ ids)
 from apex import spaces
-from apex.algos import apex_dqn, impala
+from apex.algos import apex_dqn, impala, impala_actor
 from apex.bench.transport import free_base_port
 from apex.config import Config, EnvConfig
 from apex.envs import EnvSpec, VectorEnv, env_spec, make_env
@@ -31,6 +31,7 @@ from apex.models import (
     entropy,
     log_probs,
     make_torso,
+    numpy_weights,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -310,7 +311,9 @@ def dial_config() -> Config:
 
 def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
     config = dial_config()
-    actor = impala.Actor(config, {"num_envs": 3}, seed=0)
+    actor = impala_actor.Actor(config, {"num_envs": 3}, seed=0)
+    net = PolicyValueNetwork(actor.spec, config.model)  # the learner's network, its weights sent to the actor
+    actor.net.load(numpy_weights(net))
     obs = actor.stacker.obs.copy()
     batch = None
     while batch is None:
@@ -318,7 +321,7 @@ def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
     assert batch["action"].shape == (3, 5, 2) and batch["action"].dtype == np.int64
     first = torch.from_numpy(batch["action"][:, 0])
     with torch.no_grad():
-        logits, _ = actor.net(torch.from_numpy(obs))
+        logits, _ = net(torch.from_numpy(obs))
     expected = action_log_prob(log_probs(logits, (3, 4)), first, (3, 4)).numpy()
     np.testing.assert_allclose(batch["behaviour_logp"][:, 0], expected, rtol=1e-5)
     spec = actor.spec
@@ -329,7 +332,7 @@ def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
 
 def dial_batch() -> tuple[dict, EnvSpec, Config]:
     config = dial_config()
-    actor = impala.Actor(config, {"num_envs": 2}, seed=1)
+    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=1)
     batch = None
     while batch is None:
         batch, _ = actor.act()

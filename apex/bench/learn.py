@@ -3,14 +3,16 @@ does (real processes, one run at a time) to the task's threshold, beside publish
 
 For each (task, algorithm, seed) it records the wall time from the command's start to the
 threshold (None if the time limit came first), the start-up (command to the learner's first
-update), env steps at the stop, final and best return_mean_100, and env steps/s and
-updates/s; it prints one table with the medians over seeds and the references, and can plot
-return against wall time and against env steps with the threshold drawn.
+update), both from the learner's wall-clock times in summary.json; env steps at the stop,
+final and best return_mean_100, and env steps/s and updates/s. It prints one table with the
+medians over seeds and the references, and can plot return against wall time and against
+env steps with the threshold drawn.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -27,17 +29,35 @@ from apex.errors import ApexError
 @dataclass(frozen=True)
 class Task:
     env_id: str
-    threshold: float  # return_mean_100 that counts as learned
+    thresholds: dict[str, float]  # by algorithm: the return_mean_100 that counts as learned
+    target_s: dict[str, float | None]  # by algorithm: issue 15's goal for the time to it (None: report only)
+    minutes: float  # time limit per run unless --minutes
     reference: str  # a published figure to compare with, and its source
 
 
+def _both(value):
+    return {"apex_dqn": value, "impala": value}
+
+
+# MinAtar's DQN at 5M frames, read off the learning curves of kenjyoung/MinAtar's README
+# (img/learning_curves.gif: "DQN", replay and a target network, 30 runs, the mean over 100
+# training episodes at epsilon 0.1, v0's six actions) by measuring the plot at 5M frames.
+MINATAR_DQN = {"breakout": 10.0, "spaceinvaders": 43.0, "asterix": 17.0, "freeway": 50.0, "seaquest": 20.0}
+MINATAR_IDS = {"breakout": "Breakout", "spaceinvaders": "SpaceInvaders", "asterix": "Asterix", "freeway": "Freeway",
+               "seaquest": "Seaquest"}
+
 TASKS = {
-    "cartpole": Task("CartPole-v1", 475.0,
+    "cartpole": Task("CartPole-v1", _both(475.0), {"apex_dqn": 12.0, "impala": 8.0}, 2.0,
                      "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)"),
-    "acrobot": Task("Acrobot-v1", -75.0,
+    "acrobot": Task("Acrobot-v1", {"apex_dqn": -75.0, "impala": -100.0}, {"apex_dqn": 30.0, "impala": 60.0}, 2.0,
                     "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k"),
-    "mountaincar": Task("MountainCar-v0", -110.0,
+    "mountaincar": Task("MountainCar-v0", _both(-110.0), {"apex_dqn": 60.0, "impala": None}, 5.0,
                         "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k"),
+    "lunarlander": Task("LunarLander-v3", _both(200.0), _both(300.0), 5.0,
+                        "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)"),
+    **{f"minatar_{game}": Task(f"MinAtar/{MINATAR_IDS[game]}-v1", _both(score), _both(1200.0), 20.0,
+                               f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)")
+       for game, score in MINATAR_DQN.items()},
 }
 ALGOS = ("apex_dqn", "impala")
 PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala"}
@@ -53,33 +73,37 @@ def parse_list(text: str | None, known: tuple[str, ...], what: str) -> tuple[str
     return items
 
 
-def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minutes: float = 5.0,
+def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minutes: float | None = None,
         plot: str | None = None, seconds: float | None = None) -> dict:
     """Runs every (task, algorithm, seed), prints the table, returns the figures (and draws
-    the curves into ``plot``). ``seconds`` (apex bench's common flag) overrides ``minutes``."""
+    the curves into ``plot``). Each task runs for its own time limit (``Task.minutes``)
+    unless ``minutes`` or ``seconds`` (apex bench's common flag, which wins) sets one for all."""
     names = parse_list(tasks, tuple(TASKS), "tasks")
     algo_names = parse_list(algos, ALGOS, "algos")
     if seeds < 1:
         raise ApexError(f"--seeds must be >= 1, got {seeds}")
-    limit_s = seconds if seconds is not None else minutes * 60
-    if limit_s <= 0:
+    limit_s = seconds if seconds is not None else None if minutes is None else minutes * 60
+    if limit_s is not None and limit_s <= 0:
         raise ApexError(f"--minutes must be positive, got {minutes}")
     runs = []
     with tempfile.TemporaryDirectory(prefix="apex-learn-") as tmp:
         for name in names:
             for algo in algo_names:
                 for seed in range(seeds):
-                    runs.append(_run_one(name, algo, seed, limit_s, Path(tmp) / f"{name}-{algo}-{seed}"))
+                    task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
+                    runs.append(_run_one(name, algo, seed, task_limit_s, Path(tmp) / f"{name}-{algo}-{seed}"))
                     print(f"  {name} {algo} seed {seed}: {_describe(runs[-1])}", flush=True)
     summary = _summarise(runs)
+    limits = f"{limit_s:g} s" if limit_s is not None else "each task's own time limit"
     print_table(
-        f"learn: median over {seeds} seed(s), {limit_s:g} s at most per run, 2 actors, wall time from the command",
-        ["task", "algo", "threshold", "reached", "time to threshold s", "start-up s", "env steps",
+        f"learn: median over {seeds} seed(s), {limits} at most per run, 2 actors, times from the command's start",
+        ["task", "algo", "threshold", "reached", "time to threshold s", "target s", "start-up s", "env steps",
          "final return", "best return", "env steps/s", "updates/s", "reference"],
         [[s["task"], s["algo"], s["threshold"], f"{s['reached']}/{s['runs']}",
+          "-" if s["time_to_threshold_s"] is None else s["time_to_threshold_s"],
+          "-" if s["target_s"] is None else s["target_s"],
           *("-" if s[key] is None else s[key] for key in (
-              "time_to_threshold_s", "startup_s", "env_steps", "final_return", "best_return", "env_steps_per_s",
-              "updates_per_s")),
+              "startup_s", "env_steps", "final_return", "best_return", "env_steps_per_s", "updates_per_s")),
           TASKS[s["task"]].reference] for s in summary])
     if plot:
         _plot(runs, plot)
@@ -90,33 +114,29 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
 def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> dict:
     """One `apex run` of a task's preset to its threshold or the time limit."""
     spec = TASKS[task]
+    threshold = spec.thresholds[algo]
     args = [sys.executable, "-m", "apex", "run", "--config", f"{task}_{PRESET_SUFFIX[algo]}", "--seed", str(seed),
-            "--stop-return", str(spec.threshold), "--stop-seconds", str(limit_s), "--logdir", str(logdir),
+            "--stop-return", str(threshold), "--stop-seconds", str(limit_s), "--logdir", str(logdir),
             "--port", str(free_base_port())]
-    started = time.monotonic()
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first_update = None
-    metrics = logdir / "metrics.jsonl"
-    while proc.poll() is None:
-        if first_update is None and _has_an_update(metrics):
-            first_update = time.monotonic() - started
-        time.sleep(0.1)
-    wall = time.monotonic() - started
-    err = proc.stderr.read() if proc.stderr else ""
+    started = time.time()  # wall clock, as the learner's times in summary.json
+    proc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall = time.time() - started
     if proc.returncode != 0:
-        last = err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
         raise ApexError(f"bench learn: {task} {algo} seed {seed} failed: {last}")
     summary = json.loads((logdir / "summary.json").read_text())
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     reached = str(summary["stop_reason"]).startswith("return_mean_100")
+    first_update, stopped = summary.get("first_update_unix_s"), summary.get("stopped_unix_s")
     rates = [r for r in rows if r.get("env_steps_per_s")]
     return {
-        "task": task, "algo": algo, "seed": seed, "threshold": spec.threshold,
+        "task": task, "algo": algo, "seed": seed, "threshold": threshold, "limit_s": limit_s,
         "reached": reached,
-        "time_to_threshold_s": round(wall, 1) if reached else None,
+        # from the command's start to the learner's stop on reaching it (not to the exit,
+        # which adds the last checkpoint and the processes' ends)
+        "time_to_threshold_s": round(stopped - started, 1) if reached and stopped else None,
         "wall_s": round(wall, 1),
-        # the metrics row that first shows an update is written up to metrics_interval_s after it
-        "startup_s": round(first_update, 1) if first_update is not None else None,
+        "startup_s": round(first_update - started, 2) if first_update else None,
         "env_steps": summary["env_steps"],
         "final_return": summary["return_mean_100"],
         "best_return": summary["best_return_mean_100"],
@@ -124,14 +144,6 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
         "updates_per_s": round(statistics.mean(r["updates_per_s"] for r in rates), 1) if rates else None,
         "curve": [[r["time"], r["env_steps"], r["return_mean_100"]] for r in rows if r.get("return_mean_100") is not None],
     }
-
-
-def _has_an_update(metrics: Path) -> bool:
-    try:
-        return any(json.loads(line).get("learner_updates", 0) > 0
-                   for line in metrics.read_text().splitlines() if line.strip())
-    except (OSError, ValueError):  # not there yet, or a line being written
-        return False
 
 
 def _describe(run: dict) -> str:
@@ -143,19 +155,28 @@ def _describe(run: dict) -> str:
 
 def _median(values: list) -> float | None:
     values = [v for v in values if v is not None]
-    return round(statistics.median(values), 1) if values else None
+    return round(statistics.median(values), 2) if values else None
+
+
+def _median_time(times: list[float | None]) -> float | None:
+    ordered = sorted(times, key=lambda t: math.inf if t is None else t)
+    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]  # one value, or the two around the middle
+    return None if None in middle else round(statistics.mean(middle), 2)
 
 
 def _summarise(runs: list[dict]) -> list[dict]:
-    """Medians over seeds per (task, algo); time to threshold over the seeds that reached it."""
+    """Medians over seeds per (task, algo). A seed that did not reach the threshold counts
+    as slower than every one that did: the median time is None when half or more missed."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["task"], r["algo"]), []).append(r)
     return [{
         "task": task, "algo": algo, "threshold": group[0]["threshold"], "runs": len(group),
+        "target_s": TASKS[task].target_s[algo],
         "reached": sum(r["reached"] for r in group),
+        "time_to_threshold_s": _median_time([r["time_to_threshold_s"] for r in group]),
         **{key: _median([r[key] for r in group]) for key in (
-            "time_to_threshold_s", "startup_s", "env_steps", "final_return", "best_return",
+            "startup_s", "env_steps", "final_return", "best_return",
             "env_steps_per_s", "updates_per_s")},
     } for (task, algo), group in groups.items()]
 
@@ -181,7 +202,8 @@ def _plot(runs: list[dict], path: str) -> None:
                 if r["curve"]:
                     ax.plot([p[x] for p in r["curve"]], [p[2] for p in r["curve"]], color=colors[r["algo"]],
                             alpha=0.8, label=f"{r['algo']} seed {r['seed']}")
-            ax.axhline(TASKS[task].threshold, color="gray", linestyle="--", label=f"threshold {TASKS[task].threshold:g}")
+            for threshold in sorted(set(TASKS[task].thresholds.values())):
+                ax.axhline(threshold, color="gray", linestyle="--", label=f"threshold {threshold:g}")
             ax.set_title(f"{TASKS[task].env_id}: return_mean_100")
             ax.set_xlabel(label)
             if x == 1:

@@ -1,0 +1,240 @@
+"""The Ape-X actor core (Horgan et al. 2018): K environments on the epsilon ladder (Sec. 4.1:
+eps_i = eps ** (1 + alpha * i / (N - 1)), eps=0.4, alpha=7; here spread over the actors that
+join, see ``actor_epsilons``), and ``NStepChunker``, which turns one environment's steps into
+n-step transitions (Sec. 3, Alg. 1) with initial priorities from the actor's own Q-values:
+
+    G_t = sum_{k<n} gamma^k r_{t+k},   target_t = G_t + gamma^n max_a Q(s_{t+n}, a)
+    priority_t = |target_t - Q(s_t, a_t)|
+
+bootstrapping on truncation (time limits) and not on termination. No torch here unless the
+observations are images (``apex.inference``): the learner side is ``apex.algos.apex_dqn``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from apex.config import ActorConfig, Config
+from apex.envs import FrameStacker, VectorEnv
+from apex.inference import q_network
+from apex.protocol import Message
+
+
+def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
+    """Exploration rate of the i-th of n exploring environments (the paper's ladder)."""
+    if n <= 1:
+        return base
+    return ladder_epsilon(i / (n - 1), base, alpha)
+
+
+def ladder_epsilon(u: float, base: float = 0.4, alpha: float = 7.0) -> float:
+    """Exploration rate at position u in [0, 1] of the ladder: base at 0, base ** (1 + alpha) at 1."""
+    return base ** (1 + alpha * u)
+
+
+def actor_offset(actor_index: int) -> float:
+    """Where in [0, 1) an actor's environments sit between rungs: the base-2 van der Corput
+    sequence (0, 1/2, 1/4, 3/4, 1/8, ...), so that actors 0..M-1 together always spread
+    evenly, whatever M is, without an actor's epsilons changing as others join."""
+    offset, scale = 0.0, 0.5
+    while actor_index:
+        offset += scale * (actor_index & 1)
+        actor_index >>= 1
+        scale /= 2
+    return offset
+
+
+def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tuple[list[float], list[bool]]:
+    """Per-environment epsilons for one actor, and which of its environments evaluate.
+
+    The ladder follows the actors actually in the run, however many join: the K exploring
+    environments of actor i sit at positions u = (j + offset_i) / K, j = 0..K-1, on
+    eps = eps_base ** (1 + eps_alpha * u), with offset_i = ``actor_offset(i)``. Every actor
+    covers the whole range; actors with distinct indices (the learner hands out the lowest
+    free one, so a newcomer takes the place of one that left) get distinct epsilons, and
+    actors 0..M-1 fill the ladder evenly (exactly so for M a power of two; with M actors of
+    K environments it is the paper's ladder over M*K rungs, its greediest rung at u < 1).
+    The last ``eval_envs`` of each actor play with ``eval_epsilon``. Evaluation episodes
+    (return_mean_100) are those of every environment whose epsilon is at most
+    ``eval_epsilon``: the set-aside ones and the near-greedy end of the ladder, never the
+    exploring ones that would drag the mean down.
+    """
+    eval_envs = min(config.eval_envs, num_envs)
+    exploring = num_envs - eval_envs
+    offset = actor_offset(actor_index)
+    epsilons = [ladder_epsilon((j + offset) / exploring, config.eps_base, config.eps_alpha) for j in range(exploring)]
+    epsilons += [config.eval_epsilon] * eval_envs
+    return epsilons, [eps <= config.eval_epsilon for eps in epsilons]
+
+
+class NStepChunker:
+    """Builds one environment's n-step transitions and hands them out in chunks.
+
+    Frames are stored once: the observation at step t is the stack of frames
+    ``F[t .. t+stack-1]`` where ``F`` holds ``stack`` copies of the episode's first frame,
+    then one frame per step. A chunk carries the frames its transitions need plus, per
+    transition, where its observation stack and its bootstrap stack start.
+
+    Call order per step: ``record_action`` (when acting on s_t, with Q(s_t, a_t) and
+    max_a Q(s_t, a)), then ``record_step`` (reward r_t and the next frame), then, if the
+    episode ended, ``end_episode``.
+    """
+
+    def __init__(self, stack: int, n_step: int, gamma: float, chunk_transitions: int, clip_rewards: bool) -> None:
+        self.stack, self.n, self.gamma = stack, n_step, gamma
+        self.chunk_transitions = chunk_transitions
+        self.clip_rewards = clip_rewards
+        self._powers = gamma ** np.arange(n_step + 1)
+
+    def start(self, frame: np.ndarray) -> None:
+        """Begins an episode whose first frame is ``frame``."""
+        self.frames = [frame] * self.stack  # F[c .. ]: from the first frame of the chunk's first stack
+        self.actions: list[int] = []
+        self.q_taken: list[float] = []
+        self.values: list[float] = []  # max_a Q(s_t, a) for t = c, c+1, ...
+        self.rewards: list[float] = []
+        self.c = 0  # step index of the chunk's first transition
+        self.t = 0  # current step index
+        self.episode_return = 0.0
+
+    def record_action(self, action: int, q_taken: float, value: float) -> dict | None:
+        """Acting on s_t; returns a chunk when enough transitions have their bootstrap value."""
+        self.actions.append(int(action))
+        self.q_taken.append(float(q_taken))
+        self.values.append(float(value))
+        complete = self.t - self.n + 1 - self.c  # transitions t' with t' + n <= t
+        if complete >= self.chunk_transitions:
+            return self._emit(self.chunk_transitions, end=None, terminated=False, final_value=0.0)
+        return None
+
+    def record_step(self, reward: float, next_frame: np.ndarray) -> None:
+        self.episode_return += reward
+        self.rewards.append(float(np.sign(reward)) if self.clip_rewards else float(reward))
+        self.frames.append(next_frame)
+        self.t += 1
+
+    def end_episode(self, terminated: bool, final_value: float) -> dict | None:
+        """The episode ended at step t (``final_value``: max_a Q of the final observation,
+        used only on truncation). Returns a chunk of every remaining transition."""
+        count = self.t - self.c
+        return self._emit(count, end=self.t, terminated=terminated, final_value=final_value) if count else None
+
+    def _emit(self, count: int, *, end: int | None, terminated: bool, final_value: float) -> dict:
+        c, n = self.c, self.n
+        steps = np.arange(c, c + count)
+        horizon = steps + n if end is None else np.minimum(steps + n, end)  # bootstrap step
+        rewards = np.asarray(self.rewards, np.float64)
+        values = np.asarray(self.values + ([final_value] if end is not None else []), np.float64)
+        returns = np.zeros(count)
+        for k in range(n):  # G_t = sum_k gamma^k r_{t+k}, stopping at the horizon
+            alive = steps + k < horizon
+            returns[alive] += self._powers[k] * rewards[(steps + k - c)[alive]]
+        discount = self._powers[horizon - steps]
+        if terminated:
+            discount = np.where(horizon == end, 0.0, discount)
+        priority = np.abs(returns + discount * values[horizon - c] - np.asarray(self.q_taken[:count]))
+        last_frame = int(horizon.max()) - c + self.stack  # exclusive end of the frames needed
+        chunk = {
+            "frames": np.stack(self.frames[:last_frame]),
+            "obs_frame": (steps - c).astype(np.int32),
+            "next_obs_frame": (horizon - c).astype(np.int32),
+            "action": np.asarray(self.actions[:count], np.int64),
+            "reward": returns.astype(np.float32),
+            "discount": discount.astype(np.float32),
+            "priority": priority.astype(np.float32),
+        }
+        del self.frames[:count], self.actions[:count], self.q_taken[:count]
+        del self.values[:count], self.rewards[:count]
+        self.c += count
+        return chunk
+
+
+def merge_chunks(chunks: list[dict]) -> dict:
+    """Concatenates chunks into one batch, offsetting frame indices."""
+    if len(chunks) == 1:
+        return chunks[0]
+    offsets = np.cumsum([0] + [len(c["frames"]) for c in chunks[:-1]], dtype=np.int32)
+    indices = ("obs_frame", "next_obs_frame")
+    merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0] if name not in indices}
+    for name in indices:
+        merged[name] = np.concatenate([c[name] + off for c, off in zip(chunks, offsets)]).astype(np.int32, copy=False)
+    return merged
+
+
+
+class Actor:
+    """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
+
+    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+        """``tick`` keeps the connection alive while the environments are made."""
+        self.config = config
+        self.epsilons = np.asarray(welcome["epsilons"])
+        self.eval_mask = list(welcome["eval_envs"])
+        self.envs = VectorEnv(config.env, len(self.epsilons), seed, tick)
+        self.spec = self.envs.spec
+        self.net = q_network(self.spec, config.model)
+        self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
+        self.chunkers = [
+            NStepChunker(self.spec.stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
+                         clip_rewards=config.is_atari and config.env.clip_rewards)
+            for _ in range(self.num_envs)
+        ]
+        self.rng = np.random.default_rng(seed)
+        self.steps = 0  # vector steps taken
+        self.weights_version = -1
+        self._pending: list[dict] = []
+        for i, frame in enumerate(self.envs.reset()):
+            self.stacker.reset(i, frame)
+            self.chunkers[i].start(frame)
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.epsilons)
+
+    def set_weights(self, msg: Message) -> None:
+        self.net.load(msg.arrays)
+        self.weights_version = msg.fields["version"]
+
+    def _q_values(self, obs: np.ndarray) -> np.ndarray:
+        return self.net(obs)
+
+    def act(self) -> tuple[dict | None, list[list]]:
+        """One step of every environment: (a batch to send, or None; finished episodes as
+        [return, length, is_eval])."""
+        q = self._q_values(self.stacker.obs)
+        explore = self.rng.random(self.num_envs) < self.epsilons
+        actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, self.num_envs), q.argmax(axis=1))
+        q_taken = q[np.arange(self.num_envs), actions]
+        values = q.max(axis=1)
+        for i, chunker in enumerate(self.chunkers):
+            chunk = chunker.record_action(actions[i], q_taken[i], values[i])
+            if chunk is not None:
+                self._pending.append(chunk)
+        frames, rewards, terminated, truncated, final = self.envs.step(actions)
+        self.steps += 1
+        truncated_only = [i for i in final if truncated[i] and not terminated[i]]
+        final_values = {}
+        if truncated_only:  # bootstrap values of the final observations
+            obs = np.stack([self.stacker.peek(i, final[i]) for i in truncated_only])
+            final_values = dict(zip(truncated_only, self._q_values(obs).max(axis=1)))
+        episodes = []
+        for i, chunker in enumerate(self.chunkers):
+            chunker.record_step(rewards[i], final.get(i, frames[i]))
+            if i in final:
+                chunk = chunker.end_episode(bool(terminated[i]), float(final_values.get(i, 0.0)))
+                if chunk is not None:
+                    self._pending.append(chunk)
+                episodes.append([chunker.episode_return, chunker.t, self.eval_mask[i]])
+                chunker.start(frames[i])
+                self.stacker.reset(i, frames[i])
+            else:
+                self.stacker.push(i, frames[i])
+        if sum(len(c["action"]) for c in self._pending) < self.config.actor.chunk_transitions:
+            return None, episodes
+        batch, self._pending = merge_chunks(self._pending), []
+        return batch, episodes
+
+    def close(self) -> None:
+        self.envs.close()

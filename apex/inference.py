@@ -1,0 +1,142 @@
+"""The actors' forward pass. For vector observations (MLP torsos) it is NumPy: an actor then
+never imports torch, which costs 1.35 s of CPU and ~250 MB per process; on two cores that
+import, run by every actor beside the learner's own, was most of a CartPole run's start-up.
+Image observations (conv torsos) go through the torch networks of ``apex.models``, imported
+only then.
+
+The NumPy networks read the learner's weights by the torch modules' state-dict names
+(``torso.net.1.weight``, ``advantage.bias``, ...) and compute what those modules compute:
+``tests/test_inference.py`` holds the two to the same outputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from apex.config import ModelConfig
+from apex.envs import EnvSpec
+from apex.errors import ProtocolError
+
+
+def q_network(spec: EnvSpec, config: ModelConfig):
+    """Q(s, ·) for an Ape-X actor: ``net(obs) -> [B, A]``, ``net.load(arrays)``."""
+    if spec.is_image:
+        from apex.models import QNetwork
+
+        return TorchNetwork(QNetwork(spec, config))
+    heads = {"advantage": spec.num_actions, **({"value": 1} if config.dueling else {})}
+    return NumpyQNetwork(spec, config, heads)
+
+
+def policy_value_network(spec: EnvSpec, config: ModelConfig):
+    """Policy logits and values for an IMPALA actor: ``net(obs) -> ([B, A], [B])``."""
+    if spec.is_image:
+        from apex.models import PolicyValueNetwork
+
+        return TorchNetwork(PolicyValueNetwork(spec, config))
+    return NumpyPolicyValueNetwork(spec, config, {"policy": spec.num_actions, "value": 1})
+
+
+def log_probs(logits: np.ndarray, nvec: tuple[int, ...] | None) -> list[np.ndarray]:
+    """Log-softmax of each component's logits, as ``apex.models.log_probs`` in NumPy."""
+    parts = [logits] if nvec is None else np.split(logits, np.cumsum(nvec)[:-1], axis=-1)
+    out = []
+    for part in parts:
+        shifted = part - part.max(axis=-1, keepdims=True)
+        out.append(shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)))
+    return out
+
+
+class NumpyMLP:
+    """``apex.models.MLP`` (Flatten, then Linear + ReLU per hidden layer) and linear heads on
+    its features, with weights loaded from the torch modules' state dict."""
+
+    def __init__(self, spec: EnvSpec, config: ModelConfig, heads: dict[str, int]) -> None:
+        in_features = spec.stack * int(np.prod(spec.frame_shape))
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for i, size in enumerate(config.hidden):
+            # torso.net is Sequential(Flatten, Linear, ReLU, Linear, ReLU, ...)
+            self.shapes[f"torso.net.{2 * i + 1}.weight"] = (size, in_features)
+            self.shapes[f"torso.net.{2 * i + 1}.bias"] = (size,)
+            in_features = size
+        for name, size in heads.items():
+            self.shapes[f"{name}.weight"] = (size, in_features)
+            self.shapes[f"{name}.bias"] = (size,)
+        self.num_layers = len(config.hidden)
+        self.head_names = tuple(heads)
+        rng = np.random.default_rng(0)  # acts (randomly) before the first weights arrive
+        self.load({name: rng.normal(0, 0.01, shape).astype(np.float32) for name, shape in self.shapes.items()})
+
+    def load(self, arrays: dict) -> None:
+        """Takes the learner's weights; a message that does not fit this network (names,
+        shapes or dtypes) is a ProtocolError, and the previous weights stay."""
+        if set(arrays) != set(self.shapes):
+            missing, extra = sorted(set(self.shapes) - set(arrays)), sorted(set(arrays) - set(self.shapes))
+            raise ProtocolError(f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, shape in self.shapes.items():
+            array = arrays[name]
+            if array.shape != shape or array.dtype.kind != "f":
+                raise ProtocolError(f"weights {name}: {array.dtype}{list(array.shape)}, expected float{list(shape)}")
+        # Transposed and contiguous once here, so that each step is one matmul per layer.
+        weight = {name: np.ascontiguousarray(arrays[name].T, np.float32) for name in self.shapes if name.endswith("weight")}
+        bias = {name: np.array(arrays[name], np.float32) for name in self.shapes if name.endswith("bias")}
+        self.layers = [(weight[f"torso.net.{2 * i + 1}.weight"], bias[f"torso.net.{2 * i + 1}.bias"])
+                       for i in range(self.num_layers)]
+        self.heads = {name: (weight[f"{name}.weight"], bias[f"{name}.bias"]) for name in self.head_names}
+
+    def features(self, obs: np.ndarray) -> np.ndarray:
+        x = obs.reshape(len(obs), -1).astype(np.float32)
+        for weight, bias in self.layers:
+            x = x @ weight
+            x += bias
+            np.maximum(x, 0.0, out=x)
+        return x
+
+    def head(self, name: str, features: np.ndarray) -> np.ndarray:
+        weight, bias = self.heads[name]
+        return features @ weight + bias
+
+
+class NumpyQNetwork(NumpyMLP):
+    """``apex.models.QNetwork`` over an MLP torso: dueling (V + A - mean A) or plain."""
+
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
+        features = self.features(obs)
+        advantage = self.head("advantage", features)
+        if "value" not in self.heads:
+            return advantage
+        return self.head("value", features) + advantage - advantage.mean(axis=1, keepdims=True)
+
+
+class NumpyPolicyValueNetwork(NumpyMLP):
+    """``apex.models.PolicyValueNetwork`` over an MLP torso: (logits [B, A], values [B])."""
+
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        features = self.features(obs)
+        return self.head("policy", features), self.head("value", features)[:, 0]
+
+
+class TorchNetwork:
+    """A torch network (conv torsos) behind the same calls: NumPy in, NumPy out."""
+
+    def __init__(self, module) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # one core per actor process
+        self._torch = torch
+        self.module = module.eval()
+
+    def load(self, arrays: dict) -> None:
+        from apex.models import load_numpy_weights
+
+        try:
+            load_numpy_weights(self.module, arrays)
+        except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            raise ProtocolError(f"weights do not fit this actor's network: {str(e).splitlines()[0][:200]}") from None
+
+    def __call__(self, obs: np.ndarray):
+        with self._torch.no_grad():
+            out = self.module(self._torch.from_numpy(obs))
+        if isinstance(out, tuple):
+            return tuple(o.numpy() for o in out)
+        return out.numpy()
