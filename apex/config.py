@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -54,6 +55,11 @@ class EnvConfig:
     """Atari: end training episodes when a life is lost (off, as in recent practice)."""
     clip_rewards: bool = True
     """Atari: train on the sign of the reward; reported returns stay unclipped."""
+    reward_scale: float = 1.0
+    """Training rewards are multiplied by this (after any clipping); reported returns stay
+    as the environment gives them. Keeps values near 1 where rewards are large or many
+    (Acrobot's -1 a step for 500 steps: values near -100, which a shared IMPALA torso fits
+    at the policy's expense)."""
 
 
 @dataclass
@@ -95,8 +101,9 @@ class LearnerConfig:
     """Adam epsilon."""
     gamma: float = 0.99
     """Discount factor."""
-    n_step: int = 3
-    """Steps in the n-step return."""
+    n_step: int = 20
+    """Steps in the n-step return (the Ape-X paper: 3; 20 here for CartPole, whose only signal is
+    the episode's end; the presets for other tasks set their own)."""
     target_update_interval: int = 200
     """Updates between copies of the online network into the target network."""
     grad_clip: float = 10.0
@@ -252,6 +259,8 @@ class Config:
             check(problem is None, f"env.wrappers[{i}]: {problem}")
         check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
+        check(math.isfinite(self.env.reward_scale) and self.env.reward_scale > 0,
+              f"env.reward_scale must be a positive number, got {self.env.reward_scale}")
         check(self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
               f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}")
         check(all(h >= 1 for h in self.model.hidden), f"model.hidden sizes must be >= 1, got {self.model.hidden}")

@@ -137,6 +137,17 @@ def test_chunker_clips_training_rewards_but_not_the_return():
     assert chunker.episode_return == 2.0
 
 
+def test_chunker_scales_training_rewards_but_not_the_return():
+    chunker = apex_dqn_actor.NStepChunker(1, 1, 0.5, 10, clip_rewards=False, reward_scale=0.01)
+    chunker.start(np.zeros(1))
+    for r in (-1.0, -1.0, 100.0):
+        chunker.record_action(0, 0.0, 0.0)
+        chunker.record_step(r, np.zeros(1))
+    chunk = chunker.end_episode(True, 0.0)
+    np.testing.assert_allclose(chunk["reward"], [-0.01, -0.01, 1.0], rtol=1e-6)
+    assert chunker.episode_return == 98.0
+
+
 def test_merge_chunks_offsets_frame_indices():
     a = {"frames": np.arange(3.0)[:, None], "obs_frame": np.array([0, 1]), "next_obs_frame": np.array([1, 2]),
          "action": np.array([0, 1]), "reward": np.ones(2), "discount": np.ones(2), "priority": np.ones(2)}

@@ -75,6 +75,9 @@ def test_every_problem_is_reported_at_once():
         ("nokey", "--set expects key=value"),
         ("algo=ppo", "algo must be one of"),
         ("learner.device=tpu", "learner.device must be auto, cpu or cuda"),
+        ("env.reward_scale=0", "env.reward_scale must be a positive number, got 0"),
+        ("env.reward_scale=.nan", "env.reward_scale must be a positive number, got nan"),
+        ("env.reward_scale=-1", "env.reward_scale must be a positive number"),
     ],
 )
 def test_bad_values_are_clear_errors(override, message):

@@ -141,3 +141,20 @@ def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_reset
     actor.close()
 
 
+
+
+def test_actor_scales_training_rewards_but_reports_returns_as_they_are():
+    config = Config(algo="impala")
+    config.env.reward_scale = 0.01
+    config.impala.unroll_length = 5
+    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
+    batch, episodes = None, []
+    while batch is None:
+        batch, finished = actor.act()
+        episodes += finished
+    # CartPole gives +1 a step; no episode ends within 5 steps, so no bootstrap is added
+    np.testing.assert_allclose(batch["reward"], 0.01, rtol=1e-6)
+    for _ in range(200):
+        episodes += actor.act()[1]
+    assert episodes and all(ret == length for ret, length, _ in episodes)  # +1 a step, unscaled
+    actor.close()

@@ -82,10 +82,12 @@ class NStepChunker:
     episode ended, ``end_episode``.
     """
 
-    def __init__(self, stack: int, n_step: int, gamma: float, chunk_transitions: int, clip_rewards: bool) -> None:
+    def __init__(self, stack: int, n_step: int, gamma: float, chunk_transitions: int, clip_rewards: bool,
+                 reward_scale: float = 1.0) -> None:
         self.stack, self.n, self.gamma = stack, n_step, gamma
         self.chunk_transitions = chunk_transitions
         self.clip_rewards = clip_rewards
+        self.reward_scale = reward_scale
         self._powers = gamma ** np.arange(n_step + 1)
 
     def start(self, frame: np.ndarray) -> None:
@@ -111,7 +113,7 @@ class NStepChunker:
 
     def record_step(self, reward: float, next_frame: np.ndarray) -> None:
         self.episode_return += reward
-        self.rewards.append(float(np.sign(reward)) if self.clip_rewards else float(reward))
+        self.rewards.append((float(np.sign(reward)) if self.clip_rewards else float(reward)) * self.reward_scale)
         self.frames.append(next_frame)
         self.t += 1
 
@@ -178,7 +180,7 @@ class Actor:
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.chunkers = [
             NStepChunker(self.spec.stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
-                         clip_rewards=config.is_atari and config.env.clip_rewards)
+                         clip_rewards=config.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
             for _ in range(self.num_envs)
         ]
         self.rng = np.random.default_rng(seed)

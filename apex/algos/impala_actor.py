@@ -76,7 +76,7 @@ class Actor:
         self.steps += 1
         self._returns += rewards
         self._lengths += 1
-        train_rewards = np.sign(rewards) if self.clip_rewards else rewards
+        train_rewards = (np.sign(rewards) if self.clip_rewards else rewards) * self.config.env.reward_scale
         discount = np.where(terminated | truncated, 0.0, self.gamma)
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
