@@ -24,9 +24,13 @@ def test_bench_learn_writes_figures_for_every_run_and_a_plot(tmp_path):
     assert [(r["task"], r["algo"]) for r in report["runs"]] == [
         ("cartpole", "apex_dqn"), ("cartpole", "impala"), ("acrobot", "apex_dqn"), ("acrobot", "impala")]
     for run in report["runs"]:
-        assert run["env_steps"] > 0 and run["wall_s"] >= 6 and run["updates_per_s"] > 0
+        assert run["env_steps"] > 0 and run["updates_per_s"] > 0
         assert run["curve"] and all(len(point) == 3 for point in run["curve"])
-        assert run["reached"] is False and run["time_to_threshold_s"] is None  # 475 / -75 in 6 s: not here
+        assert 0 < run["startup_s"] < run["wall_s"]
+        if run["reached"]:  # IMPALA's -100 on Acrobot can come within 6 s
+            assert 0 < run["time_to_threshold_s"] <= run["wall_s"]
+        else:
+            assert run["time_to_threshold_s"] is None and run["wall_s"] >= 6
     assert {(s["task"], s["algo"]) for s in report["summary"]} == {(r["task"], r["algo"]) for r in report["runs"]}
     assert (tmp_path / "learn.png").stat().st_size > 10_000
     assert "learn: median over 1 seed(s)" in out.stdout and "CleanRL DQN 488.7 at 500k steps" in out.stdout
