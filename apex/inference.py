@@ -69,7 +69,8 @@ class NumpyMLP:
 
     def load(self, arrays: dict) -> None:
         """Takes the learner's weights; a message that does not fit this network (names,
-        shapes or dtypes) is a ProtocolError, and the previous weights stay."""
+        shapes or dtypes, or non-finite values) is a ProtocolError, and the previous weights
+        stay."""
         if set(arrays) != set(self.shapes):
             missing, extra = sorted(set(self.shapes) - set(arrays)), sorted(set(arrays) - set(self.shapes))
             raise ProtocolError(f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -77,6 +78,8 @@ class NumpyMLP:
             array = arrays[name]
             if array.shape != shape or array.dtype.kind != "f":
                 raise ProtocolError(f"weights {name}: {array.dtype}{list(array.shape)}, expected float{list(shape)}")
+            if not np.isfinite(array).all():  # NaN Q-values or logits would act at random, silently
+                raise ProtocolError(f"weights {name} hold NaN or infinite values")
         # Transposed and contiguous once here, so that each step is one matmul per layer.
         weight = {name: np.ascontiguousarray(arrays[name].T, np.float32) for name in self.shapes if name.endswith("weight")}
         bias = {name: np.array(arrays[name], np.float32) for name in self.shapes if name.endswith("bias")}
@@ -85,7 +88,7 @@ class NumpyMLP:
         self.heads = {name: (weight[f"{name}.weight"], bias[f"{name}.bias"]) for name in self.head_names}
 
     def features(self, obs: np.ndarray) -> np.ndarray:
-        x = obs.reshape(len(obs), -1).astype(np.float32)
+        x = obs.reshape(len(obs), -1).astype(np.float32, copy=False)  # the first matmul makes a new array
         for weight, bias in self.layers:
             x = x @ weight
             x += bias
@@ -129,6 +132,8 @@ class TorchNetwork:
     def load(self, arrays: dict) -> None:
         from apex.models import load_numpy_weights
 
+        if not all(np.isfinite(a).all() for a in arrays.values() if getattr(a, "dtype", None) is not None and a.dtype.kind == "f"):
+            raise ProtocolError("weights hold NaN or infinite values")
         try:
             load_numpy_weights(self.module, arrays)
         except (KeyError, RuntimeError, ValueError, TypeError) as e:

@@ -83,8 +83,10 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_ones_kept():
     missing = {k: v for k, v in good.items() if k != "value.bias"}
     extra = dict(good, **{"torso.net.9.weight": np.zeros((2, 2), np.float32)})
     not_float = dict(good, **{"advantage.bias": np.zeros(3, np.int64)})
+    nan = dict(good, **{"torso.net.1.bias": np.full(16, np.nan, np.float32)})
+    inf = dict(good, **{"value.weight": np.full((1, 8), np.inf, np.float32)})
     for bad, words in ((wrong_shape, "advantage.weight"), (missing, "missing"), (extra, "unexpected"),
-                       (not_float, "advantage.bias")):
+                       (not_float, "advantage.bias"), (nan, "torso.net.1.bias hold NaN"), (inf, "value.weight hold NaN")):
         with pytest.raises(ProtocolError, match=words):
             actor_net.load(bad)
     np.testing.assert_array_equal(actor_net(obs), before)
@@ -103,6 +105,10 @@ def test_image_observations_use_the_torch_network():
     np.testing.assert_allclose(actor_net(obs), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ProtocolError, match="do not fit"):
         actor_net.load({"nope": np.zeros(1, np.float32)})
+    poisoned = {name: np.full_like(a, np.nan) for name, a in numpy_weights(net).items()}
+    with pytest.raises(ProtocolError, match="NaN"):
+        actor_net.load(poisoned)
+    np.testing.assert_allclose(actor_net(obs), expected, rtol=1e-5, atol=1e-6)  # the old weights act on
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
