@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--minutes", type=float, default=None, metavar="M",
                        help="time limit per run (default: each task's own: 2 for cartpole and acrobot, 5 for "
                             "mountaincar and lunarlander, 20 for MinAtar; --seconds overrides it)")
+    learn.add_argument("--runs-dir", metavar="DIR",
+                       help="keep each run's directory and record here; the same command run again reads the runs "
+                            "already recorded instead of repeating them (a long bench can be stopped and go on)")
     bench.set_defaults(handler=_bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
@@ -288,7 +291,7 @@ def _bench(args: argparse.Namespace) -> int:
     soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
                     "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
     learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
-                     "plot": args.plot}
+                     "plot": args.plot, "runs_dir": args.runs_dir}
     bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
               learn_options=learn_options)
     return 0

@@ -41,3 +41,48 @@ def test_bench_learn_names_unknown_tasks_and_algos():
         learn.run(tasks="cartpole,pong")
     with pytest.raises(ApexError, match="--algos"):
         learn.run(algos="ppo")
+
+
+def _fake_run(calls):
+    def run_one(task, algo, seed, limit_s, logdir):
+        calls.append((task, algo, seed, limit_s))
+        logdir.mkdir(parents=True)
+        (logdir / "metrics.jsonl").write_text("{}\n")
+        return {"task": task, "algo": algo, "seed": seed, "threshold": 475.0, "limit_s": limit_s, "reached": True,
+                "time_to_threshold_s": 10.0 + seed, "wall_s": 11.0 + seed, "startup_s": 2.0, "env_steps": 1000,
+                "final_return": 480.0, "best_return": 490.0, "env_steps_per_s": 100.0, "updates_per_s": 10.0,
+                "curve": [[1.0, 100, 20.0]]}
+    return run_one
+
+
+def test_bench_learn_runs_dir_goes_on_where_a_stopped_bench_left_off(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
+    first = learn.run(tasks="cartpole", algos="apex_dqn", seeds=2, seconds=30, runs_dir=str(tmp_path))
+    assert calls == [("cartpole", "apex_dqn", 0, 30), ("cartpole", "apex_dqn", 1, 30)]
+    assert first["runs_wall_s"] == 23.0
+    # a stop during seed 1: its record is gone and its directory is half written
+    (tmp_path / "cartpole-apex_dqn-1.json").unlink()
+    calls.clear()
+    again = learn.run(tasks="cartpole", algos="apex_dqn", seeds=2, seconds=30, runs_dir=str(tmp_path))
+    assert calls == [("cartpole", "apex_dqn", 1, 30)]  # seed 0 read back, seed 1 run afresh
+    assert [r["seed"] for r in again["runs"]] == [0, 1]
+    assert again["summary"] == first["summary"]
+    calls.clear()
+    learn.run(tasks="cartpole", algos="apex_dqn", seeds=2, seconds=40, runs_dir=str(tmp_path))
+    assert len(calls) == 2  # another time limit: recorded runs do not count
+
+
+def test_bench_learn_runs_dir_reruns_a_retuned_preset_and_names_a_broken_record(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
+    learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    record = tmp_path / "cartpole-apex_dqn-0.json"
+    saved = json.loads(record.read_text())
+    saved["config"]["learner"]["lr"] *= 2  # as if recorded with another preset
+    record.write_text(json.dumps(saved))
+    learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    assert len(calls) == 2
+    record.write_text("{not json")
+    with pytest.raises(ApexError, match="cannot read .*cartpole-apex_dqn-0.json.*delete it"):
+        learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))

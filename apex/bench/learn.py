@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,10 +75,14 @@ def parse_list(text: str | None, known: tuple[str, ...], what: str) -> tuple[str
 
 
 def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minutes: float | None = None,
-        plot: str | None = None, seconds: float | None = None) -> dict:
+        plot: str | None = None, seconds: float | None = None, runs_dir: str | None = None) -> dict:
     """Runs every (task, algorithm, seed), prints the table, returns the figures (and draws
     the curves into ``plot``). Each task runs for its own time limit (``Task.minutes``)
-    unless ``minutes`` or ``seconds`` (apex bench's common flag, which wins) sets one for all."""
+    unless ``minutes`` or ``seconds`` (apex bench's common flag, which wins) sets one for all.
+
+    With ``runs_dir`` each run's directory and record (``<task>-<algo>-<seed>.json``) stay
+    there, and a run already recorded with the same time limit is read back, not run again:
+    a bench of hours can be stopped (Ctrl-C, a reboot) and the same command goes on."""
     names = parse_list(tasks, tuple(TASKS), "tasks")
     algo_names = parse_list(algos, ALGOS, "algos")
     if seeds < 1:
@@ -87,12 +92,13 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
         raise ApexError(f"--minutes must be positive, got {minutes}")
     runs = []
     with tempfile.TemporaryDirectory(prefix="apex-learn-") as tmp:
+        base = Path(runs_dir) if runs_dir else Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
         for name in names:
             for algo in algo_names:
                 for seed in range(seeds):
                     task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
-                    runs.append(_run_one(name, algo, seed, task_limit_s, Path(tmp) / f"{name}-{algo}-{seed}"))
-                    print(f"  {name} {algo} seed {seed}: {_describe(runs[-1])}", flush=True)
+                    runs.append(_recorded_or_run(name, algo, seed, task_limit_s, base, keep=runs_dir is not None))
     summary = _summarise(runs)
     limits = f"{limit_s:g} s" if limit_s is not None else "each task's own time limit"
     print_table(
@@ -108,7 +114,39 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
     if plot:
         _plot(runs, plot)
         print(f"wrote {plot}")
-    return {"limit_s": limit_s, "seeds": seeds, "summary": summary, "runs": runs}
+    return {"limit_s": limit_s, "seeds": seeds, "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
+            "summary": summary, "runs": runs}
+
+
+def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict:
+    """A run's record from ``base`` when kept there with the same time limit and the same
+    resolved preset (a retuned preset runs again), else a new run (recorded there when
+    ``keep``). The record is written whole, then renamed, so a stop mid-write leaves no half
+    record to be read back."""
+    from apex import config as config_module
+
+    name = f"{task}-{algo}-{seed}"
+    config = config_module.load(f"{task}_{PRESET_SUFFIX[algo]}").to_dict()
+    record = base / f"{name}.json"
+    if keep and record.exists():
+        try:
+            run = json.loads(record.read_text())
+        except (OSError, ValueError) as exc:
+            raise ApexError(f"bench learn: cannot read {record} ({exc}); delete it to run that seed again") from None
+        if run.get("limit_s") == limit_s and run.get("config") == config:
+            print(f"  {task} {algo} seed {seed}: {_describe(run)} (recorded in {record})", flush=True)
+            return run
+    logdir = base / name
+    if logdir.exists():  # a run stopped midway: its files would be appended to
+        shutil.rmtree(logdir)
+    run = _run_one(task, algo, seed, limit_s, logdir)
+    print(f"  {task} {algo} seed {seed}: {_describe(run)}", flush=True)
+    if keep:
+        run["config"] = config
+        partial = record.with_suffix(".json.partial")
+        partial.write_text(json.dumps(run) + "\n")
+        partial.replace(record)
+    return run
 
 
 def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> dict:
