@@ -206,6 +206,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(actor, actor=True)
     actor.set_defaults(handler=_actor)
 
+    serve = commands.add_parser(
+        "serve", help="serve the policy to simulators apex does not step (HTTP/JSON, ZeroMQ)",
+        description="An actor whose environments are remote: clients ask it for actions and report rewards "
+                    "over HTTP/JSON or ZeroMQ/msgpack; it trains the learner on their episodes.")
+    serve.add_argument("--learner", default=_env_default("learner"), metavar="HOST[:PORT]",
+                       help=f"learner address (port default: 5550; env {ENV['learner']})")
+    serve.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
+                       help="HTTP/JSON address (default: 127.0.0.1:8000; 'off': none)")
+    serve.add_argument("--zmq", default=None, metavar="[HOST:]PORT",
+                       help="ZeroMQ/msgpack address for apex.client.PolicyClient (default: none; host 127.0.0.1)")
+    serve.add_argument("--token-file", metavar="FILE",
+                       help="bearer token clients must send (first line; env APEX_SERVE_TOKEN); required when "
+                            "--http or --zmq listens beyond 127.0.0.1")
+    serve.add_argument("--max-episodes", type=int, default=1024, metavar="N",
+                       help="episodes open at once (default: 1024); more are refused with 429")
+    serve.add_argument("--episode-timeout", type=float, default=60.0, metavar="S",
+                       help="an episode without a request for S seconds is closed, what it played kept (default: 60)")
+    serve.add_argument("--actor-index", type=int, default=_env_default("actor_index", int), metavar="I",
+                       help="position on the exploration ladder (default: the learner assigns one)")
+    serve.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
+                       help="Ape-X: rungs of the ladder its episodes take in turn; IMPALA: unrolls per batch "
+                            "(default: the learner's actor.num_envs)")
+    _add_config_flags(serve, actor=True)
+    serve.set_defaults(handler=_serve)
+
     run = commands.add_parser("run", help="run a learner and N actors on this machine",
                               description="Run a learner and N actor processes here, restarting actors that die.")
     _add_config_flags(run)
@@ -386,6 +411,45 @@ def _actor(args: argparse.Namespace) -> int:
                             "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
     options = options_from_config(_load_config(args, shorthands=False).transport)
     return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
+
+
+def _address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    host, _, port_text = text.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ApexError(f"{flag} {text!r}: give HOST:PORT, e.g. 0.0.0.0:8000") from None
+    if not 0 <= port <= 65535:
+        raise ApexError(f"{flag} {text!r}: the port must be in 0..65535")
+    return host or default_host, port
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from apex.serve import ServeOptions, read_token, run_serve
+    from apex.transport import DEFAULT_PORT, options_from_config
+
+    if not args.learner:
+        raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
+    learner_host, port = _address("--learner", args.learner if ":" in args.learner else f"{args.learner}:{DEFAULT_PORT}")
+    http = None if args.http in ("off", "none", "") else _address("--http", args.http)
+    zmq_address = None if args.zmq is None else _address("--zmq", args.zmq if ":" in args.zmq else f":{args.zmq}")
+    if http is None and zmq_address is None:
+        raise ApexError("--http off and no --zmq: give clients at least one address")
+    if args.max_episodes < 1:
+        raise ApexError(f"--max-episodes must be >= 1, got {args.max_episodes}")
+    if not args.episode_timeout > 0:
+        raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
+    if args.num_envs is not None and args.num_envs < 1:
+        raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
+    for override in args.overrides:
+        if not override.startswith("transport."):
+            raise ApexError(f"--set {override}: apex serve takes only transport.* settings; the environment, model "
+                            "and algorithm come from the learner")
+    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
+                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout)
+    transport = options_from_config(_load_config(args, shorthands=False).transport)
+    return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
+                     transport=transport)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -205,14 +205,21 @@ def _make(config: EnvConfig, seed: int | None = None,
 def env_spec(config: EnvConfig, algo: str | None = None) -> EnvSpec:
     """The spec of ``config``'s environments (one is made and closed); with ``algo``, also a
     ConfigError naming a fix when that algorithm cannot act in its action space."""
+    return env_spaces(config, algo)[0]
+
+
+def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.ndarray, np.ndarray]:
+    """``env_spec``, and the bounds (low, high) of one frame: what `apex serve` checks the
+    observations of external environments against."""
     env, obs, act = _make(config)
     try:
         if algo is not None:
             spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
         limit = env.spec.max_episode_steps if env.spec is not None else None
-        return EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
+        spec = EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
                        sum(act.nvec), config.max_episode_steps or limit,
                        act.nvec if act.kind == "MultiDiscrete" else None)
+        return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
     finally:
         env.close()
 

@@ -240,3 +240,102 @@ class Actor:
 
     def close(self) -> None:
         self.envs.close()
+
+
+class _ExternalEpisode:
+    """An external episode's Ape-X state: its n-step chunker and its rung of the ladder."""
+
+    def __init__(self, chunker: NStepChunker, epsilon: float, is_eval: bool) -> None:
+        self.chunker, self.epsilon, self.is_eval = chunker, epsilon, is_eval
+
+
+class EpisodeActor:
+    """Ape-X for episodes stepped elsewhere (``apex.external``): each episode plays on a rung
+    of the ladder the learner gave (its slot's), builds its own n-step chunks, and may take
+    actions the client chose (``log_action``): Q-learning learns from them off-policy.
+    Episodes with such actions do not count as evaluation episodes."""
+
+    learns_logged_actions = True
+
+    def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
+        self.config = config
+        self.spec = spec
+        self.epsilons = np.asarray(welcome["epsilons"])
+        self.eval_mask = list(welcome["eval_envs"])
+        self.net = q_network(spec, config.model)
+        self.rng = np.random.default_rng(seed)
+        self.weights_version = -1
+        self._pending: list[tuple[dict | None, list]] = []  # chunks with the episodes they end
+
+    def set_weights(self, msg: Message) -> None:
+        self.net.load(msg.arrays)
+        self.weights_version = msg.fields["version"]
+
+    def begin(self, episode) -> None:
+        rung = episode.slot % len(self.epsilons)
+        learner = self.config.learner
+        chunker = NStepChunker(self.spec.stack, learner.n_step, learner.gamma, self.config.actor.chunk_transitions,
+                               clip_rewards=self.config.is_atari and self.config.env.clip_rewards,
+                               reward_scale=self.config.env.reward_scale)
+        episode.state = _ExternalEpisode(chunker, float(self.epsilons[rung]), bool(self.eval_mask[rung]))
+
+    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
+        """Actions for ``obs`` [n, stack, ...] (or ``chosen`` ones), recorded with their Q-values;
+        the step before each (``episode.reward``) ends here."""
+        q = self.net(obs)
+        count = len(episodes)
+        if chosen is None:
+            epsilons = np.fromiter((e.state.epsilon for e in episodes), np.float64, count)
+            explore = self.rng.random(count) < epsilons
+            actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, count), q.argmax(axis=1))
+        else:
+            actions = chosen
+        for i, episode in enumerate(episodes):
+            chunker = episode.state.chunker
+            if episode.acted:
+                chunker.record_step(episode.reward, obs[i, -1])
+            else:
+                chunker.start(obs[i, -1])
+            chunk = chunker.record_action(int(actions[i]), q[i, actions[i]], q[i].max())
+            if chunk is not None:
+                self._pending.append((chunk, []))
+        return actions
+
+    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        from apex.external import episode_record
+
+        cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
+        final_values = dict(zip(cut, self.net(obs[cut]).max(axis=1))) if cut else {}
+        for i, episode in enumerate(episodes):
+            chunker = episode.state.chunker
+            chunker.record_step(episode.reward, obs[i, -1])
+            chunk = chunker.end_episode(bool(terminated[i]), float(final_values.get(i, 0.0)))
+            record = episode_record(episode, episode.state.is_eval and not episode.logged)
+            self._pending.append((chunk, [record]))
+
+    def abandon(self, episode) -> None:
+        """An idle episode closed: its transitions up to the last observation, bootstrapped
+        from the Q-values recorded there (a time limit); the action out there is dropped."""
+        if episode.acted:
+            chunk = episode.state.chunker.end_episode(False, 0.0)
+            if chunk is not None:
+                self._pending.append((chunk, []))
+
+    def take(self, flush: bool = False) -> list[tuple[dict, list]]:
+        """Batches of at least chunk_transitions (all that is pending with ``flush``), each
+        with the records of the episodes whose last transitions it holds."""
+        batches, chunks, records, count = [], [], [], 0
+        for chunk, ended in self._pending:
+            if chunk is not None:
+                chunks.append(chunk)
+                count += len(chunk["action"])
+            records += ended
+            if count >= self.config.actor.chunk_transitions:
+                batches.append((merge_chunks(chunks), records))
+                chunks, records, count = [], [], 0
+        if flush and chunks:
+            batches.append((merge_chunks(chunks), records))
+            chunks, records = [], []
+        # what is left waits for more; the records of episodes that ended go with the last chunk
+        self._pending = [(chunk, []) for chunk in chunks[:-1]] + [(chunks[-1] if chunks else None, records)]
+        return batches

@@ -122,3 +122,145 @@ class Actor:
 
     def close(self) -> None:
         self.envs.close()
+
+
+class _Row:
+    """One row of unrolls (T steps) for the external episodes that play, in turn, on one slot.
+
+    While an episode is under way ``len(obs_frame) == t + 1``: the observation it acts on is
+    at step t. Between a step's outcome and the next observation ``len(obs_frame) == t``."""
+
+    def __init__(self, T: int, action_shape: tuple[int, ...]) -> None:
+        self.action = np.zeros((T, *action_shape), np.int64)
+        self.reward = np.zeros(T, np.float32)
+        self.discount = np.zeros(T, np.float32)
+        self.behaviour_logp = np.zeros(T, np.float32)
+        self.frames: list[np.ndarray] = []
+        self.obs_frame: list[int] = []
+        self.records: list[list] = []  # of the episodes that ended in this row
+        self.t = 0
+
+
+class EpisodeActor:
+    """IMPALA for episodes stepped elsewhere (``apex.external``): actions sampled from the
+    policy, and the unrolls built per slot, an episode that ends handing its row over to the
+    next one on that slot (as a local environment resets within an unroll). Client-chosen
+    actions are refused: V-trace needs the behaviour policy's own probabilities."""
+
+    learns_logged_actions = False
+
+    def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
+        self.config = config
+        self.spec = spec
+        self.net = policy_value_network(spec, config.model)
+        self.rng = np.random.default_rng(seed)
+        self.gamma = config.learner.gamma
+        self.T = config.impala.unroll_length
+        self.max_unrolls = welcome["num_envs"]  # per batch: the learner's limit for this session
+        self.weights_version = -1
+        self._rows: dict[int, _Row] = {}
+        self._ready: list[tuple[dict, list]] = []  # one unroll each, with the episodes it ends
+
+    def set_weights(self, msg: Message) -> None:
+        self.net.load(msg.arrays)
+        self.weights_version = msg.fields["version"]
+
+    def begin(self, episode) -> None:
+        episode.state = {"value": 0.0}
+        if episode.slot not in self._rows:
+            self._rows[episode.slot] = _Row(self.T, self.spec.action_shape)
+
+    def _train_reward(self, reward: float) -> float:
+        clip = self.config.is_atari and self.config.env.clip_rewards
+        return (float(np.sign(reward)) if clip else reward) * self.config.env.reward_scale
+
+    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
+        if chosen is not None:
+            raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
+        logits, values = self.net(obs)
+        log_policies = log_probs(logits, self.spec.action_nvec)
+        rows = np.arange(len(episodes))
+        picks = [np.argmax(lp + self.rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
+        logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
+        actions = picks[0] if self.spec.action_nvec is None else np.stack(picks, axis=1)
+        stack = self.spec.stack
+        for i, episode in enumerate(episodes):
+            row = self._rows[episode.slot]
+            frame = obs[i, -1]
+            if episode.acted:  # the outcome of its step t, then its next observation
+                self._finish_step(row, self._train_reward(episode.reward), self.gamma)
+                row.frames.append(frame)
+                row.obs_frame.append(row.obs_frame[-1] + 1)
+            else:  # a new episode's first observation (a full stack of it)
+                row.frames += [frame] * stack
+                row.obs_frame.append(len(row.frames) - stack)
+            if row.t == self.T:
+                self._emit(row)
+            row.action[row.t] = actions[i]
+            row.behaviour_logp[row.t] = logp[i]
+            episode.state["value"] = float(values[i])
+        return actions
+
+    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+        from apex.external import episode_record
+
+        cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
+        final_values = dict(zip(cut, self.net(obs[cut])[1])) if cut else {}
+        for i, episode in enumerate(episodes):
+            row = self._rows[episode.slot]
+            # a time limit: the future is worth gamma * V(final observation), as a local actor does
+            reward = self._train_reward(episode.reward) + self.gamma * float(final_values.get(i, 0.0))
+            self._finish_step(row, reward, 0.0)
+            row.records.append(episode_record(episode, True))
+            if row.t == self.T:  # complete but for its bootstrap step, which discount 0 ignores
+                row.frames += [obs[i, -1]] * self.spec.stack
+                row.obs_frame.append(len(row.frames) - self.spec.stack)
+                self._emit(row, keep=False)
+
+    def abandon(self, episode) -> None:
+        """An idle episode closed: cut at its last observation (a time limit there, worth
+        gamma * V of it); the action out there is dropped."""
+        row = self._rows[episode.slot]
+        if not episode.acted:
+            return
+        row.obs_frame.pop()
+        if episode.length > 0 and row.t > 0:  # its previous step is in this row: make it the last
+            row.reward[row.t - 1] += self.gamma * episode.state["value"]
+            row.discount[row.t - 1] = 0.0
+        del row.frames[(row.obs_frame[-1] + self.spec.stack) if row.obs_frame else 0:]
+
+    def _finish_step(self, row: _Row, reward: float, discount: float) -> None:
+        row.reward[row.t] = reward
+        row.discount[row.t] = discount
+        row.t += 1
+
+    def _emit(self, row: _Row, keep: bool = True) -> None:
+        """Hands out a complete unroll; the row goes on from its bootstrap step (``keep``)
+        or empty (an episode ended on its last step)."""
+        unroll = {
+            "frames": np.stack(row.frames),
+            "obs_frame": np.asarray(row.obs_frame, np.int32),
+            "action": row.action.copy(),
+            "reward": row.reward.copy(),
+            "discount": row.discount.copy(),
+            "behaviour_logp": row.behaviour_logp.copy(),
+        }
+        self._ready.append((unroll, row.records))
+        start, stack = row.obs_frame[-1], self.spec.stack
+        row.frames = row.frames[start : start + stack] if keep else []
+        row.obs_frame = [0] if keep else []
+        row.records = []
+        row.t = 0
+
+    def take(self, flush: bool = False) -> list[tuple[dict, list]]:
+        """Batches of up to the session's unrolls per batch (fewer with ``flush``)."""
+        batches = []
+        while len(self._ready) >= self.max_unrolls or (flush and self._ready):
+            group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
+            offsets = np.cumsum([0] + [len(u["frames"]) for u, _ in group[:-1]])
+            batch = {"frames": np.concatenate([u["frames"] for u, _ in group]),
+                     "obs_frame": np.stack([u["obs_frame"] + off for (u, _), off in zip(group, offsets)]).astype(np.int32)}
+            for name in ("action", "reward", "discount", "behaviour_logp"):
+                batch[name] = np.stack([u[name] for u, _ in group])
+            batches.append((batch, [record for _, records in group for record in records]))
+        return batches

@@ -1,0 +1,147 @@
+"""``PolicyClient``: a Python client of `apex serve` over ZeroMQ/msgpack, for simulators that
+step themselves and want actions from the policy apex is training.
+
+    from apex.client import PolicyClient
+
+    with PolicyClient("tcp://127.0.0.1:8001") as client:
+        episode = client.start_episode()
+        action = client.get_action(episode, obs)
+        client.log_returns(episode, reward)
+        ...
+        client.end_episode(episode, obs, terminated=True)
+
+Each call is one request and waits for its reply (``timeout_s``, then TimeoutError). The
+batched forms (``start_episodes``, ``get_actions``, ``log_actions``, ``log_returns_many``,
+``end_episodes``) carry many episodes in one request: that is how a vectorised simulator
+reaches tens of thousands of steps a second. Errors the server names raise
+``PolicyServerError`` with its status (400, 401, 404, 409, 429, 503) and message. No apex
+dependencies beyond pyzmq, msgpack and NumPy: the file can be copied into a simulator's code.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+
+class PolicyServerError(Exception):
+    """A request `apex serve` refused: ``status`` is its HTTP-like code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
+def _array(values: Any) -> dict:
+    array = np.ascontiguousarray(values)
+    if array.dtype.kind == "f" and array.dtype != np.float32:
+        array = array.astype(np.float64)
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+
+
+class PolicyClient:
+    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        """``address``: the server's ``--zmq``, e.g. ``tcp://10.0.0.5:8001`` (``tcp://`` may be left out)."""
+        self.address = address if "://" in address else f"tcp://{address}"
+        self.token = token
+        self.timeout_s = timeout_s
+        self._context = zmq.Context()
+        self._ids = itertools.count()
+        self._socket = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def request(self, op: str, **fields: Any) -> dict:
+        """One request and its reply (the wire format in the README)."""
+        request_id = next(self._ids)
+        message = {"op": op, "id": request_id, **fields}
+        if self.token is not None:
+            message["token"] = self.token
+        self._socket.send(msgpack.packb(message, use_bin_type=True))
+        deadline_ms = int(self.timeout_s * 1000)
+        while True:
+            if not self._socket.poll(deadline_ms):
+                # A reply may still come: a fresh socket keeps it from answering the next request.
+                self._socket.close(linger=0)
+                self._socket = self._connect()
+                raise TimeoutError(f"no reply from apex serve at {self.address} within {self.timeout_s} s")
+            reply = msgpack.unpackb(self._socket.recv(), raw=False)
+            if reply.get("id") == request_id:
+                break  # older replies (of requests that timed out) are skipped
+        if not reply.get("ok"):
+            raise PolicyServerError(reply.get("status", 400), reply.get("error", "refused"))
+        return reply
+
+    # -- one episode a request
+
+    def spaces(self) -> dict:
+        return self.request("spaces")["spaces"]
+
+    def health(self) -> dict:
+        reply = self.request("health")
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
+
+    def start_episode(self) -> str:
+        return self.start_episodes(1)[0]
+
+    def get_action(self, episode_id: str, observation: Any, reward: float | None = None):
+        """The policy's action for ``observation``; ``reward`` (the previous step's, if not
+        logged already) saves a ``log_returns`` request."""
+        action = self.get_actions([episode_id], [observation], None if reward is None else [reward])[0]
+        return action.tolist() if np.ndim(action) else int(action)
+
+    def log_action(self, episode_id: str, observation: Any, action: Any, reward: float | None = None) -> None:
+        self.log_actions([episode_id], [observation], [action], None if reward is None else [reward])
+
+    def log_returns(self, episode_id: str, reward: float) -> None:
+        """Adds ``reward`` to the episode's current step (call as often as rewards come)."""
+        self.log_returns_many([episode_id], [reward])
+
+    def end_episode(self, episode_id: str, observation: Any, *, terminated: bool = True, truncated: bool = False,
+                    reward: float | None = None) -> None:
+        self.end_episodes([episode_id], [observation], [terminated], [truncated],
+                          None if reward is None else [reward])
+
+    # -- many episodes a request
+
+    def start_episodes(self, count: int) -> list[str]:
+        return self.request("start", count=count)["episode_ids"]
+
+    def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
+        """Actions for each episode's observation ([n, *observation shape]); ``rewards``: each
+        one's previous step, or None."""
+        reply = self.request("act", episode_ids=list(episode_ids), observations=_array(observations),
+                             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+        return np.asarray(reply["actions"], np.int64)
+
+    def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
+        self.request("log_action", episode_ids=list(episode_ids), observations=_array(observations),
+                     actions=np.asarray(actions, np.int64).tolist(),
+                     **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+
+    def log_returns_many(self, episode_ids: list[str], rewards: Any) -> None:
+        self.request("rewards", episode_ids=list(episode_ids), rewards=np.asarray(rewards, np.float64).tolist())
+
+    def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
+                     rewards: Any = None) -> None:
+        self.request("end", episode_ids=list(episode_ids), observations=_array(observations),
+                     terminated=[bool(t) for t in terminated], truncated=[bool(t) for t in truncated],
+                     **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
+
+    def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,152 @@
+"""`apex serve`'s ZeroMQ/msgpack frontend: many episodes per request, for throughput.
+
+A ROUTER socket: a client sends one msgpack map per message (DEALER: one frame; REQ: the
+empty delimiter first, echoed back) and gets one map back, ``{"id": <the request's id>,
+"ok": true, ...}`` or ``{"id": ..., "ok": false, "status": 4xx, "error": "..."}``. The wire
+format, op by op, is in the README ("External agents"); ``apex.client.PolicyClient`` speaks
+it. Requests are served in turn; a client that sends and never reads loses its replies
+(ROUTER drops at the high-water mark), not the server's time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from apex.errors import ApexError
+from apex.external import RequestError
+
+ARRAY_DTYPES = frozenset({"float32", "float64", "uint8", "int8", "int16", "int32", "int64", "uint16", "bool"})
+MAX_ID_CHARS = 64
+
+
+class ZmqFrontend:
+    def __init__(self, server, socket: zmq.asyncio.Socket, host: str, port: int) -> None:
+        self.server, self.socket, self.host, self.port = server, socket, host, port
+        self.task = None
+
+    def describe(self) -> str:
+        return f"tcp://{self.host}:{self.port} (ZeroMQ)"
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self.socket.close(linger=0)
+
+
+def decode_array(value, what: str) -> np.ndarray:
+    """A msgpack array of numbers, or ``{"dtype", "shape", "data"}`` (raw little-endian bytes)."""
+    if isinstance(value, dict):
+        dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
+        if dtype not in ARRAY_DTYPES:
+            raise RequestError(400, "fields", f"{what}: dtype must be one of {', '.join(sorted(ARRAY_DTYPES))}")
+        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in shape)
+                and len(shape) <= 8):
+            raise RequestError(400, "fields", f"{what}: shape must be a list of at most 8 non-negative integers")
+        dt = np.dtype(dtype).newbyteorder("<")
+        if not isinstance(data, bytes) or len(data) != math.prod(shape) * dt.itemsize:
+            raise RequestError(400, "fields", f"{what}: data must be {math.prod(shape) * dt.itemsize} bytes for "
+                                              f"{dtype} {shape}")
+        return np.frombuffer(data, dt).reshape(shape)
+    return value  # a nested list: ExternalEpisodes checks it
+
+
+def _error_reply(request_id, error: RequestError) -> dict:
+    return {"id": request_id, "ok": False, "status": error.status, "error": str(error)}
+
+
+class Handler:
+    def __init__(self, server) -> None:
+        self.server = server
+
+    async def __call__(self, payload: bytes) -> dict:
+        server = self.server
+        try:
+            request = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # whatever the bytes: msgpack's errors, bad UTF-8, too deep
+            error = RequestError(400, "msgpack", f"not a msgpack message: {type(e).__name__}")
+            server.refused(error)
+            return _error_reply(None, error)
+        request_id = request.get("id") if isinstance(request, dict) else None
+        if not isinstance(request_id, int | str | None) or isinstance(request_id, str) and len(request_id) > MAX_ID_CHARS:
+            request_id = None
+        try:
+            if not isinstance(request, dict):
+                raise RequestError(400, "fields", "a request is a msgpack map with an 'op'")
+            token = request.get("token")
+            if not server.authorised(token if isinstance(token, str) else None):
+                raise RequestError(401, "token", "missing or wrong token: put it in the request's 'token' field "
+                                                 "(apex serve --token-file or APEX_SERVE_TOKEN)")
+            return {"id": request_id, "ok": True, **await self.dispatch(request)}
+        except RequestError as e:
+            server.refused(e)
+            return _error_reply(request_id, e)
+
+    async def dispatch(self, request: dict) -> dict:
+        server = self.server
+        op = request.get("op")
+        if op == "spaces":
+            return {"spaces": server.episodes.spaces}
+        if op == "health":
+            return server.health()
+        if op == "start":
+            return {"episode_ids": server.call("start", request.get("count", 1))}
+        ids = request.get("episode_ids")
+        rewards = request.get("rewards")
+        if op == "rewards":
+            server.call("add_rewards", ids, rewards)
+            return {}
+        if op not in ("act", "log_action", "end"):
+            raise RequestError(400, "fields", f"unknown op {str(op)[:32]!r}: spaces, health, start, act, log_action, "
+                                              "rewards or end")
+        observations = decode_array(request.get("observations"), "observations")
+        await server.wait_for_room()
+        if op == "act":
+            actions = server.call("act", ids, observations, rewards)
+            return {"actions": actions.tolist()}
+        if op == "log_action":
+            server.call("log_action", ids, observations, decode_array(request.get("actions"), "actions"), rewards)
+            return {}
+        server.call("end", ids, observations, request.get("terminated", False), request.get("truncated", False),
+                    rewards)
+        return {}
+
+
+async def start(server, host: str, port: int) -> ZmqFrontend:
+    import asyncio
+
+    context = zmq.asyncio.Context.instance()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    spec = server.episodes.spec
+    frame_bytes = math.prod(spec.frame_shape) * 8  # float64 observations at most
+    sock.setsockopt(zmq.MAXMSGSIZE, server.options.max_episodes * frame_bytes * 2 + (1 << 20))
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    try:
+        if port == 0:
+            port = sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise ApexError(f"--zmq {host}:{port}: cannot listen there ({e}); choose another port") from None
+    frontend = ZmqFrontend(server, sock, host, port)
+    handler = Handler(server)
+
+    async def loop() -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) < 2:
+                continue
+            reply = await handler(frames[-1])
+            try:
+                await sock.send_multipart([*frames[:-1], msgpack.packb(reply)], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # a client that does not read its replies
+
+    frontend.task = asyncio.get_running_loop().create_task(loop())
+    return frontend
