@@ -147,6 +147,9 @@ async def start(server, host: str, port: int) -> ZmqFrontend:
                 await sock.send_multipart([*frames[:-1], msgpack.packb(reply)], flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass  # a client that does not read its replies
+            # A queued message is received without a pause: yield, or a flood of them would
+            # starve the HTTP frontend that shares this loop.
+            await asyncio.sleep(0)
 
     frontend.task = asyncio.get_running_loop().create_task(loop())
     return frontend

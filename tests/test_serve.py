@@ -1,0 +1,298 @@
+"""`apex serve` as users run it: a real learner and server, clients over HTTP and ZeroMQ, and
+hostile requests, each of which gets its error while the server and honest clients go on."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from apex.bench.transport import free_base_port
+from apex.client import PolicyClient, PolicyServerError
+from tests.test_e2e import FAST, kill_leftovers, metrics, wait_for
+
+TOKEN = "s3cret-token-for-the-serve-tests"
+
+
+@dataclass
+class Served:
+    learner: subprocess.Popen
+    serve: subprocess.Popen
+    http_port: int
+    zmq_port: int
+    logdir: Path
+    log: Path
+
+    def http(self, method: str, path: str, body: bytes | str | dict | None = None, token: str | None = TOKEN,
+             headers: dict | None = None) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
+        try:
+            payload = json.dumps(body) if isinstance(body, dict) else body
+            connection.request(method, path, payload, {**({"Authorization": f"Bearer {token}"} if token else {}),
+                                                       **(headers or {})})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read())
+        finally:
+            connection.close()
+
+    def health(self) -> dict:
+        return self.http("GET", "/v1/health")[1]
+
+
+def start_served(tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] = ()) -> Served:
+    port, front = free_base_port(), free_base_port()
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    log = tmp_path / "serve.log"
+    learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", "--algo", algo, "--port", str(port),
+                                "--logdir", str(tmp_path / "run"), "--stop-seconds", "300", *FAST],
+                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
+    serve = subprocess.Popen([sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}",
+                              "--http", f"127.0.0.1:{front}", "--zmq", str(front + 1), "--token-file",
+                              str(tmp_path / "token"), *extra, *FAST[:4]],
+                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    served = Served(learner, serve, front, front + 1, tmp_path / "run", log)
+
+    def up() -> bool:
+        try:
+            return served.health()["connected"]
+        except OSError:
+            return False
+    try:
+        wait_for(up, 60, "apex serve to answer")
+    except AssertionError:
+        kill_leftovers([learner, serve])
+        raise AssertionError(log.read_text()) from None
+    return served
+
+
+def stop(served: Served) -> None:
+    served.serve.terminate()
+    served.learner.terminate()
+    try:
+        assert served.serve.wait(timeout=30) == 0, served.log.read_text()
+        served.learner.wait(timeout=30)
+    finally:
+        kill_leftovers([served.serve, served.learner])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    served = start_served(tmp_path_factory.mktemp("serve"), extra=("--episode-timeout", "2"))
+    yield served
+    stop(served)
+
+
+def play_http(served: Served, episodes: int) -> int:
+    """Honest CartPole episodes over HTTP; returns their steps."""
+    import gymnasium as gym
+
+    env = gym.make("CartPole-v1")
+    steps = 0
+    for seed in range(episodes):
+        obs, _ = env.reset(seed=seed)
+        status, started = served.http("POST", "/v1/episodes")
+        assert status == 200, started
+        episode = started["episode_id"]
+        reward = None
+        while True:
+            status, reply = served.http("POST", f"/v1/episodes/{episode}/action",
+                                        {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})})
+            assert status == 200, reply
+            obs, reward, terminated, truncated, _ = env.step(reply["action"])
+            steps += 1
+            if terminated or truncated:
+                status, reply = served.http("POST", f"/v1/episodes/{episode}/end", {
+                    "observation": obs.tolist(), "terminated": terminated, "truncated": truncated, "reward": reward})
+                assert status == 200, reply
+                break
+    return steps
+
+
+def test_spaces_health_and_an_honest_episode(served):
+    status, spaces = served.http("GET", "/v1/spaces")
+    assert status == 200
+    assert spaces["observation"]["shape"] == [4] and spaces["observation"]["dtype"] == "float32"
+    assert spaces["action"] == {"type": "Discrete", "n": 2}
+    before = served.health()
+    steps = play_http(served, 3)
+    after = served.health()
+    assert after["episodes_finished"] - before["episodes_finished"] == 3
+    assert after["env_steps"] - before["env_steps"] == steps
+    assert after["algo"] == "apex_dqn" and after["status"] == "ok"
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-of-some-length"])
+def test_a_missing_or_wrong_token_is_401(served, token):
+    for method, path in (("GET", "/v1/spaces"), ("POST", "/v1/episodes"), ("GET", "/v1/health")):
+        status, reply = served.http(method, path, token=token)
+        assert status == 401 and "bearer token" in reply["error"]
+    assert served.health()["rejected_by_reason"]["token"] >= 3
+
+
+def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
+    _, started = served.http("POST", "/v1/episodes")
+    episode = started["episode_id"]
+    assert served.http("POST", f"/v1/episodes/{episode}/action", {"observation": [0.0, 0.0, 0.0, 0.0]})[0] == 200
+    before = served.health()
+    action = f"/v1/episodes/{episode}/action"
+    cases = [
+        ("POST", action, "{not json", 400, "malformed JSON"),
+        ("POST", action, "[1, 2]", 400, "JSON object"),
+        ("POST", action, {}, 400, "missing 'observation'"),
+        ("POST", action, {"observation": [0.0, 0.0, 0.0]}, 400, "does not match the run's [4]"),
+        ("POST", action, {"observation": [[0.0] * 4] * 2}, 400, "does not match"),
+        ("POST", action, {"observation": ["a", "b", "c", "d"]}, 400, "numbers"),
+        ("POST", action, {"observation": [0.0, 1e400, 0.0, 0.0]}, 400, "finite"),
+        ("POST", action, {"observation": [0.0] * 4, "reward": "lots"}, 400, "rewards must be numbers"),
+        ("POST", action, {"observation": [0.0] * 4, "reward": 1e300}, 400, "max_abs_reward"),
+        ("POST", "/v1/episodes/0123456789abcdef01234567/action", {"observation": [0.0] * 4}, 404, "no open episode"),
+        ("POST", f"/v1/episodes/{episode}/end", {"observation": [0.0] * 4, "terminated": "yes"}, 400, "terminated"),
+        ("POST", f"/v1/episodes/{episode}/log_action", {"observation": [0.0] * 4, "action": 7}, 400, "0..1"),
+        ("POST", "/v1/episodes/x/fly", {}, 404, "no such endpoint"),
+        ("GET", action, None, 405, ""),
+        ("POST", action, "[" + "0.0," * 400_000 + "0.0]", 413, "request body over"),
+    ]
+    for method, path, body, status, words in cases:
+        got, reply = served.http(method, path, body)
+        assert (got, words in reply.get("error", "")) == (status, True), (method, path, str(body)[:60], got, reply)
+    after = served.health()
+    assert after["env_steps"] == before["env_steps"]  # not one step taken by a bad request
+    assert sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values()) == len(cases)
+    # and the episode goes on
+    assert served.http("POST", action, {"observation": [0.01, 0.0, 0.0, 0.0], "reward": 1.0})[0] == 200
+    assert served.health()["env_steps"] == before["env_steps"] + 1
+
+
+def test_an_idle_episode_expires_and_is_404_after(served):
+    _, started = served.http("POST", "/v1/episodes")
+    episode = started["episode_id"]
+    assert served.http("POST", f"/v1/episodes/{episode}/action", {"observation": [0.0] * 4})[0] == 200
+    expired = served.health()["episodes_expired"]
+    wait_for(lambda: served.health()["episodes_expired"] > expired, 10, "the idle episode to expire")
+    status, reply = served.http("POST", f"/v1/episodes/{episode}/action", {"observation": [0.0] * 4})
+    assert status == 404 and "expired" in reply["error"]
+
+
+def raw_zmq(served: Served, frames: list[bytes]) -> dict:
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{served.zmq_port}")
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(10_000), "no reply"
+        return msgpack.unpackb(sock.recv_multipart()[-1], raw=False)
+    finally:
+        sock.close()
+
+
+def test_each_hostile_zmq_request_gets_its_error(served):
+    with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as client:
+        (episode,) = client.start_episodes(1)
+        client.get_actions([episode], [[0.0] * 4])
+    request = {"op": "act", "token": TOKEN, "episode_ids": [episode], "id": 7}
+    array = {"dtype": "float32", "shape": [1, 4], "data": b"\0" * 16}
+    cases = [
+        (b"\xc1garbage", 400, "not a msgpack message"),
+        (msgpack.packb([1, 2, 3]), 400, "msgpack map"),
+        (msgpack.packb({"op": "spaces"}), 401, "token"),
+        (msgpack.packb({"op": "spaces", "token": "wrong"}), 401, "token"),
+        (msgpack.packb({**request, "op": "fly"}), 400, "unknown op"),
+        (msgpack.packb({**request, "observations": {**array, "dtype": "object"}}), 400, "dtype must be one of"),
+        (msgpack.packb({**request, "observations": {**array, "data": b"\0" * 15}}), 400, "data must be 16 bytes"),
+        (msgpack.packb({**request, "observations": {**array, "shape": [1, -4]}}), 400, "shape must be"),
+        (msgpack.packb({**request, "observations": {**array, "shape": [1, 3], "data": b"\0" * 12}}), 400, "shape"),
+        (msgpack.packb({**request, "episode_ids": ["nope"], "observations": array}), 404, "no open episode"),
+        (msgpack.packb({**request, "episode_ids": "x" * 10_000, "observations": array}), 404, "no open episode"),
+        (msgpack.packb({**request, "observations": array, "rewards": [float("nan")]}), 400, "finite"),
+    ]
+    for payload, status, words in cases:
+        reply = raw_zmq(served, [payload])
+        assert reply["ok"] is False and reply["status"] == status and words in reply["error"], (payload[:40], reply)
+    assert raw_zmq(served, [msgpack.packb({**request, "observations": array})])["id"] == 7  # the id comes back
+    with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as client:
+        with pytest.raises(PolicyServerError) as error:
+            client.get_actions(["nope"], [[0.0] * 4])
+        assert error.value.status == 404
+        assert client.get_actions([episode], [[0.0] * 4], [1.0]).shape == (1,)  # the episode goes on
+
+
+def test_a_flood_from_one_client_does_not_stop_another_from_training(served):
+    stop_flood = threading.Event()
+    sent = {"http": 0, "zmq": 0}
+
+    def flood_http():
+        connection = http.client.HTTPConnection("127.0.0.1", served.http_port, timeout=30)
+        while not stop_flood.is_set():
+            connection.request("POST", "/v1/episodes/x/action", "{garbage", {"Authorization": f"Bearer {TOKEN}"})
+            connection.getresponse().read()
+            sent["http"] += 1
+
+    def flood_zmq():
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{served.zmq_port}")
+        while not stop_flood.is_set():  # sends and never reads its replies
+            try:
+                sock.send(b"\xc1" * 100, flags=zmq.NOBLOCK)
+                sent["zmq"] += 1
+            except zmq.Again:
+                time.sleep(0.001)
+        sock.close()
+
+    floods = [threading.Thread(target=flood_http), threading.Thread(target=flood_zmq)]
+    before = served.health()
+    learner_steps = metrics(served.logdir)[-1]["env_steps"] if metrics(served.logdir) else 0
+    for thread in floods:
+        thread.start()
+    try:
+        honest = subprocess.run([sys.executable, "-m", "tests.clients.cartpole_zmq", f"127.0.0.1:{served.zmq_port}",
+                                 "--envs", "16", "--seconds", "8", "--token", TOKEN],
+                                capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        stop_flood.set()
+        for thread in floods:
+            thread.join()
+    assert honest.returncode == 0, honest.stderr
+    steps = int(honest.stdout.split()[-1])
+    after = served.health()
+    assert steps >= 2000, (steps, sent)  # the honest client trained on
+    assert sent["http"] >= 200 and sent["zmq"] >= 200
+    assert sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values()) >= sent["http"]
+    assert served.serve.poll() is None and served.learner.poll() is None
+    wait_for(lambda: metrics(served.logdir)[-1]["env_steps"] >= learner_steps + steps // 2, 30,
+             "the learner to count the honest client's steps")
+    assert metrics(served.logdir)[-1]["rejected_messages"] == 0  # nothing bad reached the learner
+
+
+def test_serving_beyond_loopback_needs_a_token(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--http", "0.0.0.0:0"],
+                         capture_output=True, text=True, timeout=60, check=False, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and "--token-file" in out.stderr, out.stderr
+    (tmp_path / "short").write_text("abc\n")
+    out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--token-file",
+                          str(tmp_path / "short")], capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 2 and "at least 16 characters" in out.stderr, out.stderr
+
+
+def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
+    served = start_served(tmp_path, algo="impala")
+    try:
+        _, started = served.http("POST", "/v1/episodes")
+        status, reply = served.http("POST", f"/v1/episodes/{started['episode_id']}/log_action",
+                                    {"observation": [0.0] * 4, "action": 1})
+        assert status == 409 and "on-policy" in reply["error"]
+        steps = play_http(served, 2)
+        assert served.health()["env_steps"] == steps
+    finally:
+        stop(served)
