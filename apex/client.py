@@ -10,6 +10,9 @@ step themselves and want actions from the policy apex is training.
         ...
         client.end_episode(episode, obs, terminated=True)
 
+``HttpPolicyClient`` has the same methods over HTTP/JSON (the server's ``--http``, the
+standard library's keep-alive connection), for where ZeroMQ cannot go.
+
 Each call is one request and waits for its reply (``timeout_s``, then TimeoutError). The
 batched forms (``start_episodes``, ``get_actions``, ``log_actions``, ``log_returns_many``,
 ``end_episodes``) carry many episodes in one request: that is how a vectorised simulator
@@ -20,7 +23,10 @@ dependencies beyond pyzmq, msgpack and NumPy: the file can be copied into a simu
 
 from __future__ import annotations
 
+import http.client
 import itertools
+import json
+import socket
 from typing import Any
 
 import msgpack
@@ -51,6 +57,7 @@ class PolicyClient:
         self.timeout_s = timeout_s
         self._context = zmq.Context()
         self._ids = itertools.count()
+        self._unanswered: set[int] = set()  # sent with wait=False
         self._socket = self._connect()
 
     def _connect(self) -> zmq.Socket:
@@ -59,23 +66,37 @@ class PolicyClient:
         sock.connect(self.address)
         return sock
 
-    def request(self, op: str, **fields: Any) -> dict:
-        """One request and its reply (the wire format in the README)."""
+    def request(self, op: str, wait: bool = True, **fields: Any) -> dict:
+        """One request and its reply (the wire format in the README). ``wait=False`` sends it
+        and returns at once: its reply is read with the next request's (replies come in
+        order), and an error it brings is raised then, so that a simulator can pipeline,
+        e.g. end its finished episodes and ask for the next actions in one round trip."""
         request_id = next(self._ids)
         message = {"op": op, "id": request_id, **fields}
         if self.token is not None:
             message["token"] = self.token
         self._socket.send(msgpack.packb(message, use_bin_type=True))
+        if not wait:
+            self._unanswered.add(request_id)
+            return {}
         deadline_ms = int(self.timeout_s * 1000)
+        error = None
         while True:
             if not self._socket.poll(deadline_ms):
                 # A reply may still come: a fresh socket keeps it from answering the next request.
                 self._socket.close(linger=0)
                 self._socket = self._connect()
+                self._unanswered.clear()
                 raise TimeoutError(f"no reply from apex serve at {self.address} within {self.timeout_s} s")
             reply = msgpack.unpackb(self._socket.recv(), raw=False)
-            if reply.get("id") == request_id:
+            if reply.get("id") in self._unanswered:
+                self._unanswered.discard(reply["id"])
+                if not reply.get("ok") and error is None:
+                    error = PolicyServerError(reply.get("status", 400), reply.get("error", "refused"))
+            elif reply.get("id") == request_id:
                 break  # older replies (of requests that timed out) are skipped
+        if error is not None:
+            raise error
         if not reply.get("ok"):
             raise PolicyServerError(reply.get("status", 400), reply.get("error", "refused"))
         return reply
@@ -131,8 +152,9 @@ class PolicyClient:
         self.request("rewards", episode_ids=list(episode_ids), rewards=np.asarray(rewards, np.float64).tolist())
 
     def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
-                     rewards: Any = None) -> None:
-        self.request("end", episode_ids=list(episode_ids), observations=_array(observations),
+                     rewards: Any = None, wait: bool = True) -> None:
+        """``wait=False``: do not wait for the reply (see ``request``)."""
+        self.request("end", wait, episode_ids=list(episode_ids), observations=_array(observations),
                      terminated=[bool(t) for t in terminated], truncated=[bool(t) for t in truncated],
                      **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
 
@@ -141,6 +163,97 @@ class PolicyClient:
         self._context.term()
 
     def __enter__(self) -> PolicyClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HttpPolicyClient:
+    """``PolicyClient``'s methods over `apex serve`'s HTTP/JSON frontend."""
+
+    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
+        """``address``: the server's ``--http``, e.g. ``10.0.0.5:8000`` (``http://`` may be given)."""
+        host, _, port = address.removeprefix("http://").rstrip("/").rpartition(":")
+        self.host, self.port, self.timeout_s = host, int(port), timeout_s
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        self._connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        payload = None if body is None else json.dumps(body)
+        for attempt in (0, 1):  # a keep-alive connection the server closed is opened again, once
+            try:
+                self._connection.request(method, path, payload, self._headers)
+                response = self._connection.getresponse()
+                data = json.loads(response.read() or b"{}")
+                break
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                self._connection.close()
+                if attempt:
+                    raise
+            except socket.timeout:
+                self._connection.close()
+                raise TimeoutError(f"no reply from apex serve at {self.host}:{self.port} within {self.timeout_s} s") from None
+        if response.status != 200:
+            raise PolicyServerError(response.status, data.get("error", response.reason))
+        return data
+
+    def spaces(self) -> dict:
+        return self.request("GET", "/v1/spaces")
+
+    def health(self) -> dict:
+        return self.request("GET", "/v1/health")
+
+    def start_episode(self) -> str:
+        return self.request("POST", "/v1/episodes", {})["episode_id"]
+
+    def get_action(self, episode_id: str, observation: Any, reward: float | None = None):
+        body = {"observation": np.asarray(observation).tolist(), **({} if reward is None else {"reward": float(reward)})}
+        return self.request("POST", f"/v1/episodes/{episode_id}/action", body)["action"]
+
+    def log_action(self, episode_id: str, observation: Any, action: Any, reward: float | None = None) -> None:
+        body = {"observation": np.asarray(observation).tolist(), "action": np.asarray(action).tolist(),
+                **({} if reward is None else {"reward": float(reward)})}
+        self.request("POST", f"/v1/episodes/{episode_id}/log_action", body)
+
+    def log_returns(self, episode_id: str, reward: float) -> None:
+        self.request("POST", f"/v1/episodes/{episode_id}/rewards", {"reward": float(reward)})
+
+    def end_episode(self, episode_id: str, observation: Any, *, terminated: bool = True, truncated: bool = False,
+                    reward: float | None = None) -> None:
+        body = {"observation": np.asarray(observation).tolist(), "terminated": bool(terminated),
+                "truncated": bool(truncated), **({} if reward is None else {"reward": float(reward)})}
+        self.request("POST", f"/v1/episodes/{episode_id}/end", body)
+
+    def start_episodes(self, count: int) -> list[str]:
+        return self.request("POST", "/v1/episodes", {"count": int(count)})["episode_ids"]
+
+    def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
+        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
+                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        return np.asarray(self.request("POST", "/v1/batch/action", body)["actions"], np.int64)
+
+    def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
+        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
+                "actions": np.asarray(actions, np.int64).tolist(),
+                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        self.request("POST", "/v1/batch/log_action", body)
+
+    def log_returns_many(self, episode_ids: list[str], rewards: Any) -> None:
+        self.request("POST", "/v1/batch/rewards", {"episode_ids": list(episode_ids),
+                                                   "rewards": np.asarray(rewards, np.float64).tolist()})
+
+    def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
+                     rewards: Any = None) -> None:
+        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
+                "terminated": [bool(t) for t in terminated], "truncated": [bool(t) for t in truncated],
+                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        self.request("POST", "/v1/batch/end", body)
+
+    def close(self) -> None:
+        self._connection.close()
+
+    def __enter__(self) -> HttpPolicyClient:
         return self
 
     def __exit__(self, *exc) -> None:

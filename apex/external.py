@@ -95,8 +95,9 @@ class ExternalEpisodes:
         self.episode_timeout_s = episode_timeout_s
         self.clock = clock
         self.episodes: dict[str, Episode] = {}
-        # Slots handed out in turn (not lowest first): over time every rung of the Ape-X
-        # ladder, its evaluation rungs too, plays, however few episodes are open at once.
+        # Ape-X: slots handed out in turn, so that over time every rung of the ladder (its
+        # evaluation rungs too) plays, however few episodes are open at once. IMPALA: the
+        # slot freed last first, so that unrolls fill with fresh steps (``reuse_freed_slots``).
         self._free_slots = deque(range(max_episodes))
         self.max_abs_reward = config.transport.max_abs_reward
         self._low = np.broadcast_to(np.asarray(low, np.float64), spec.frame_shape)
@@ -302,6 +303,8 @@ class ExternalEpisodes:
     def _next(self, episodes: list[Episode], frames: np.ndarray) -> np.ndarray:
         """Each episode's observation once ``frames`` arrive: its last ``stack`` frames."""
         stack = self.spec.stack
+        if stack == 1:  # vector observations: the frame is the observation
+            return frames[:, None]
         out = np.empty((len(episodes), stack, *self.spec.frame_shape), self.spec.frame_dtype)
         for i, (episode, frame) in enumerate(zip(episodes, frames)):
             if not episode.frames:
@@ -326,4 +329,7 @@ class ExternalEpisodes:
 
     def _close(self, episode: Episode) -> None:
         del self.episodes[episode.id]
-        self._free_slots.append(episode.slot)
+        if self.actor.reuse_freed_slots:  # next in line: its row is fresh, not left half full
+            self._free_slots.appendleft(episode.slot)
+        else:
+            self._free_slots.append(episode.slot)

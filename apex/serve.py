@@ -197,6 +197,12 @@ def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int |
     import apex.envs  # noqa: F401  (gymnasium before signals are taken over, as an actor does)
 
     check_exposure(options)
+    if options.http is not None:
+        try:
+            import aiohttp  # noqa: F401
+        except ImportError:
+            raise ApexError("apex serve --http needs aiohttp: pip install 'apex-rl[serve]' "
+                            "(or serve ZeroMQ only: --http off --zmq PORT)") from None
     stopping = threading.Event()
     signals = {"signal": None}
 

@@ -20,6 +20,7 @@ from apex.errors import ApexError
 from apex.external import RequestError
 
 JSON_CHARS_PER_NUMBER = 32  # an observation's body: room for a long float per element
+MAX_BODY_BYTES = 64 << 20  # whatever --max-episodes says: a body is read whole into memory
 
 
 class HttpFrontend:
@@ -45,7 +46,9 @@ def _action_json(action: np.ndarray):
 def make_app(server) -> web.Application:
     episodes = server.episodes
     frame_elements = math.prod(episodes.spec.frame_shape)
-    max_body = max(64 * 1024, frame_elements * JSON_CHARS_PER_NUMBER + 4096)
+    # room for a batch of observations of every open episode (the batched forms)
+    max_body = min(MAX_BODY_BYTES, max(64 * 1024, server.options.max_episodes * (
+        frame_elements * JSON_CHARS_PER_NUMBER + 64) + 4096))
 
     @web.middleware
     async def guard(request: web.Request, handler):
@@ -67,7 +70,8 @@ def make_app(server) -> web.Application:
                 return _error(413, f"request body over {max_body} bytes")
             if e.status == 404:
                 return _error(404, f"no such endpoint {request.method} {request.path}: see GET /v1/spaces, "
-                                   "POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end")
+                                   "POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end, "
+                                   "POST /v1/batch/action|log_action|rewards|end")
             return _error(e.status, e.reason)
 
     async def body(request: web.Request) -> dict:
@@ -91,7 +95,10 @@ def make_app(server) -> web.Application:
     async def health(_request):
         return web.json_response(server.health())
 
-    async def start(_request):
+    async def start(request):
+        data = await body(request)
+        if "count" in data:  # many at once: {"count": n} -> {"episode_ids": [...]}
+            return web.json_response({"episode_ids": server.call("start", data["count"])})
         (episode_id,) = server.call("start", 1)
         return web.json_response({"episode_id": episode_id})
 
@@ -122,6 +129,33 @@ def make_app(server) -> web.Application:
                     None if data.get("reward") is None else [data["reward"]])
         return web.json_response({})
 
+    # The batched forms: many episodes a request, as the ZeroMQ ops take them.
+
+    async def batch_action(request):
+        data = await body(request)
+        await server.wait_for_room()
+        actions = server.call("act", need(data, "episode_ids"), need(data, "observations"), data.get("rewards"))
+        return web.json_response({"actions": actions.tolist()})
+
+    async def batch_log_action(request):
+        data = await body(request)
+        await server.wait_for_room()
+        server.call("log_action", need(data, "episode_ids"), need(data, "observations"), need(data, "actions"),
+                    data.get("rewards"))
+        return web.json_response({})
+
+    async def batch_rewards(request):
+        data = await body(request)
+        server.call("add_rewards", need(data, "episode_ids"), need(data, "rewards"))
+        return web.json_response({})
+
+    async def batch_end(request):
+        data = await body(request)
+        await server.wait_for_room()
+        server.call("end", need(data, "episode_ids"), need(data, "observations"), data.get("terminated", False),
+                    data.get("truncated", False), data.get("rewards"))
+        return web.json_response({})
+
     app = web.Application(middlewares=[guard], client_max_size=max_body)
     app.add_routes([
         web.get("/v1/spaces", spaces),
@@ -131,6 +165,10 @@ def make_app(server) -> web.Application:
         web.post("/v1/episodes/{id}/log_action", log_action),
         web.post("/v1/episodes/{id}/rewards", rewards),
         web.post("/v1/episodes/{id}/end", end),
+        web.post("/v1/batch/action", batch_action),
+        web.post("/v1/batch/log_action", batch_log_action),
+        web.post("/v1/batch/rewards", batch_rewards),
+        web.post("/v1/batch/end", batch_end),
     ])
     return app
 

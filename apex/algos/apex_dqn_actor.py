@@ -256,6 +256,7 @@ class EpisodeActor:
     Episodes with such actions do not count as evaluation episodes."""
 
     learns_logged_actions = True
+    reuse_freed_slots = False  # slots in turn: every rung of the ladder plays
 
     def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
         self.config = config
@@ -290,13 +291,15 @@ class EpisodeActor:
             actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, count), q.argmax(axis=1))
         else:
             actions = chosen
-        for i, episode in enumerate(episodes):
+        q_taken = q[np.arange(count), actions].tolist()
+        values = q.max(axis=1).tolist()
+        for i, (episode, action) in enumerate(zip(episodes, actions.tolist())):
             chunker = episode.state.chunker
             if episode.acted:
                 chunker.record_step(episode.reward, obs[i, -1])
             else:
                 chunker.start(obs[i, -1])
-            chunk = chunker.record_action(int(actions[i]), q[i, actions[i]], q[i].max())
+            chunk = chunker.record_action(action, q_taken[i], values[i])
             if chunk is not None:
                 self._pending.append((chunk, []))
         return actions

@@ -148,6 +148,7 @@ class EpisodeActor:
     actions are refused: V-trace needs the behaviour policy's own probabilities."""
 
     learns_logged_actions = False
+    reuse_freed_slots = True  # a new episode continues the row an episode just left: no stale half rows
 
     def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
         self.config = config

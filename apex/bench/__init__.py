@@ -18,10 +18,11 @@ from apex.files import write_atomic
 # only when run: building the command line must not import torch, zmq and gymnasium.
 BENCHMARKS: tuple[str, ...] = (
     "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak", "flood", "learn",
+    "serve",
 )
 # Not part of `all`: minutes long (to hours for learn), a check (pass/fail) or learning more
 # than a throughput figure.
-LONG = ("soak", "flood", "learn")
+LONG = ("soak", "flood", "learn", "serve")
 
 
 def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,

@@ -1,0 +1,269 @@
+"""`apex bench serve`: what `apex serve` sustains, in env steps/s and request latency, for 1, 8
+and 64 concurrent CartPole episodes, one episode a request and batched (all episodes in one
+request: ``PolicyClient.get_actions``, ``HttpPolicyClient.get_actions``), over HTTP/JSON and
+ZeroMQ/msgpack.
+
+A real learner (CartPole Ape-X, ingesting what it gets but not training, so that its updates
+do not take a core from the path measured) and a real `apex serve` run as processes; the
+clients are asyncio tasks in this process, each episode a real CartPole stepped here, one
+request a step (the previous step's reward rides on the action request) plus an end and a
+start per episode. Latency is each request's round trip as the client sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from apex.bench.timing import print_table
+from apex.bench.transport import free_base_port
+from apex.errors import ApexError
+
+CONCURRENCY = (1, 8, 64)
+MODES = ("http", "http_batched", "zmq", "zmq_batched")
+GOALS = {"http_requests_per_s": 2000.0, "zmq_batched_env_steps_per_s": 20000.0}
+
+
+def _env():
+    import gymnasium as gym
+
+    return gym.make("CartPole-v1", disable_env_checker=True)
+
+
+class Load:
+    """Counts and latencies of one scenario."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.steps = 0
+        self.requests = 0
+        self.errors = 0
+
+    def timed(self, started: float) -> None:
+        self.latencies.append(time.perf_counter() - started)
+        self.requests += 1
+
+
+async def _http_episodes(port: int, concurrency: int, seconds: float, load: Load) -> None:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/episodes"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def post(path: str, body: dict) -> dict:
+            started = time.perf_counter()
+            async with session.post(url + path, json=body) as response:
+                data = await response.json()
+            load.timed(started)
+            if response.status != 200:
+                load.errors += 1
+            return data
+
+        async def one(seed: int, deadline: float) -> None:
+            env = _env()
+            while time.perf_counter() < deadline:
+                episode = (await post("", {}))["episode_id"]
+                obs, _ = env.reset(seed=seed)
+                reward = None
+                while time.perf_counter() < deadline:
+                    body = {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})}
+                    action = (await post(f"/{episode}/action", body))["action"]
+                    obs, reward, terminated, truncated, _ = env.step(action)
+                    load.steps += 1
+                    if terminated or truncated:
+                        await post(f"/{episode}/end", {"observation": obs.tolist(), "terminated": terminated,
+                                                       "truncated": truncated, "reward": reward})
+                        break
+
+        deadline = time.perf_counter() + seconds
+        await asyncio.gather(*(one(i, deadline) for i in range(concurrency)))
+
+
+async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load) -> None:
+    """Each episode its own DEALER socket and one request a step, as many small clients would."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    context = zmq.asyncio.Context.instance()
+
+    async def one(seed: int, deadline: float) -> None:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+
+        async def request(**fields) -> dict:
+            started = time.perf_counter()
+            await sock.send(msgpack.packb(fields))
+            reply = msgpack.unpackb(await sock.recv(), raw=False)
+            load.timed(started)
+            if not reply["ok"]:
+                load.errors += 1
+            return reply
+
+        env = _env()
+        try:
+            while time.perf_counter() < deadline:
+                (episode,) = (await request(op="start", count=1))["episode_ids"]
+                obs, _ = env.reset(seed=seed)
+                reward = 0.0
+                while time.perf_counter() < deadline:
+                    reply = await request(op="act", episode_ids=[episode], observations=[obs.tolist()],
+                                          rewards=[reward])
+                    obs, reward, terminated, truncated, _ = env.step(reply["actions"][0])
+                    load.steps += 1
+                    if terminated or truncated:
+                        await request(op="end", episode_ids=[episode], observations=[obs.tolist()],
+                                      terminated=terminated, truncated=truncated, rewards=[reward])
+                        break
+        finally:
+            sock.close()
+
+    deadline = time.perf_counter() + seconds
+    await asyncio.gather(*(one(i, deadline) for i in range(concurrency)))
+
+
+def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Load | None = None) -> int:
+    """A vectorised simulator (gymnasium's NumPy CartPole, ``num_envs`` of them) that asks
+    ``client`` (a PolicyClient) for all its actions in one request a step; returns env steps.
+    Its environments reset on the step after an episode ends (gymnasium's next-step
+    autoreset): an ended episode is reported with its final observation, and that
+    environment's next observation starts a new one."""
+    import gymnasium as gym
+
+    from apex.client import PolicyClient
+
+    load = load or Load()
+
+    def timed(call, *args):
+        started = time.perf_counter()
+        out = call(*args)
+        load.timed(started)
+        return out
+
+    envs = gym.make_vec("CartPole-v1", num_envs=num_envs, vectorization_mode="vector_entry_point")
+    obs, _ = envs.reset(seed=seed)
+    ids = np.asarray(timed(client.start_episodes, num_envs), dtype=object)
+    spare: list[str] = []  # episodes started ahead, one request for many
+    rewards = np.zeros(num_envs)
+    resetting = np.zeros(num_envs, bool)  # ended last step: this step resets them
+    actions = np.zeros(num_envs, np.int64)
+    deadline = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < deadline:
+            playing = ~resetting
+            if playing.any():  # (with one environment, none plays on the step that resets it)
+                actions[playing] = timed(client.get_actions, list(ids[playing]), obs[playing], rewards[playing])
+            obs, rewards, terminated, truncated, _ = envs.step(actions)
+            load.steps += int(playing.sum())
+            if resetting.any():  # their observations start new episodes, from ids started ahead
+                needed = int(resetting.sum())
+                if len(spare) < needed:
+                    spare += timed(client.start_episodes, max(needed, num_envs))
+                ids[resetting], spare = spare[:needed], spare[needed:]
+                rewards[resetting] = 0.0
+            ended = playing & (terminated | truncated)
+            if ended.any():  # over ZeroMQ without waiting: its reply comes with the next request's
+                pipelined = {"wait": False} if isinstance(client, PolicyClient) else {}
+                client.end_episodes(list(ids[ended]), obs[ended], terminated[ended], truncated[ended], rewards[ended],
+                                    **pipelined)
+            resetting = ended
+    finally:
+        envs.close()
+    return load.steps
+
+
+def _batched(mode: str, port: int, concurrency: int, seconds: float, load: Load) -> None:
+    from apex.client import HttpPolicyClient, PolicyClient
+
+    client_type = PolicyClient if mode == "zmq_batched" else HttpPolicyClient
+    with client_type(f"127.0.0.1:{port}") as client:
+        play_batched(client, concurrency, seconds, load=load)
+
+
+def _measure(mode: str, port: int, zmq_port: int, concurrency: int, seconds: float) -> dict:
+    load = Load()
+    started = time.perf_counter()
+    if mode == "http":
+        asyncio.run(_http_episodes(port, concurrency, seconds, load))
+    elif mode == "zmq":
+        asyncio.run(_zmq_episodes(zmq_port, concurrency, seconds, load))
+    else:
+        _batched(mode, zmq_port if mode == "zmq_batched" else port, concurrency, seconds, load)
+    elapsed = time.perf_counter() - started
+    latencies = np.asarray(load.latencies) * 1e3
+    return {
+        "mode": mode, "episodes": concurrency,
+        "env_steps_per_s": round(load.steps / elapsed, 1),
+        "requests_per_s": round(load.requests / elapsed, 1),
+        "p50_ms": round(float(np.percentile(latencies, 50)), 3),
+        "p99_ms": round(float(np.percentile(latencies, 99)), 3),
+        "errors": load.errors,
+    }
+
+
+def _wait_up(port: int, server: subprocess.Popen, log: Path) -> None:
+    import http.client
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise ApexError(f"bench serve: apex serve exited: {log.read_text().strip().splitlines()[-1:]}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/v1/health")
+            if b'"connected": true' in connection.getresponse().read():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise ApexError("bench serve: apex serve did not come up within 60 s")
+
+
+def run(seconds: float = 5.0) -> dict:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="apex-bench-serve-") as tmp:
+        port, front = free_base_port(), free_base_port()
+        log = Path(tmp) / "serve.log"
+        never = "1000000"  # the learner ingests and does not train (replay.min_size = capacity)
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "apex", "learner", "--port", str(port), "--logdir", str(Path(tmp) / "run"),
+             "--set", f"replay.capacity={never}", "--set", f"replay.min_size={never}"],
+            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "learner.log", "w"))
+        server = subprocess.Popen(
+            [sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{front}",
+             "--zmq", str(front + 1), "--max-episodes", "4096"],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        try:
+            _wait_up(front, server, log)
+            for mode in MODES:
+                for concurrency in CONCURRENCY:
+                    rows.append(_measure(mode, front, front + 1, concurrency, seconds))
+                    r = rows[-1]
+                    print(f"  {mode} x{concurrency}: {r['env_steps_per_s']:,.0f} env steps/s, "
+                          f"{r['requests_per_s']:,.0f} requests/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms", flush=True)
+        finally:
+            for process in (server, learner):
+                process.terminate()
+            for process in (server, learner):
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    best = {mode: max((r for r in rows if r["mode"] == mode), key=lambda r: r["env_steps_per_s"]) for mode in MODES}
+    figures = {"http_requests_per_s": max(r["requests_per_s"] for r in rows if r["mode"] == "http"),
+               "zmq_batched_env_steps_per_s": best["zmq_batched"]["env_steps_per_s"]}
+    print_table(
+        f"serve: CartPole episodes through apex serve ({seconds:g} s each; learner ingesting, not training)",
+        ["transport", "episodes", "env steps/s", "requests/s", "p50 ms", "p99 ms", "errors"],
+        [[r["mode"], r["episodes"], f"{r['env_steps_per_s']:,.0f}", f"{r['requests_per_s']:,.0f}", r["p50_ms"],
+          r["p99_ms"], r["errors"]] for r in rows])
+    for key, goal in GOALS.items():
+        print(f"  {key}: {figures[key]:,.0f} (goal {goal:,.0f}: {'met' if figures[key] >= goal else 'missed'})")
+    return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS}

@@ -1,0 +1,32 @@
+"""A simulator that steps its own CartPoles (gymnasium's vectorised NumPy CartPole) and asks
+`apex serve` for all their actions in one request a step, over ZeroMQ (PolicyClient) or
+HTTP/JSON (HttpPolicyClient): what the serve tests run as separate processes.
+
+    python -m tests.clients.cartpole zmq 127.0.0.1:8001 --envs 64 --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from apex.bench.serve import play_batched
+from apex.client import HttpPolicyClient, PolicyClient
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("transport", choices=["zmq", "http"])
+    parser.add_argument("address")
+    parser.add_argument("--envs", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token")
+    args = parser.parse_args()
+    client_type = PolicyClient if args.transport == "zmq" else HttpPolicyClient
+    with client_type(args.address, token=args.token) as client:
+        steps = play_batched(client, args.envs, args.seconds, seed=args.seed)
+    print(f"steps {steps}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
