@@ -167,7 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra) "
                             "(default: all)")
     learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
-    learn.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds per task and algorithm (default: 3)")
+    learn.add_argument("--seeds", type=int, default=3, metavar="N",
+                       help="seeds per task and algorithm (default: 3); serve: runs per algorithm and transport of "
+                            "its CartPole comparison (0: throughput only)")
     learn.add_argument("--minutes", type=float, default=None, metavar="M",
                        help="time limit per run (default: each task's own: 2 for cartpole and acrobot, 5 for "
                             "mountaincar and lunarlander, 20 for MinAtar; --seconds overrides it)")
@@ -315,10 +317,11 @@ def _bench(args: argparse.Namespace) -> int:
     e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
     soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
                     "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
+    serve_options = {"seeds": args.seeds}
     learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
                      "plot": args.plot, "runs_dir": args.runs_dir}
     bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
-              learn_options=learn_options)
+              learn_options=learn_options, serve_options=serve_options)
     return 0
 
 

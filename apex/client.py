@@ -194,6 +194,9 @@ class HttpPolicyClient:
             except socket.timeout:
                 self._connection.close()
                 raise TimeoutError(f"no reply from apex serve at {self.host}:{self.port} within {self.timeout_s} s") from None
+            except (OSError, http.client.HTTPException):
+                self._connection.close()  # e.g. refused: the next request opens a fresh connection
+                raise
         if response.status != 200:
             raise PolicyServerError(response.status, data.get("error", response.reason))
         return data

@@ -43,7 +43,7 @@ class Episode:
     """One external episode as the server sees it; ``state`` is the algorithm's."""
 
     id: str
-    slot: int
+    slot: int | None  # taken at its first action (see ExternalEpisodes._seat)
     last_seen: float
     reward: float = 0.0  # reported for the step under way (since the last action)
     episode_return: float = 0.0
@@ -125,8 +125,7 @@ class ExternalEpisodes:
         now = self.clock()
         ids = []
         for _ in range(count):
-            episode = Episode(secrets.token_hex(12), self._free_slots.popleft(), now)
-            self.actor.begin(episode)
+            episode = Episode(secrets.token_hex(12), None, now)
             self.episodes[episode.id] = episode
             ids.append(episode.id)
         self.started += count
@@ -139,6 +138,7 @@ class ExternalEpisodes:
         frames = self.frames(observations, len(episodes))
         if rewards is not None:
             self.add_rewards(ids, rewards)
+        self._seat(episodes)
         actions = self.actor.act(episodes, self._next(episodes, frames), None)
         self._after_step(episodes)
         return actions
@@ -155,6 +155,7 @@ class ExternalEpisodes:
         chosen = self.actions(actions, len(episodes))
         if rewards is not None:
             self.add_rewards(ids, rewards)
+        self._seat(episodes)
         self.actor.act(episodes, self._next(episodes, frames), chosen)
         for episode in episodes:
             episode.logged = True
@@ -327,8 +328,18 @@ class ExternalEpisodes:
             episode.reward = 0.0
             episode.last_seen = now
 
+    def _seat(self, episodes: list[Episode]) -> None:
+        """Gives episodes about to act for the first time a slot. Not at their start: an
+        episode started ahead of need would hold an IMPALA row half full of old steps."""
+        for episode in episodes:
+            if episode.slot is None:
+                episode.slot = self._free_slots.popleft()
+                self.actor.begin(episode)
+
     def _close(self, episode: Episode) -> None:
         del self.episodes[episode.id]
+        if episode.slot is None:
+            return
         if self.actor.reuse_freed_slots:  # next in line: its row is fresh, not left half full
             self._free_slots.appendleft(episode.slot)
         else:

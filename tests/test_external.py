@@ -187,3 +187,19 @@ def test_a_full_server_expires_idle_episodes_before_refusing_new_ones():
     assert error.value.status == 429
     clock.now += 11
     assert len(episodes.start()) == 1 and episodes.expired == 2
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_episodes_started_ahead_take_a_slot_only_when_they_act_and_expire_cleanly(algo):
+    clock = Clock()
+    episodes = make(algo, clock=clock, max_episodes=4)
+    ahead = episodes.start(3)
+    assert all(episodes.episodes[i].slot is None for i in ahead)
+    (playing,) = episodes.start()
+    episodes.act([playing], [obs(0)])
+    episodes.end([playing], [obs(1)], [True], [False], [1.0])
+    episodes.act([ahead[0]], [obs(0)])
+    if algo == "impala":  # the slot the ended episode left, with its row under way
+        assert episodes.episodes[ahead[0]].slot == 0 and episodes.actor._rows[0].t == 1
+    clock.now += 11
+    assert episodes.expire() == 3 and not episodes.episodes

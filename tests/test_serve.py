@@ -255,7 +255,7 @@ def test_a_flood_from_one_client_does_not_stop_another_from_training(served):
     for thread in floods:
         thread.start()
     try:
-        honest = subprocess.run([sys.executable, "-m", "tests.clients.cartpole", "zmq", f"127.0.0.1:{served.zmq_port}",
+        honest = subprocess.run([sys.executable, "-m", "apex.bench.cartpole_client", "zmq", f"127.0.0.1:{served.zmq_port}",
                                  "--envs", "16", "--seconds", "8", "--token", TOKEN],
                                 capture_output=True, text=True, timeout=120, check=False)
     finally:

@@ -221,9 +221,9 @@ class EpisodeActor:
     def abandon(self, episode) -> None:
         """An idle episode closed: cut at its last observation (a time limit there, worth
         gamma * V of it); the action out there is dropped."""
-        row = self._rows[episode.slot]
         if not episode.acted:
             return
+        row = self._rows[episode.slot]
         row.obs_frame.pop()
         if episode.length > 0 and row.t > 0:  # its previous step is in this row: make it the last
             row.reward[row.t - 1] += self.gamma * episode.state["value"]

@@ -13,6 +13,8 @@ start per episode. Latency is each request's round trip as the client sees it.
 from __future__ import annotations
 
 import asyncio
+import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -226,7 +228,99 @@ def _wait_up(port: int, server: subprocess.Popen, log: Path) -> None:
     raise ApexError("bench serve: apex serve did not come up within 60 s")
 
 
-def run(seconds: float = 5.0) -> dict:
+PRESETS = {"apex_dqn": "cartpole_apex", "impala": "cartpole_impala"}
+LEARN_LIMIT_S = 120.0
+
+
+def time_to_475(algo: str, transport: str, workdir: Path, limit_s: float = LEARN_LIMIT_S, servers: int = 2,
+                envs: int = 32, seed: int = 0) -> dict:
+    """Seconds from the learner's start to its stop at CartPole's 475 (None if ``limit_s``
+    came first), with local actors (``transport`` "local": `apex run`, two actors of 16
+    environments) or through `servers` `apex serve` processes ("zmq", "http"), each with one
+    client process (``apex.bench.cartpole_client``) of ``envs`` environments."""
+    logdir = workdir / f"{algo}-{transport}-{seed}"
+    port = free_base_port()
+    stops = ["--config", PRESETS[algo], "--seed", str(seed), "--stop-return", "475", "--stop-seconds", str(limit_s),
+             "--logdir", str(logdir), "--port", str(port)]
+    started = time.time()
+    if transport == "local":
+        out = subprocess.run([sys.executable, "-m", "apex", "run", *stops], capture_output=True, text=True,
+                             timeout=limit_s + 120, check=False)
+        if out.returncode != 0:
+            raise ApexError(f"bench serve: apex run failed: {out.stderr.strip().splitlines()[-1:]}")
+    else:
+        learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", *stops], stdout=subprocess.DEVNULL,
+                                   stderr=open(workdir / f"{logdir.name}-learner.log", "w"))
+        others = []
+        try:
+            for i in range(servers):
+                front = free_base_port()
+                others.append(subprocess.Popen(
+                    [sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--http",
+                     f"127.0.0.1:{front}", "--zmq", str(front + 1)],
+                    stdout=subprocess.DEVNULL, stderr=open(workdir / f"{logdir.name}-serve{i}.log", "w")))
+                address = f"127.0.0.1:{front + 1 if transport == 'zmq' else front}"
+                others.append(subprocess.Popen(
+                    [sys.executable, "-m", "apex.bench.cartpole_client", transport, address, "--envs", str(envs),
+                     "--seconds", str(limit_s + 60), "--seed", str(seed * servers + i)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            learner.wait(timeout=limit_s + 120)
+        finally:
+            for process in others:
+                process.terminate()
+            for process in [learner, *others]:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+    summary = json.loads((logdir / "summary.json").read_text())
+    reached = str(summary["stop_reason"]).startswith("return_mean_100")
+    stopped = summary["stopped_unix_s"]
+    return {"algo": algo, "transport": transport, "seed": seed, "reached": reached,
+            "seconds": round(stopped - started, 1) if reached else None,
+            "startup_s": round(summary["first_update_unix_s"] - started, 1) if summary.get("first_update_unix_s") else None,
+            "env_steps": summary["env_steps"], "env_steps_per_s": round(summary["env_steps"] / (stopped - started))}
+
+
+def _learn_table(seeds: int, workdir: Path) -> list[dict]:
+    runs = []
+    for algo in PRESETS:
+        for seed in range(seeds):
+            for transport in ("local", "zmq", "http"):
+                runs.append(time_to_475(algo, transport, workdir, seed=seed))
+                r = runs[-1]
+                outcome = "not reached" if r["seconds"] is None else f"475 in {r['seconds']} s"
+                print(f"  {algo} {transport} seed {seed}: {outcome} ({r['env_steps']:,} env steps)", flush=True)
+    rows = []
+    for algo in PRESETS:
+        local = [r["seconds"] for r in runs if r["algo"] == algo and r["transport"] == "local"]
+        for transport in ("local", "zmq", "http"):
+            group = [r for r in runs if r["algo"] == algo and r["transport"] == transport]
+            times = [r["seconds"] for r in group]
+            median = _median_or_none(times)
+            local_median = _median_or_none(local)
+            rows.append({"algo": algo, "transport": transport, "reached": sum(r["reached"] for r in group),
+                         "runs": len(group), "median_s": median,
+                         "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
+                         "env_steps": int(statistics.median(r["env_steps"] for r in group)),
+                         "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
+                         "seconds": times})
+    return rows
+
+
+def _median_or_none(times: list[float | None]) -> float | None:
+    """The median, a run that missed counting as slower than every one that did."""
+    ordered = sorted(times, key=lambda t: float("inf") if t is None else t)
+    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]
+    return None if not middle or None in middle else round(statistics.mean(middle), 1)
+
+
+def run(seconds: float = 5.0, seeds: int = 3) -> dict:
+    """Throughput (``seconds`` per scenario), then CartPole to 475 with local actors and
+    through the servers, ``seeds`` runs each (0: throughput only)."""
+    if seeds < 0:
+        raise ApexError(f"--seeds must be >= 0 for bench serve, got {seeds}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="apex-bench-serve-") as tmp:
         port, front = free_base_port(), free_base_port()
@@ -266,4 +360,16 @@ def run(seconds: float = 5.0) -> dict:
           r["p99_ms"], r["errors"]] for r in rows])
     for key, goal in GOALS.items():
         print(f"  {key}: {figures[key]:,.0f} (goal {goal:,.0f}: {'met' if figures[key] >= goal else 'missed'})")
-    return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS}
+    learning = []
+    if seeds:
+        with tempfile.TemporaryDirectory(prefix="apex-bench-serve-learn-") as tmp:
+            learning = _learn_table(seeds, Path(tmp))
+        print_table(
+            f"serve: CartPole to 475, local actors (2 x 16 envs) against 2 servers with a client of 32 envs each "
+            f"(median of {seeds}, seconds from the learner's start)",
+            ["algo", "transport", "reached", "median s", "x local", "env steps", "env steps/s", "runs s"],
+            [[r["algo"], r["transport"], f"{r['reached']}/{r['runs']}", "-" if r["median_s"] is None else r["median_s"],
+              "-" if r["ratio_to_local"] is None else r["ratio_to_local"], f"{r['env_steps']:,}",
+              f"{r['env_steps_per_s']:,}", ", ".join("-" if t is None else f"{t:g}" for t in r["seconds"])]
+             for r in learning])
+    return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS, "learning": learning}

@@ -1,13 +1,15 @@
 """A simulator that steps its own CartPoles (gymnasium's vectorised NumPy CartPole) and asks
 `apex serve` for all their actions in one request a step, over ZeroMQ (PolicyClient) or
-HTTP/JSON (HttpPolicyClient): what the serve tests run as separate processes.
+HTTP/JSON (HttpPolicyClient): the client process of `apex bench serve` and the serve tests,
+and an example to start from. It retries until the server answers.
 
-    python -m tests.clients.cartpole zmq 127.0.0.1:8001 --envs 64 --seconds 60
+    python -m apex.bench.cartpole_client zmq 127.0.0.1:8001 --envs 64 --seconds 60
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 from apex.bench.serve import play_batched
 from apex.client import HttpPolicyClient, PolicyClient
@@ -23,7 +25,16 @@ def main() -> None:
     parser.add_argument("--token")
     args = parser.parse_args()
     client_type = PolicyClient if args.transport == "zmq" else HttpPolicyClient
+    deadline = time.monotonic() + 60
     with client_type(args.address, token=args.token) as client:
+        while True:  # started with the server: wait for it
+            try:
+                client.spaces()
+                break
+            except (OSError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
         steps = play_batched(client, args.envs, args.seconds, seed=args.seed)
     print(f"steps {steps}", flush=True)
 
