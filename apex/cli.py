@@ -290,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Create CURVE key pairs in DIR: learner.key(_secret), actor.key(_secret), and "
             "authorized/actor.key. The learner (transport.curve_dir=DIR) accepts only the "
-            "public keys in DIR/authorized/. Copy learner.key and actor.key_secret to actor hosts."
+            "public keys in DIR/authorized/. Copy learner.key and actor.key_secret to actor hosts. "
+            "Also serve.key(_secret), client.key(_secret) and serve-clients/client.key for apex serve's "
+            "ZeroMQ frontend (with --curve-dir DIR) and its clients (PolicyClient(curve_dir=...))."
         ),
     )
     keygen.add_argument("dir", metavar="DIR", help="directory to create the keys in (must not hold keys yet)")
@@ -448,9 +450,10 @@ def _serve(args: argparse.Namespace) -> int:
         if not override.startswith("transport."):
             raise ApexError(f"--set {override}: apex serve takes only transport.* settings; the environment, model "
                             "and algorithm come from the learner")
-    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
-                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout)
     transport = options_from_config(_load_config(args, shorthands=False).transport)
+    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
+                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
+                           curve_dir=transport.curve_dir)
     return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
                      transport=transport)
 
@@ -518,6 +521,9 @@ def _keygen(args: argparse.Namespace) -> int:
     print(f"actor secret key (copy to every actor host):   {paths['actor_secret']}")
     print(f"learner public key (copy to every actor host): {paths['learner_public']}")
     print(f"authorised actor public keys:                  {paths['authorized']}/")
+    print(f"apex serve's ZeroMQ secret key (its host):     {paths['serve_secret']}")
+    print(f"its clients' secret key (copy to client hosts, with serve.key): {paths['client_secret']}")
+    print(f"authorised client public keys:                 {paths['serve_clients']}/")
     return 0
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import zmq
+import zmq.auth
 
 
 class PolicyServerError(Exception):
@@ -50,11 +51,19 @@ def _array(values: Any) -> dict:
 
 
 class PolicyClient:
-    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0) -> None:
-        """``address``: the server's ``--zmq``, e.g. ``tcp://10.0.0.5:8001`` (``tcp://`` may be left out)."""
+    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0,
+                 curve_dir: str | None = None) -> None:
+        """``address``: the server's ``--zmq``, e.g. ``tcp://10.0.0.5:8001`` (``tcp://`` may be
+        left out). ``curve_dir``: for a server run with ``--curve-dir``, a directory with
+        client.key_secret and serve.key (from `apex keygen`)."""
         self.address = address if "://" in address else f"tcp://{address}"
         self.token = token
         self.timeout_s = timeout_s
+        self._curve = None
+        if curve_dir is not None:
+            public, secret = zmq.auth.load_certificate(f"{curve_dir}/client.key_secret")
+            server_public, _ = zmq.auth.load_certificate(f"{curve_dir}/serve.key")
+            self._curve = (public, secret, server_public)
         self._context = zmq.Context()
         self._ids = itertools.count()
         self._unanswered: set[int] = set()  # sent with wait=False
@@ -63,6 +72,8 @@ class PolicyClient:
     def _connect(self) -> zmq.Socket:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
         sock.connect(self.address)
         return sock
 

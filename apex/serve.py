@@ -46,6 +46,7 @@ class ServeOptions:
     token: str | None = None
     max_episodes: int = 1024
     episode_timeout_s: float = 60.0
+    curve_dir: str | None = None  # CURVE on the ZeroMQ frontend too (serve.key_secret, serve-clients/)
 
 
 def read_token(token_file: str | None) -> str | None:
@@ -71,9 +72,12 @@ def check_exposure(options: ServeOptions) -> None:
     from apex.learner import is_loopback
 
     for name, address in (("--http", options.http), ("--zmq", options.zmq)):
+        if name == "--zmq" and options.curve_dir:
+            continue  # only holders of an authorised client key can connect
         if address is not None and not is_loopback(address[0]) and options.token is None:
             raise ApexError(f"{name} {address[0]}:{address[1]} listens beyond this machine: give clients a bearer "
-                            f"token with --token-file FILE or {TOKEN_ENV} (at least 16 characters)")
+                            f"token with --token-file FILE or {TOKEN_ENV} (at least 16 characters)"
+                            + (", or CURVE keys with --curve-dir DIR" if name == "--zmq" else ""))
 
 
 class Server:

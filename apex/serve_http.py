@@ -80,6 +80,8 @@ def make_app(server) -> web.Application:
             data = json.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(400, "json", f"malformed JSON: {e}") from None
+        except RecursionError:  # "[[[[..." nested past the parser's depth
+            raise RequestError(400, "json", "malformed JSON: nested too deep") from None
         if not isinstance(data, dict):
             raise RequestError(400, "json", "the body must be a JSON object")
         return data

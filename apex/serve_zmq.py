@@ -25,17 +25,44 @@ MAX_ID_CHARS = 64
 
 
 class ZmqFrontend:
-    def __init__(self, server, socket: zmq.asyncio.Socket, host: str, port: int) -> None:
+    def __init__(self, server, socket: zmq.asyncio.Socket, host: str, port: int, authenticator=None) -> None:
         self.server, self.socket, self.host, self.port = server, socket, host, port
+        self.authenticator = authenticator
         self.task = None
 
     def describe(self) -> str:
-        return f"tcp://{self.host}:{self.port} (ZeroMQ)"
+        return f"tcp://{self.host}:{self.port} (ZeroMQ{', CURVE' if self.authenticator else ''})"
 
     async def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
         self.socket.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+
+
+def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: str):
+    """Makes ``sock`` a CURVE server with serve.key_secret that lets in only the client keys
+    in serve-clients/ (as the learner does with authorized/); returns the authenticator."""
+    from pathlib import Path
+
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from apex.transport import load_keypair
+
+    directory = Path(curve_dir)
+    clients = directory / "serve-clients"
+    public, secret = load_keypair(directory / "serve.key_secret")
+    if not clients.is_dir() or not any(clients.glob("*.key")):
+        raise ApexError(f"no authorised client keys in {clients}: `apex keygen NEWDIR` makes serve.key_secret, "
+                        "client.key_secret and serve-clients/")
+    # The authenticator answers on the context's ZAP endpoint: the same (synchronous) context.
+    authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(clients))
+    sock.curve_publickey, sock.curve_secretkey = public, secret
+    sock.curve_server = True
+    return authenticator
 
 
 def decode_array(value, what: str) -> np.ndarray:
@@ -126,15 +153,23 @@ async def start(server, host: str, port: int) -> ZmqFrontend:
     frame_bytes = math.prod(spec.frame_shape) * 8  # float64 observations at most
     sock.setsockopt(zmq.MAXMSGSIZE, server.options.max_episodes * frame_bytes * 2 + (1 << 20))
     sock.setsockopt(zmq.SNDHWM, 1000)
+    authenticator = None
     try:
+        if server.options.curve_dir:
+            authenticator = _curve(context, sock, server.options.curve_dir)
         if port == 0:
             port = sock.bind_to_random_port(f"tcp://{host}")
         else:
             sock.bind(f"tcp://{host}:{port}")
     except zmq.ZMQError as e:
         sock.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
         raise ApexError(f"--zmq {host}:{port}: cannot listen there ({e}); choose another port") from None
-    frontend = ZmqFrontend(server, sock, host, port)
+    except ApexError:
+        sock.close(linger=0)
+        raise
+    frontend = ZmqFrontend(server, sock, host, port, authenticator)
     handler = Handler(server)
 
     async def loop() -> None:

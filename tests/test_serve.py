@@ -147,6 +147,9 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
     cases = [
         ("POST", action, "{not json", 400, "malformed JSON"),
         ("POST", action, "[1, 2]", 400, "JSON object"),
+        ("POST", action, "[" * 100_000, 400, "nested too deep"),
+        ("POST", action, {"observation": {"x": 1}}, 400, "does not match"),
+        ("POST", action, {"observation": [[0.0], 0.0, 0.0, 0.0]}, 400, "not an array of numbers"),
         ("POST", action, {}, 400, "missing 'observation'"),
         ("POST", action, {"observation": [0.0, 0.0, 0.0]}, 400, "does not match the run's [4]"),
         ("POST", action, {"observation": [[0.0] * 4] * 2}, 400, "does not match"),
@@ -296,3 +299,31 @@ def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
         assert served.health()["env_steps"] == steps
     finally:
         stop(served)
+
+
+def test_zmq_with_curve_lets_in_only_clients_with_an_authorised_key(tmp_path):
+    for name in ("keys", "other"):
+        assert subprocess.run([sys.executable, "-m", "apex", "keygen", str(tmp_path / name)], capture_output=True,
+                              check=False).returncode == 0
+    keys = str(tmp_path / "keys")
+    port, front = free_base_port(), free_base_port()
+    learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", "--port", str(port), "--curve-dir", keys,
+                                "--logdir", str(tmp_path / "run"), "--stop-seconds", "120", *FAST],
+                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
+    serve = subprocess.Popen([sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--curve-dir",
+                              keys, "--http", "off", "--zmq", str(front), *FAST[:4]],
+                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
+    try:
+        with PolicyClient(f"127.0.0.1:{front}", curve_dir=keys, timeout_s=60) as client:
+            assert client.spaces()["action"] == {"type": "Discrete", "n": 2}
+            (episode,) = client.start_episodes(1)
+            assert client.get_actions([episode], [[0.0] * 4]).shape == (1,)
+        for curve_dir in (None, str(tmp_path / "other")):  # no keys, or keys the server does not know
+            with PolicyClient(f"127.0.0.1:{front}", curve_dir=curve_dir, timeout_s=2) as client:
+                with pytest.raises(TimeoutError):
+                    client.spaces()
+        assert "CURVE" in (tmp_path / "serve.log").read_text()
+    finally:
+        for process in (serve, learner):
+            process.terminate()
+        kill_leftovers([serve, learner])
