@@ -24,6 +24,7 @@ import numpy as np
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError
+from apex.schema import UNKNOWN_STEP_LIMIT
 
 MAX_EPISODE_ID_CHARS = 64
 
@@ -57,7 +58,7 @@ class Episode:
 def episode_record(episode: Episode, is_eval: bool) -> list:
     """[return, length, is_eval] of an episode whose final step's reward is ``episode.reward``,
     as actors report finished episodes to the learner."""
-    return [episode.episode_return + episode.reward, episode.length + 1, bool(is_eval)]
+    return [float(episode.episode_return + episode.reward), episode.length + 1, bool(is_eval)]
 
 
 def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict:
@@ -104,6 +105,9 @@ class ExternalEpisodes:
         self._high = np.broadcast_to(np.asarray(high, np.float64), spec.frame_shape)
         self._bounded = bool(np.isfinite(self._low).any() or np.isfinite(self._high).any())
         self.spaces = describe_spaces(spec, low, high)
+        # The learner refuses a batch that reports an episode longer than this (the env's time
+        # limit): an episode is stopped at it, not allowed to spoil the batch it would end in.
+        self.step_limit = spec.max_episode_steps or UNKNOWN_STEP_LIMIT
         self.started = 0
         self.finished = 0
         self.expired = 0
@@ -135,6 +139,7 @@ class ExternalEpisodes:
         """The policy's actions for these episodes' current observations; ``rewards``, when
         given, are added to each episode's step under way first (one request a step)."""
         episodes = self._episodes(ids)
+        self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
         if rewards is not None:
             self.add_rewards(ids, rewards)
@@ -151,6 +156,7 @@ class ExternalEpisodes:
             raise RequestError(409, "log_action",
                                f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
                                "probabilities; ask for actions (action), or run the learner with algo apex_dqn")
+        self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
         chosen = self.actions(actions, len(episodes))
         if rewards is not None:
@@ -212,6 +218,12 @@ class ExternalEpisodes:
         return self.actor.take(flush)
 
     # -- checks (before any state changes)
+
+    def _within_limit(self, episodes: list[Episode]) -> None:
+        for episode in episodes:
+            if episode.acted and episode.length + 1 >= self.step_limit:
+                raise RequestError(409, "step_limit", f"episode {episode.id} has played {episode.length + 1} steps, "
+                                   f"the run's time limit (env.max_episode_steps): end it with truncated true")
 
     def _episodes(self, ids: Any) -> list[Episode]:
         if isinstance(ids, str):

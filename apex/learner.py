@@ -26,13 +26,12 @@ from apex.malloc import keep_large_blocks
 from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_json_atomic
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
-from apex.schema import check_episodes
+from apex.schema import UNKNOWN_STEP_LIMIT, check_episodes
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, options_from_config
 
 log = logging.getLogger(__name__)
 
 INGEST_GROUP = 8  # batches already waiting that are inserted together
-UNKNOWN_STEP_LIMIT = 100_000  # episode length bound for environments without a time limit
 
 
 def all_finite(arrays: dict[str, np.ndarray]) -> bool:

@@ -219,6 +219,9 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
                               f"[{low:g}, {high:g}] (min {array.min()}, max {array.max()})")
 
 
+UNKNOWN_STEP_LIMIT = 100_000  # episode length bound for environments without a time limit
+
+
 def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_reward: float,
                    step_budget: int) -> tuple[list[tuple[float, int, bool]], int]:
     """The episode records of a batch's ``info`` ({"episodes": [[return, length, is_eval],

@@ -203,3 +203,20 @@ def test_episodes_started_ahead_take_a_slot_only_when_they_act_and_expire_cleanl
         assert episodes.episodes[ahead[0]].slot == 0 and episodes.actor._rows[0].t == 1
     clock.now += 11
     assert episodes.expire() == 3 and not episodes.episodes
+
+
+def test_an_episode_is_stopped_at_the_envs_time_limit_so_that_the_learner_takes_its_batch():
+    episodes = make("apex_dqn", **{"env.max_episode_steps": 5})
+    (episode_id,) = episodes.start()
+    for t in range(5):
+        episodes.act([episode_id], [obs(t)], None if t == 0 else [1.0])
+    with pytest.raises(RequestError, match="time limit") as error:
+        episodes.act([episode_id], [obs(5)], [1.0])
+    assert error.value.status == 409
+    episodes.end([episode_id], [obs(5)], [False], [True], [1.0])
+    ((batch, records),) = episodes.take(flush=True)
+    assert records[0][1] == 5  # within the learner's 1..step_limit
+    from apex.schema import check_episodes
+
+    check_episodes({"episodes": records}, max_episodes=len(batch["action"]), step_limit=5, max_abs_reward=1e6,
+                   step_budget=len(batch["action"]))
