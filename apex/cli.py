@@ -397,8 +397,10 @@ def _learner(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def _actor(args: argparse.Namespace) -> int:
-    from apex.actor import run_actor
+def _learner_link(args: argparse.Namespace, who: str):
+    """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
+    (--learner HOST[:PORT]), --num-envs, and transport options (only transport.* may be set).
+    Returns (host, port, TransportOptions)."""
     from apex.transport import DEFAULT_PORT, options_from_config
 
     if not args.learner:
@@ -412,9 +414,15 @@ def _actor(args: argparse.Namespace) -> int:
         raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
     for override in args.overrides:
         if not override.startswith("transport."):
-            raise ApexError(f"--set {override}: an actor takes only transport.* settings; the environment, model and "
+            raise ApexError(f"--set {override}: {who} takes only transport.* settings; the environment, model and "
                             "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
-    options = options_from_config(_load_config(args, shorthands=False).transport)
+    return host, port, options_from_config(_load_config(args, shorthands=False).transport)
+
+
+def _actor(args: argparse.Namespace) -> int:
+    from apex.actor import run_actor
+
+    host, port, options = _learner_link(args, "an actor")
     return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
 
 
@@ -431,11 +439,8 @@ def _address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str
 
 def _serve(args: argparse.Namespace) -> int:
     from apex.serve import ServeOptions, read_token, run_serve
-    from apex.transport import DEFAULT_PORT, options_from_config
 
-    if not args.learner:
-        raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
-    learner_host, port = _address("--learner", args.learner if ":" in args.learner else f"{args.learner}:{DEFAULT_PORT}")
+    learner_host, port, transport = _learner_link(args, "apex serve")
     http = None if args.http in ("off", "none", "") else _address("--http", args.http)
     zmq_address = None if args.zmq is None else _address("--zmq", args.zmq if ":" in args.zmq else f":{args.zmq}")
     if http is None and zmq_address is None:
@@ -444,13 +449,6 @@ def _serve(args: argparse.Namespace) -> int:
         raise ApexError(f"--max-episodes must be >= 1, got {args.max_episodes}")
     if not args.episode_timeout > 0:
         raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
-    if args.num_envs is not None and args.num_envs < 1:
-        raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
-    for override in args.overrides:
-        if not override.startswith("transport."):
-            raise ApexError(f"--set {override}: apex serve takes only transport.* settings; the environment, model "
-                            "and algorithm come from the learner")
-    transport = options_from_config(_load_config(args, shorthands=False).transport)
     options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
                            max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
                            curve_dir=transport.curve_dir)

@@ -142,7 +142,7 @@ class ExternalEpisodes:
         self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
         if rewards is not None:
-            self.add_rewards(ids, rewards)
+            self._add_rewards(episodes, rewards)
         self._seat(episodes)
         actions = self.actor.act(episodes, self._next(episodes, frames), None)
         self._after_step(episodes)
@@ -160,7 +160,7 @@ class ExternalEpisodes:
         frames = self.frames(observations, len(episodes))
         chosen = self.actions(actions, len(episodes))
         if rewards is not None:
-            self.add_rewards(ids, rewards)
+            self._add_rewards(episodes, rewards)
         self._seat(episodes)
         self.actor.act(episodes, self._next(episodes, frames), chosen)
         for episode in episodes:
@@ -169,7 +169,9 @@ class ExternalEpisodes:
 
     def add_rewards(self, ids: list, rewards: Any) -> None:
         """Adds each reward to its episode's step under way (several calls a step add up)."""
-        episodes = self._episodes(ids)
+        self._add_rewards(self._episodes(ids), rewards)
+
+    def _add_rewards(self, episodes: list[Episode], rewards: Any) -> None:
         values = self._rewards(rewards, len(episodes))
         for episode, reward in zip(episodes, values):
             if not episode.acted and reward != 0:
@@ -191,7 +193,7 @@ class ExternalEpisodes:
         term = self._flags(terminated, len(episodes), "terminated")
         trunc = self._flags(truncated, len(episodes), "truncated")
         if rewards is not None:
-            self.add_rewards(ids, rewards)
+            self._add_rewards(episodes, rewards)
         acted = [i for i, e in enumerate(episodes) if e.acted]
         if acted:
             chosen = [episodes[i] for i in acted]

@@ -53,9 +53,10 @@ def read_token(token_file: str | None) -> str | None:
     """The bearer token from ``token_file`` (its first line) or APEX_SERVE_TOKEN; None if neither."""
     if token_file:
         try:
-            token = Path(token_file).read_text().strip().splitlines()[0].strip() if Path(token_file).stat().st_size else ""
-        except OSError as e:
-            raise ApexError(f"--token-file {token_file}: {e.strerror}") from None
+            lines = Path(token_file).read_text().strip().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ApexError(f"--token-file {token_file}: {getattr(e, 'strerror', None) or e}") from None
+        token = lines[0].strip() if lines else ""
         if len(token) < 16:
             raise ApexError(f"--token-file {token_file}: the token must be at least 16 characters on its first line "
                             "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)")

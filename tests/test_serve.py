@@ -217,6 +217,9 @@ def test_each_hostile_zmq_request_gets_its_error(served):
         (msgpack.packb({**request, "episode_ids": ["nope"], "observations": array}), 404, "no open episode"),
         (msgpack.packb({**request, "episode_ids": "x" * 10_000, "observations": array}), 404, "no open episode"),
         (msgpack.packb({**request, "observations": array, "rewards": [float("nan")]}), 400, "finite"),
+        (msgpack.packb({"op": "start", "token": TOKEN, "count": 10**12}), 429, "--max-episodes"),
+        (msgpack.packb({"op": "start", "token": TOKEN, "count": -1}), 400, "positive integer"),
+        (msgpack.packb({**request, "episode_ids": ["x"] * 5000, "observations": array}), 400, "at most"),
     ]
     for payload, status, words in cases:
         reply = raw_zmq(served, [payload])
@@ -282,10 +285,11 @@ def test_serving_beyond_loopback_needs_a_token(tmp_path):
                          capture_output=True, text=True, timeout=60, check=False, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and "--token-file" in out.stderr, out.stderr
-    (tmp_path / "short").write_text("abc\n")
-    out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--token-file",
-                          str(tmp_path / "short")], capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 2 and "at least 16 characters" in out.stderr, out.stderr
+    for text in ("abc\n", "  \n\n"):  # too short, or only blanks
+        (tmp_path / "short").write_text(text)
+        out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--token-file",
+                              str(tmp_path / "short")], capture_output=True, text=True, timeout=60, check=False)
+        assert out.returncode == 2 and "at least 16 characters" in out.stderr, out.stderr
 
 
 def test_impala_refuses_logged_actions_with_a_reason(tmp_path):

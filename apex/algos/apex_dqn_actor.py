@@ -153,6 +153,12 @@ class NStepChunker:
         return chunk
 
 
+def make_chunker(config: Config, stack: int) -> NStepChunker:
+    """One environment's (or external episode's) chunker, as the run's config says."""
+    return NStepChunker(stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
+                        clip_rewards=config.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
+
+
 def merge_chunks(chunks: list[dict]) -> dict:
     """Concatenates chunks into one batch, offsetting frame indices."""
     if len(chunks) == 1:
@@ -178,11 +184,7 @@ class Actor:
         self.spec = self.envs.spec
         self.net = q_network(self.spec, config.model)
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
-        self.chunkers = [
-            NStepChunker(self.spec.stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
-                         clip_rewards=config.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
-            for _ in range(self.num_envs)
-        ]
+        self.chunkers = [make_chunker(config, self.spec.stack) for _ in range(self.num_envs)]
         self.rng = np.random.default_rng(seed)
         self.steps = 0  # vector steps taken
         self.weights_version = -1
@@ -274,10 +276,7 @@ class EpisodeActor:
 
     def begin(self, episode) -> None:
         rung = episode.slot % len(self.epsilons)
-        learner = self.config.learner
-        chunker = NStepChunker(self.spec.stack, learner.n_step, learner.gamma, self.config.actor.chunk_transitions,
-                               clip_rewards=self.config.is_atari and self.config.env.clip_rewards,
-                               reward_scale=self.config.env.reward_scale)
+        chunker = make_chunker(self.config, self.spec.stack)
         episode.state = _ExternalEpisode(chunker, float(self.epsilons[rung]), bool(self.eval_mask[rung]))
 
     def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:

@@ -17,6 +17,20 @@ from apex.inference import log_probs, policy_value_network
 from apex.protocol import Message
 
 
+def sample(rng: np.random.Generator, log_policies: list[np.ndarray],
+           nvec: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
+    """a ~ pi (Gumbel-max, per component) and log pi(a): [B] or [B, components], and [B]."""
+    rows = np.arange(len(log_policies[0]))
+    picks = [np.argmax(lp + rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
+    logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
+    return (picks[0] if nvec is None else np.stack(picks, axis=1)), logp
+
+
+def train_reward(reward, config: Config):
+    """The reward trained on: sign-clipped for Atari when env.clip_rewards, times env.reward_scale."""
+    return (np.sign(reward) if config.is_atari and config.env.clip_rewards else reward) * config.env.reward_scale
+
+
 class Actor:
     def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
         """``tick`` keeps the connection alive while the environments are made."""
@@ -27,7 +41,6 @@ class Actor:
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.rng = np.random.default_rng(seed)
         self.gamma = config.learner.gamma
-        self.clip_rewards = config.is_atari and config.env.clip_rewards
         T, K = config.impala.unroll_length, self.num_envs
         self.action = np.zeros((K, T, *self.spec.action_shape), np.int64)
         self.reward = np.zeros((K, T), np.float32)
@@ -59,16 +72,9 @@ class Actor:
         logits, values = self.net(obs)
         return log_probs(logits, self.spec.action_nvec), values
 
-    def _sample(self, log_policies: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """a ~ pi (Gumbel-max, per component) and log pi(a): [K] or [K, components], and [K]."""
-        rows = np.arange(self.num_envs)
-        picks = [np.argmax(lp + self.rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
-        logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
-        return (picks[0] if self.spec.action_nvec is None else np.stack(picks, axis=1)), logp
-
     def act(self) -> tuple[dict | None, list[list]]:
         log_policies, _ = self._forward(self.stacker.obs)
-        actions, logp = self._sample(log_policies)
+        actions, logp = sample(self.rng, log_policies, self.spec.action_nvec)
         K, t = self.num_envs, self.t
         self.action[:, t] = actions
         self.behaviour_logp[:, t] = logp
@@ -76,7 +82,7 @@ class Actor:
         self.steps += 1
         self._returns += rewards
         self._lengths += 1
-        train_rewards = (np.sign(rewards) if self.clip_rewards else rewards) * self.config.env.reward_scale
+        train_rewards = train_reward(rewards, self.config)
         discount = np.where(terminated | truncated, 0.0, self.gamma)
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
@@ -171,25 +177,17 @@ class EpisodeActor:
         if episode.slot not in self._rows:
             self._rows[episode.slot] = _Row(self.T, self.spec.action_shape)
 
-    def _train_reward(self, reward: float) -> float:
-        clip = self.config.is_atari and self.config.env.clip_rewards
-        return (float(np.sign(reward)) if clip else reward) * self.config.env.reward_scale
-
     def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         if chosen is not None:
             raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
         logits, values = self.net(obs)
-        log_policies = log_probs(logits, self.spec.action_nvec)
-        rows = np.arange(len(episodes))
-        picks = [np.argmax(lp + self.rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
-        logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
-        actions = picks[0] if self.spec.action_nvec is None else np.stack(picks, axis=1)
+        actions, logp = sample(self.rng, log_probs(logits, self.spec.action_nvec), self.spec.action_nvec)
         stack = self.spec.stack
         for i, episode in enumerate(episodes):
             row = self._rows[episode.slot]
             frame = obs[i, -1]
             if episode.acted:  # the outcome of its step t, then its next observation
-                self._finish_step(row, self._train_reward(episode.reward), self.gamma)
+                self._finish_step(row, float(train_reward(episode.reward, self.config)), self.gamma)
                 row.frames.append(frame)
                 row.obs_frame.append(row.obs_frame[-1] + 1)
             else:  # a new episode's first observation (a full stack of it)
@@ -210,7 +208,7 @@ class EpisodeActor:
         for i, episode in enumerate(episodes):
             row = self._rows[episode.slot]
             # a time limit: the future is worth gamma * V(final observation), as a local actor does
-            reward = self._train_reward(episode.reward) + self.gamma * float(final_values.get(i, 0.0))
+            reward = float(train_reward(episode.reward, self.config)) + self.gamma * float(final_values.get(i, 0.0))
             self._finish_step(row, reward, 0.0)
             row.records.append(episode_record(episode, True))
             if row.t == self.T:  # complete but for its bootstrap step, which discount 0 ignores

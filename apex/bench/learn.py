@@ -12,7 +12,6 @@ env steps with the threshold drawn.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import statistics
 import subprocess
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from apex.bench.timing import print_table
+from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 
@@ -196,12 +195,6 @@ def _median(values: list) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-def _median_time(times: list[float | None]) -> float | None:
-    ordered = sorted(times, key=lambda t: math.inf if t is None else t)
-    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]  # one value, or the two around the middle
-    return None if None in middle else round(statistics.mean(middle), 2)
-
-
 def _summarise(runs: list[dict]) -> list[dict]:
     """Medians over seeds per (task, algo). A seed that did not reach the threshold counts
     as slower than every one that did: the median time is None when half or more missed."""
@@ -212,7 +205,7 @@ def _summarise(runs: list[dict]) -> list[dict]:
         "task": task, "algo": algo, "threshold": group[0]["threshold"], "runs": len(group),
         "target_s": TASKS[task].target_s[algo],
         "reached": sum(r["reached"] for r in group),
-        "time_to_threshold_s": _median_time([r["time_to_threshold_s"] for r in group]),
+        "time_to_threshold_s": median_time([r["time_to_threshold_s"] for r in group]),
         **{key: _median([r[key] for r in group]) for key in (
             "startup_s", "env_steps", "final_return", "best_return",
             "env_steps_per_s", "updates_per_s")},

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from apex.bench.timing import print_table
+from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 
@@ -298,8 +298,8 @@ def _learn_table(seeds: int, workdir: Path) -> list[dict]:
         for transport in ("local", "zmq", "http"):
             group = [r for r in runs if r["algo"] == algo and r["transport"] == transport]
             times = [r["seconds"] for r in group]
-            median = _median_or_none(times)
-            local_median = _median_or_none(local)
+            median = median_time(times)
+            local_median = median_time(local)
             rows.append({"algo": algo, "transport": transport, "reached": sum(r["reached"] for r in group),
                          "runs": len(group), "median_s": median,
                          "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
@@ -307,13 +307,6 @@ def _learn_table(seeds: int, workdir: Path) -> list[dict]:
                          "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
                          "seconds": times})
     return rows
-
-
-def _median_or_none(times: list[float | None]) -> float | None:
-    """The median, a run that missed counting as slower than every one that did."""
-    ordered = sorted(times, key=lambda t: float("inf") if t is None else t)
-    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]
-    return None if not middle or None in middle else round(statistics.mean(middle), 1)
 
 
 def run(seconds: float = 5.0, seeds: int = 3) -> dict:

@@ -79,3 +79,14 @@ def _fmt(value: object) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def median_time(times: list[float | None]) -> float | None:
+    """The median of runs' times to a threshold, a run that missed (None) counting as slower
+    than every one that reached it: None when half or more missed."""
+    import math
+    import statistics
+
+    ordered = sorted(times, key=lambda t: math.inf if t is None else t)
+    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]  # one value, or the two around the middle
+    return None if not middle or None in middle else round(statistics.mean(middle), 2)
