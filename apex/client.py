@@ -189,8 +189,15 @@ class HttpPolicyClient:
         self.host, self.port, self.timeout_s = host, int(port), timeout_s
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        self._deferred_end: dict | None = None  # end_episodes(wait=False): goes with the next request
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        if self._deferred_end is not None:
+            deferred, self._deferred_end = self._deferred_end, None
+            if path == "/v1/batch/action":  # one round trip: the server ends them, then acts
+                body = {**(body or {}), "end": deferred}
+            else:
+                self.request("POST", "/v1/batch/end", deferred)
         payload = None if body is None else json.dumps(body)
         for attempt in (0, 1):  # a keep-alive connection the server closed is opened again, once
             try:
@@ -258,14 +265,26 @@ class HttpPolicyClient:
                                                    "rewards": np.asarray(rewards, np.float64).tolist()})
 
     def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
-                     rewards: Any = None) -> None:
+                     rewards: Any = None, wait: bool = True) -> None:
+        """``wait=False``: sent with the next request instead (inside the next ``get_actions``,
+        whose request is then checked whole, so that a refusal of either part raises there and
+        neither applies), saving a round trip on the steps where episodes end."""
         body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
                 "terminated": [bool(t) for t in terminated], "truncated": [bool(t) for t in truncated],
                 **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
-        self.request("POST", "/v1/batch/end", body)
+        if wait or self._deferred_end is not None:  # one deferred at a time: the older goes first
+            self.request("POST", "/v1/batch/end", body)
+        else:
+            self._deferred_end = body
 
     def close(self) -> None:
-        self._connection.close()
+        """Sends an end still deferred (``end_episodes(wait=False)``), then closes."""
+        try:
+            if self._deferred_end is not None:
+                deferred, self._deferred_end = self._deferred_end, None
+                self.request("POST", "/v1/batch/end", deferred)
+        finally:
+            self._connection.close()
 
     def __enter__(self) -> HttpPolicyClient:
         return self

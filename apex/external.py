@@ -135,14 +135,24 @@ class ExternalEpisodes:
         self.started += count
         return ids
 
-    def act(self, ids: list, observations: Any, rewards: Any = None) -> np.ndarray:
+    def act(self, ids: list, observations: Any, rewards: Any = None, ended: Any = None) -> np.ndarray:
         """The policy's actions for these episodes' current observations; ``rewards``, when
-        given, are added to each episode's step under way first (one request a step)."""
+        given, are added to each episode's step under way first (one request a step).
+        ``ended``: episodes that ended since the last request, as ``end`` takes them (a map of
+        its arguments: episode_ids, observations, terminated, truncated, rewards), ended
+        first, so that a vectorised simulator needs one round trip a step. The whole request
+        is checked before either part changes anything."""
+        closing = self._checked_end(**self._end_fields(ended)) if ended is not None else None
         episodes = self._episodes(ids)
+        if closing is not None and not {id(e) for e in episodes}.isdisjoint(id(e) for e in closing[0]):
+            raise RequestError(400, "fields", "an episode id is both in end and asking for an action")
         self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
-        if rewards is not None:
-            self._add_rewards(episodes, rewards)
+        values = None if rewards is None else self._checked_rewards(episodes, rewards)
+        if closing is not None:
+            self._end_checked(*closing)
+        if values is not None:
+            self._apply_rewards(episodes, values)
         self._seat(episodes)
         actions = self.actor.act(episodes, self._next(episodes, frames), None)
         self._after_step(episodes)
@@ -172,6 +182,9 @@ class ExternalEpisodes:
         self._add_rewards(self._episodes(ids), rewards)
 
     def _add_rewards(self, episodes: list[Episode], rewards: Any) -> None:
+        self._apply_rewards(episodes, self._checked_rewards(episodes, rewards))
+
+    def _checked_rewards(self, episodes: list[Episode], rewards: Any) -> np.ndarray:
         values = self._rewards(rewards, len(episodes))
         for episode, reward in zip(episodes, values):
             if not episode.acted and reward != 0:
@@ -181,19 +194,31 @@ class ExternalEpisodes:
             if abs(total) > self.max_abs_reward:
                 raise RequestError(400, "reward", f"episode {episode.id}: this step's reward {total:g} exceeds "
                                    f"transport.max_abs_reward ({self.max_abs_reward:g})")
+        return values
+
+    def _apply_rewards(self, episodes: list[Episode], values: np.ndarray) -> None:
+        now = self.clock()
         for episode, reward in zip(episodes, values):
             episode.reward += reward
-            episode.last_seen = self.clock()
+            episode.last_seen = now
 
     def end(self, ids: list, observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> None:
         """Ends these episodes at their final observations: ``terminated`` (no future to
         bootstrap) or ``truncated`` (a time limit: the future is the policy's own estimate)."""
+        self._end_checked(*self._checked_end(ids, observations, terminated, truncated, rewards))
+
+    def _checked_end(self, ids: Any, observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> tuple:
         episodes = self._episodes(ids)
         frames = self.frames(observations, len(episodes))
         term = self._flags(terminated, len(episodes), "terminated")
         trunc = self._flags(truncated, len(episodes), "truncated")
+        values = None if rewards is None else self._checked_rewards(episodes, rewards)
+        return episodes, frames, term, trunc, values
+
+    def _end_checked(self, episodes: list[Episode], frames: np.ndarray, term: np.ndarray, trunc: np.ndarray,
+                     rewards: np.ndarray | None) -> None:
         if rewards is not None:
-            self._add_rewards(episodes, rewards)
+            self._apply_rewards(episodes, rewards)
         acted = [i for i, e in enumerate(episodes) if e.acted]
         if acted:
             chosen = [episodes[i] for i in acted]
@@ -202,6 +227,17 @@ class ExternalEpisodes:
         for episode in episodes:
             self._close(episode)
         self.finished += len(episodes)
+
+    @staticmethod
+    def _end_fields(ended: Any) -> dict:
+        """An act request's ``end`` map as ``end``'s arguments."""
+        known = {"episode_ids", "observations", "terminated", "truncated", "rewards"}
+        if not isinstance(ended, dict) or not {"episode_ids", "observations"} <= ended.keys() or ended.keys() - known:
+            raise RequestError(400, "fields", "end must be a map of episode_ids and observations, with terminated, "
+                               "truncated and rewards if given, as the end request takes them")
+        return {"ids": ended["episode_ids"], "observations": ended["observations"],
+                "terminated": ended.get("terminated", False), "truncated": ended.get("truncated", False),
+                "rewards": ended.get("rewards")}
 
     def expire(self) -> int:
         """Closes the episodes idle for longer than the timeout; what they played up to their

@@ -136,7 +136,8 @@ def make_app(server) -> web.Application:
     async def batch_action(request):
         data = await body(request)
         await server.wait_for_room()
-        actions = server.call("act", need(data, "episode_ids"), need(data, "observations"), data.get("rewards"))
+        actions = server.call("act", need(data, "episode_ids"), need(data, "observations"), data.get("rewards"),
+                              data.get("end"))
         return web.json_response({"actions": actions.tolist()})
 
     async def batch_log_action(request):

@@ -133,7 +133,10 @@ class Handler:
         observations = decode_array(request.get("observations"), "observations")
         await server.wait_for_room()
         if op == "act":
-            actions = server.call("act", ids, observations, rewards)
+            ended = request.get("end")
+            if isinstance(ended, dict) and "observations" in ended:
+                ended = {**ended, "observations": decode_array(ended["observations"], "end.observations")}
+            actions = server.call("act", ids, observations, rewards, ended)
             return {"actions": actions.tolist()}
         if op == "log_action":
             server.call("log_action", ids, observations, decode_array(request.get("actions"), "actions"), rewards)

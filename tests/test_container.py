@@ -169,11 +169,12 @@ def base_images(engine, say):
 
 @pytest.fixture(scope="module")
 def wheelhouse(engine, say) -> Path:
-    """Every wheel the image needs (apex's dependencies with the Dockerfile's default extra,
+    """Every wheel the image needs (apex's dependencies with the Dockerfile's default extras,
     torch pinned by constraints.txt, and the build requirements), from the host's pip."""
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+ (tomllib)")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    requirements = sorted([*project["project"]["dependencies"], *project["project"]["optional-dependencies"]["atari"],
+    extras = project["project"]["optional-dependencies"]
+    requirements = sorted([*project["project"]["dependencies"], *extras["atari"], *extras["serve"],
                            *project["build-system"]["requires"], "wheel"])
     constraints = (ROOT / "constraints.txt").read_text()
 
@@ -226,7 +227,8 @@ def test_image_runs_apex(image, say):
         assert "usage: apex" in help_text
         # The non-root user, and the native extension and torch in the venv the build made.
         probe = docker("run", "--rm", "--entrypoint", "python", image, "-c",
-                       "import os, torch, apex.native; print(os.getuid(), torch.__version__)").stdout.split()
+                       "import os, torch, apex.native, apex.algos.impala, apex.serve_http; "
+                       "print(os.getuid(), torch.__version__)").stdout.split()
     assert probe[0] == "10001"
     assert probe[1].startswith("2.13.0")
 

@@ -156,6 +156,64 @@ def test_bad_requests_are_refused_before_anything_changes(algo):
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_an_act_request_that_carries_ends_makes_what_separate_requests_make(algo):
+    """One round trip a step: episodes ended inside the next act request give the same data
+    as an end request followed by an act request."""
+    def run(combined: bool):
+        episodes = make(algo)
+        a, b = episodes.start(2)
+        for t in range(3):
+            episodes.act([a, b], [obs(t), obs(5 + t)], None if t == 0 else [1.0, 2.0])
+        c = episodes.start()[0]
+        ended = {"episode_ids": [a], "observations": [obs(3)], "terminated": [True], "rewards": [4.0]}
+        if combined:
+            episodes.act([b, c], [obs(8), obs(20)], [2.0, 0.0], ended=ended)
+        else:
+            episodes.end([a], [obs(3)], [True], [False], [4.0])
+            episodes.act([b, c], [obs(8), obs(20)], [2.0, 0.0])
+        episodes.end([b, c], [obs(9), obs(21)], False, True, [3.0, 1.0])
+        return episodes, episodes.take(flush=True)
+
+    separate, expected = run(False)
+    together, got = run(True)
+    assert (together.steps, together.finished) == (separate.steps, separate.finished) == (8, 3)
+    assert [records for _, records in got] == [records for _, records in expected]
+    for (batch, _), (want, _) in zip(got, expected, strict=True):
+        validate(algo, together, batch)
+        assert batch.keys() == want.keys()
+        for name in want:
+            if name != "behaviour_logits":  # IMPALA's policy output: the same weights, the same logits
+                np.testing.assert_allclose(batch[name], want[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_an_act_request_with_ends_is_refused_whole(algo):
+    episodes = make(algo)
+    a, b = episodes.start(2)
+    episodes.act([a, b], [obs(0), obs(1)])
+    before = (episodes.steps, episodes.finished, len(episodes.episodes))
+    end_a = {"episode_ids": [a], "observations": [obs(2)], "terminated": [True]}
+    cases = [
+        (lambda: episodes.act([b], [[0.0, 0.0]], ended=end_a), 400, "shape"),  # a bad act part: a does not end
+        (lambda: episodes.act([b], [obs(2)], ended={**end_a, "observations": [[9.0, 0, 0, 0]]}), 400, "outside"),
+        (lambda: episodes.act([b], [obs(2)], ended={**end_a, "episode_ids": ["nope"]}), 404, "no open episode"),
+        (lambda: episodes.act([a], [obs(2)], ended=end_a), 400, "both in end"),
+        (lambda: episodes.act([b], [obs(2)], ended={**end_a, "terminated": ["yes"]}), 400, "terminated"),
+        (lambda: episodes.act([b], [obs(2)], ended={**end_a, "rewards": [1e9]}), 400, "max_abs_reward"),
+        (lambda: episodes.act([b], [obs(2)], ended={**end_a, "extra": 1}), 400, "end must be a map"),
+        (lambda: episodes.act([b], [obs(2)], ended=[a]), 400, "end must be a map"),
+        (lambda: episodes.act([b], [obs(2)], ended={"episode_ids": [a]}), 400, "end must be a map"),
+    ]
+    for call, status, words in cases:
+        with pytest.raises(RequestError, match=words) as error:
+            call()
+        assert error.value.status == status
+        assert (episodes.steps, episodes.finished, len(episodes.episodes)) == before
+    episodes.act([b], [obs(2)], [1.0], ended=end_a)
+    assert (episodes.steps, episodes.finished, list(episodes.episodes)) == (2, 1, [b])
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_idle_episodes_expire_keeping_what_they_played(algo):
     clock = Clock()
     episodes = make(algo, clock=clock, max_episodes=2)

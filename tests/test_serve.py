@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
@@ -183,6 +184,46 @@ def test_an_idle_episode_expires_and_is_404_after(served):
     wait_for(lambda: served.health()["episodes_expired"] > expired, 10, "the idle episode to expire")
     status, reply = served.http("POST", f"/v1/episodes/{episode}/action", {"observation": [0.0] * 4})
     assert status == 404 and "expired" in reply["error"]
+
+
+def test_ends_ride_inside_the_next_act_request_over_both_transports(served):
+    """One round trip a step: a deferred end goes inside the next act request, and an act
+    request whose end part is bad is refused whole (neither part applies)."""
+    from apex.client import HttpPolicyClient
+
+    with HttpPolicyClient(f"127.0.0.1:{served.http_port}", token=TOKEN) as client:
+        a, b, c = client.start_episodes(3)
+        client.get_actions([a, b], [[0.0] * 4, [0.01] * 4])
+        before = served.health()
+        client.end_episodes([a], [[0.02] * 4], [True], [False], [1.0], wait=False)
+        assert served.health()["episodes_finished"] == before["episodes_finished"]  # held for the next request
+        client.get_actions([b, c], [[0.02] * 4, [0.0] * 4], [1.0, 0.0])
+        after = served.health()
+        assert after["requests"] - before["requests"] == 1  # one act request (health checks are not counted)
+        assert after["episodes_finished"] - before["episodes_finished"] == 1
+        assert after["env_steps"] - before["env_steps"] == 2  # a's last step and b's
+        status, reply = served.http("POST", "/v1/batch/action", {
+            "episode_ids": [b], "observations": [[0.03] * 4],
+            "end": {"episode_ids": [c], "observations": [[0.0] * 3]}})
+        assert status == 400 and "does not match" in reply["error"]
+        status, reply = served.http("POST", "/v1/batch/action", {
+            "episode_ids": [b], "observations": [[0.03] * 4], "end": "all of them"})
+        assert status == 400 and "end must be a map" in reply["error"]
+        assert served.health()["env_steps"] == after["env_steps"]  # neither part of either applied
+
+    with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as client:
+        a, b = client.start_episodes(2)
+        client.get_actions([a, b], [[0.0] * 4, [0.01] * 4])
+        before = served.health()
+        bad = {"dtype": "float32", "shape": [1, 4], "data": b"\0" * 12}
+        with pytest.raises(PolicyServerError, match="data must be 16 bytes"):
+            client.request("act", episode_ids=[b], observations=[[0.02] * 4], end={"episode_ids": [a], "observations": bad})
+        assert served.health()["env_steps"] == before["env_steps"]
+        good = {**bad, "data": np.zeros(4, np.float32).tobytes()}
+        client.request("act", episode_ids=[b], observations=[[0.02] * 4], end={"episode_ids": [a], "observations": good,
+                                                                               "terminated": [True]})
+        after = served.health()
+        assert after["env_steps"] - before["env_steps"] == 2 and after["episodes_finished"] - before["episodes_finished"] == 1
 
 
 def raw_zmq(served: Served, frames: list[bytes]) -> dict:

@@ -139,7 +139,6 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
     environment's next observation starts a new one."""
     import gymnasium as gym
 
-    from apex.client import PolicyClient
 
     load = load or Load()
 
@@ -171,10 +170,9 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
                 ids[resetting], spare = spare[:needed], spare[needed:]
                 rewards[resetting] = 0.0
             ended = playing & (terminated | truncated)
-            if ended.any():  # over ZeroMQ without waiting: its reply comes with the next request's
-                pipelined = {"wait": False} if isinstance(client, PolicyClient) else {}
+            if ended.any():  # without waiting: ZeroMQ pipelines it, HTTP sends it inside the next get_actions
                 client.end_episodes(list(ids[ended]), obs[ended], terminated[ended], truncated[ended], rewards[ended],
-                                    **pipelined)
+                                    wait=False)
             resetting = ended
     finally:
         envs.close()
