@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 TICK_S = 0.01  # the learner thread's loop: heartbeats, weights, batches
 FLUSH_S = 0.2  # data held back for a fuller batch goes to the learner after this long
 EXPIRE_EVERY_S = 1.0
-MAX_BACKLOG = 2  # batches waiting for the learner before requests that make data wait
+MAX_BACKLOG = 16  # batches waiting for the learner before requests that make data wait
 BACKLOG_WAIT_S = 30.0  # then such a request is answered 503
 TOKEN_ENV = "APEX_SERVE_TOKEN"
 
