@@ -181,9 +181,8 @@ def test_an_act_request_that_carries_ends_makes_what_separate_requests_make(algo
     for (batch, _), (want, _) in zip(got, expected, strict=True):
         validate(algo, together, batch)
         assert batch.keys() == want.keys()
-        for name in want:
-            if name != "behaviour_logits":  # IMPALA's policy output: the same weights, the same logits
-                np.testing.assert_allclose(batch[name], want[name], rtol=1e-6, err_msg=name)
+        for name in want:  # IMPALA's behaviour_logp too: the same weights and the same draws
+            np.testing.assert_allclose(batch[name], want[name], rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])

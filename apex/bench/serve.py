@@ -139,7 +139,6 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
     environment's next observation starts a new one."""
     import gymnasium as gym
 
-
     load = load or Load()
 
     def timed(call, *args):
