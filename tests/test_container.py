@@ -39,6 +39,10 @@ import yaml
 
 from apex.checkpoint import has_checkpoint
 
+# Uncached, the image's fixture alone may take debootstrap, a wheelhouse download and a build
+# (each with its own timeout below): more than pyproject's 10 minutes a test.
+pytestmark = pytest.mark.timeout(1800)
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 MAX_IMAGE_BYTES = 1.2e9
