@@ -4,7 +4,6 @@ checkpoints and stop conditions around the algorithm's learner core
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import resource
@@ -27,7 +26,7 @@ from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT, check_episodes
-from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, options_from_config
+from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, is_loopback, options_from_config
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +36,6 @@ INGEST_GROUP = 8  # batches already waiting that are inserted together
 def all_finite(arrays: dict[str, np.ndarray]) -> bool:
     """Whether every floating-point array holds only finite values."""
     return all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def rss_bytes() -> int:

@@ -27,7 +27,7 @@ from apex import config as config_module
 from apex.errors import ApexError, ProtocolError
 from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
-from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions
+from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,6 @@ def read_token(token_file: str | None) -> str | None:
 def check_exposure(options: ServeOptions) -> None:
     """A server that listens beyond loopback must have a token: anyone who reaches the port
     could otherwise feed the learner."""
-    from apex.learner import is_loopback
-
     for name, address in (("--http", options.http), ("--zmq", options.zmq)):
         if name == "--zmq" and options.curve_dir:
             continue  # only holders of an authorised client key can connect

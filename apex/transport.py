@@ -31,6 +31,7 @@ of random 1 KiB subscriptions grew the learner by 48 MB for good).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import shutil
@@ -73,6 +74,16 @@ POLL_SLICE_S = 0.1  # longest an actor waits without looking at should_stop
 WAITING_LOG_S = 10.0
 BACKOFF_FIRST_S = 0.25  # hello retries wait this long at first, doubling up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 5.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address to bind or serve on) stays on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

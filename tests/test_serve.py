@@ -131,6 +131,15 @@ def test_spaces_health_and_an_honest_episode(served):
     assert after["algo"] == "apex_dqn" and after["status"] == "ok"
 
 
+def test_a_server_of_vector_observations_never_loads_torch(served):
+    """As local actors: the NumPy forward pass serves CartPole, and torch's import (~0.7 s and
+    ~190 MB a server) would only delay the first actions and crowd the learner's cores."""
+    play_http(served, 1)
+    libraries = Path(f"/proc/{served.serve.pid}/maps").read_text()
+    assert "_multiarray_umath" in libraries  # NumPy's extension: the maps list what the process loaded
+    assert "libtorch" not in libraries
+
+
 @pytest.mark.parametrize("token", [None, "wrong-token-of-some-length"])
 def test_a_missing_or_wrong_token_is_401(served, token):
     for method, path in (("GET", "/v1/spaces"), ("POST", "/v1/episodes"), ("GET", "/v1/health")):
