@@ -31,6 +31,42 @@ from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Sessio
 log = logging.getLogger(__name__)
 
 INGEST_GROUP = 8  # batches already waiting that are inserted together
+# Longest the main loop sleeps when it cannot train: its clocks (metrics, checkpoints, stop
+# conditions, silent actors) and signals are looked at no later than this.
+IDLE_WAIT_S = 0.05
+
+
+class Wakeup:
+    """A pipe that the ingest thread writes a byte to when data lands while the main loop
+    waits, so that the loop blocks on one ZeroMQ poller for control messages and data alike
+    (instead of polling both in turn every few milliseconds)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self.waiting = False  # set by the main loop around its wait; the ingest thread writes only then
+
+    def fileno(self) -> int:
+        return self._read
+
+    def notify(self) -> None:
+        if self.waiting:
+            try:
+                os.write(self._write, b"\0")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
 
 
 def all_finite(arrays: dict[str, np.ndarray]) -> bool:
@@ -113,6 +149,7 @@ class LearnerProcess:
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._stop_ingest = threading.Event()
         self._ingest_thread: threading.Thread | None = None
+        self._wakeup = Wakeup()
         self._version = 0  # of the weights last published
         self._signal: int | None = None
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
@@ -220,6 +257,7 @@ class LearnerProcess:
                 except ProtocolError as e:
                     receiver.reject(e)
             errors = self.learner.insert_many([arrays for _, arrays, *_ in accepted])
+            self._wakeup.notify()
             with self._stats_lock:
                 for (m, _, env_steps, episodes, used), error in zip(accepted, errors):
                     session: Session = m.session
@@ -292,7 +330,9 @@ class LearnerProcess:
         try:
             while stop_reason is None:
                 self.endpoint.poll(0)
-                if self.learner.wait_to_step(timeout=0.002):
+                if not self.learner.wait_to_step(timeout=0):
+                    self._wait_for_work()
+                else:
                     updates = self.learner.updates
                     last = self.learner.step() or last  # {}: the update was skipped as non-finite
                     if first_update_unix_s is None and self.learner.updates != updates:
@@ -345,8 +385,20 @@ class LearnerProcess:
             self._write_summary(summary)
             self._linger_for_stops()
             self.endpoint.close()
+            self._wakeup.close()
             self._say_goodbye(summary)
         return 130 if self._signal == signal.SIGINT else 0
+
+    def _wait_for_work(self) -> None:
+        """Sleeps until data lands (the ingest thread's wake-up), a control message comes,
+        or IDLE_WAIT_S passes."""
+        self._wakeup.waiting = True
+        try:
+            if not self.learner.wait_to_step(timeout=0):  # data that landed before `waiting` was set
+                self.endpoint.wait(int(IDLE_WAIT_S * 1000), self._wakeup.fileno())
+        finally:
+            self._wakeup.waiting = False
+            self._wakeup.drain()
 
     def _say_goodbye(self, summary: dict) -> None:
         """The closing line: why the run stopped, its returns, its checkpoints, how to go on."""

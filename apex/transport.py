@@ -404,6 +404,7 @@ class LearnerEndpoint:
         self._weights: tuple[int, list[bytes], bytes] | None = None  # version, frames, packed
         self._hellos = HelloLimiter()
         self._bad_log = RateLimitedLog(log)
+        self._idle_poller: tuple[int | None, zmq.Poller] | None = None  # wait()'s, with the fd it watches
         try:
             curve = self._start_curve() if options.curve_dir else None
             # Control messages carry no arrays: a header's worth is the most a frame may hold.
@@ -449,6 +450,19 @@ class LearnerEndpoint:
         self._read_registrations()
         self._expire_silent_actors()
         return handled
+
+    def wait(self, timeout_ms: int, wake_fd: int | None = None) -> None:
+        """Blocks until a control message or a weights registration arrives, ``wake_fd`` (a
+        file descriptor) becomes readable, or ``timeout_ms`` passes; handles nothing (poll
+        does). The learner's loop sleeps here instead of spinning when it cannot train."""
+        if self._idle_poller is None or self._idle_poller[0] != wake_fd:
+            poller = zmq.Poller()
+            poller.register(self.control, zmq.POLLIN)
+            poller.register(self._weights_socket, zmq.POLLIN)
+            if wake_fd is not None:
+                poller.register(wake_fd, zmq.POLLIN)
+            self._idle_poller = (wake_fd, poller)
+        self._idle_poller[1].poll(timeout_ms)
 
     def publish_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Sends weights to every registered actor (copied now: later changes to the arrays

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import select
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +13,7 @@ import torch
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.learner import pick_device
+from apex.learner import Wakeup, pick_device
 from apex.replay import RateLimiter
 
 
@@ -106,3 +110,28 @@ def test_lazily_decoded_batches_with_compressed_small_fields_go_in():
     errors = learner.insert_many([validated(learner, lazy, num_envs=64), validated(learner, small)])
     assert errors == [None, None]
     assert len(learner.replay) == 2058
+
+
+def readable(fd: int, timeout_s: float = 0.0) -> bool:
+    return bool(select.select([fd], [], [], timeout_s)[0])
+
+
+def test_the_wakeup_rouses_a_waiting_loop_only():
+    """The learner's loop blocks on its poller when it cannot train; the ingest thread's
+    notify makes the wake-up readable only while the loop waits (a training loop pays no
+    write a batch), and drain leaves it quiet again."""
+    wakeup = Wakeup()
+    try:
+        wakeup.notify()
+        assert not readable(wakeup.fileno())
+        wakeup.waiting = True
+        threading.Timer(0.05, wakeup.notify).start()
+        started = time.monotonic()
+        assert readable(wakeup.fileno(), timeout_s=10)
+        assert time.monotonic() - started < 5
+        for _ in range(100_000):  # more wake-ups than the pipe holds: never blocks the ingest thread
+            wakeup.notify()
+        wakeup.drain()
+        assert not readable(wakeup.fileno())
+    finally:
+        wakeup.close()
