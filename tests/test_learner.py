@@ -63,7 +63,7 @@ def test_updates_learn_the_better_action_and_lower_priorities():
     q = learner.online(torch.zeros(1, 1, 3)).detach()[0]
     assert q[0].item() == pytest.approx(1.0, abs=0.1) and q[1].item() == pytest.approx(0.0, abs=0.1)
     assert last["td_abs_mean"] < first["td_abs_mean"]
-    assert learner.replay.transitions.priorities(np.arange(500)).max() < 0.5  # written back
+    assert learner.replay.priorities(np.arange(500)).max() < 0.5  # written back
     weights = learner.weights()
     assert set(weights) == set(learner.online.state_dict())
 

@@ -252,7 +252,7 @@ def test_stacked_replay_evicts_transitions_whose_frames_were_overwritten():
     first = batch["obs"][:, :, 0, 0].astype(int)
     np.testing.assert_array_equal(np.diff(first, axis=1), np.ones((200, 3)))
     assert set(first[:, 0] // 40) <= {4, 5}
-    assert replay.transitions.priorities(indices).min() > 0
+    assert replay.priorities(indices).min() > 0
 
 
 def test_atari_sized_replay_uses_a_seventh_of_naive_stacks():
@@ -317,7 +317,7 @@ def assert_stacks_are_their_own(replay: StackedReplay, n: int = 400) -> np.ndarr
     """Every sampled stack holds the frames its item was stored with (none overwritten)."""
     batch, indices, _ = replay.sample(n, beta=0.4)
     obs = batch["obs"][:, :, 0]
-    first_frames = replay.transitions._storage["obs_frame"][indices % replay.capacity]
+    first_frames = replay.ring.storage["obs_frame"][indices % replay.capacity]
     np.testing.assert_array_equal(obs[:, 0], first_frames)
     np.testing.assert_array_equal(np.diff(obs, axis=1), 1)
     np.testing.assert_array_equal(batch["next_obs"][:, :, 0], obs + 1)
@@ -343,11 +343,11 @@ def test_snapshot_round_trip_restores_items_priorities_and_eviction_state():
     restored = new_like(replay)
     restored.load(buffer, header)
 
-    live = np.arange(replay.transitions._oldest_live, replay.total_added)
+    live = np.arange(replay.ring.oldest_live, replay.total_added)
     assert len(restored) == len(replay) > 0 and restored.total_added == replay.total_added
     assert restored.frames.added == replay.frames.added
-    np.testing.assert_array_equal(restored.transitions.priorities(live), replay.transitions.priorities(live))
-    assert restored.transitions._tree.total == pytest.approx(replay.transitions._tree.total)
+    np.testing.assert_array_equal(restored.priorities(live), replay.priorities(live))
+    assert restored.ring.tree.total == pytest.approx(replay.ring.tree.total)
     assert_stacks_are_their_own(restored)
     # Both go on the same way: the same evictions on the next inserts.
     fill(replay, 3)
@@ -420,7 +420,7 @@ def test_snapshot_overtaken_during_a_disk_stall_drops_items_whose_frames_were_ov
             if memoryview(data).nbytes > 4000:  # a piece of frames (items are smaller)
                 self.frame_writes += 1
                 if self.frame_writes == 3:
-                    assert not replay._lock.locked(), "this piece should be written outside the lock"
+                    assert not replay.lock.locked(), "this piece should be written outside the lock"
                     fill(replay, 30)  # 330 frames: past the next uncopied piece
             return super().write(data)
 

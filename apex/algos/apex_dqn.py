@@ -173,7 +173,7 @@ class Learner:
     def wait_to_step(self, timeout: float) -> bool:
         if not self.limiter.wait_to_sample(self.config.learner.batch_size, timeout):
             return False
-        if not self.replay.transitions.sampleable:  # every transition dropped as poison: wait for more
+        if not self.replay.sampleable:  # every transition dropped as poison: wait for more
             time.sleep(timeout)
             return False
         return True
@@ -261,4 +261,5 @@ class Learner:
             "inserted": self.limiter.inserts,
             "skipped_updates": self.skipped_updates,
             "dropped_transitions": self.dropped_transitions,
+            "stale_priority_updates": self.replay.stale_priority_updates,
         }

@@ -52,7 +52,7 @@ def _measure(name: str, capacity: int, spec: dict, seconds: float) -> list[dict]
     rng = np.random.default_rng(0)
     replay = PrioritizedReplay(spec, capacity, seed=0)
     _fill(replay, rng)
-    storage = {field: replay._storage[field] for field in spec}  # baseline reads the same arrays
+    storage = {field: replay.storage[field] for field in spec}  # baseline reads the same arrays
     row_bytes = sum(a[0].nbytes for a in storage.values())
     new_priorities = rng.random(BATCH)
 

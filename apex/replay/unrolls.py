@@ -1,0 +1,54 @@
+"""UnrollQueue: IMPALA's bounded FIFO of unrolls between the ingest thread and the train loop."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+class UnrollQueue:
+    """A bounded FIFO of unrolls between the ingest thread and the train loop (IMPALA).
+
+    When full it either makes inserters wait (``block``: actors are pushed back through the
+    transport) or drops the oldest unrolls, counting them.
+    """
+
+    def __init__(self, capacity: int, block: bool) -> None:
+        if capacity < 1:
+            raise ValueError(f"queue capacity must be a positive integer, got {capacity}")
+        self.capacity = capacity
+        self.block = block
+        self._items: deque = deque()
+        self._cond = threading.Condition()
+        self.inserted = 0
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def wait_for_room(self, timeout: float) -> bool:
+        if not self.block:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._items) < self.capacity, timeout)
+
+    def put(self, items: list) -> None:
+        """Appends items; when blocking, call after ``wait_for_room`` (a batch of items may
+        then overshoot the capacity by less than its own size)."""
+        with self._cond:
+            self._items.extend(items)
+            self.inserted += len(items)
+            while not self.block and len(self._items) > self.capacity:
+                self._items.popleft()
+                self.dropped += 1
+            self._cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._items) >= n, timeout)
+
+    def take(self, n: int) -> list:
+        """The n oldest items (fewer if there are not that many)."""
+        with self._cond:
+            items = [self._items.popleft() for _ in range(min(n, len(self._items)))]
+            self._cond.notify_all()
+        return items
