@@ -1,0 +1,351 @@
+"""LearnerEndpoint: the learner's control channel (hello, welcome, heartbeats, stop) and
+weight publisher, with its trajectory receiver."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from apex import protocol
+from apex.errors import ApexError, ProtocolError
+from apex.logs import RateLimitedLog
+from apex.protocol import Message
+from apex.transport.keys import load_keypair
+from apex.transport.receiver import TrajectoryReceiver
+from apex.transport.sessions import HelloLimiter, RejectCounter, Session, Sessions, peer_address
+from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportOptions
+
+log = logging.getLogger("apex.transport")
+
+MAX_CONTROL_PER_POLL = 32  # control messages handled per loop iteration: the train loop goes on under a flood
+MAX_ACTOR_INDEX = 65_536
+TOKEN_BYTES = 16
+AUTO_ID_PREFIX = b"\x00"  # routing ids that a ROUTER makes up start with a zero byte
+MAX_ENVS_PER_ACTOR = 4096
+CONTROL_HWM = 100  # control messages queued per peer before ZeroMQ stops reading its connection
+WEIGHTS_PORT_MAX_BYTES = 512  # a registration (a session token), or a CURVE handshake command
+
+
+class LearnerEndpoint:
+    """The learner's control channel and weight publisher, plus its trajectory receiver.
+
+    ``poll``, ``publish_weights`` and ``stop_actors`` belong to one thread (the learner's
+    main loop); ``receiver`` is handed to the ingest thread, which is its only user.
+    ``welcome`` is called for each hello with the message and the actor index to be
+    assigned; it returns the spec sent back, or raises ``Rejected(reason)``.
+
+    Weights go out over a ROUTER socket to the actors that registered their session on it,
+    rather than over PUB/SUB: a PUB socket keeps every topic a subscriber sends, so any
+    peer could grow the learner's memory at will.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        welcome: Callable[[Message, int], Mapping[str, Any]],
+        options: TransportOptions = TransportOptions(),
+    ) -> None:
+        self.ports = Ports.from_base(port)
+        self.options = options
+        self._welcome = welcome
+        self.context = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self.sessions = Sessions()
+        self.rejected = RejectCounter()
+        self.incarnation = os.urandom(8)  # tells actors that this is a new learner, whatever its versions
+        self._stopping: str | None = None
+        self._weights: tuple[int, list[bytes], bytes] | None = None  # version, frames, packed
+        self._hellos = HelloLimiter()
+        self._bad_log = RateLimitedLog(log)
+        self._idle_poller: tuple[int | None, zmq.Poller] | None = None  # wait()'s, with the fd it watches
+        try:
+            curve = self._start_curve() if options.curve_dir else None
+            # Control messages carry no arrays: a header's worth is the most a frame may hold.
+            self.control = self._bind(zmq.ROUTER, host, self.ports.control, curve,
+                                      max_message_bytes=protocol.MAX_HEADER_BYTES, rcvhwm=CONTROL_HWM)
+            # An actor keeps its routing id across the fresh sockets it opens while retrying
+            # (lazy pirate); the newest connection takes that id over, so its hellos are known
+            # as one actor's, with one index, instead of leaving ghosts behind.
+            self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # Registrations are a session token; room for the CURVE handshake's commands.
+            self._weights_socket = self._bind(zmq.ROUTER, host, self.ports.weights, curve, sndhwm=1,
+                                              max_message_bytes=WEIGHTS_PORT_MAX_BYTES, rcvhwm=CONTROL_HWM)
+            self._weights_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone actor raises, never blocks
+            pull = self._bind(zmq.PULL, host, self.ports.trajectories, curve, rcvhwm=options.trajectory_hwm,
+                              buffer_bytes=options.trajectory_buffer_bytes,
+                              max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES)
+        except Exception:
+            self.close()
+            raise
+        self.receiver = TrajectoryReceiver(pull, options, self.sessions, self.rejected)
+
+    @property
+    def actors_connected(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def rejected_messages(self) -> int:
+        return self.rejected.total
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Handles pending control messages, at most MAX_CONTROL_PER_POLL, waiting up to
+        ``timeout_ms`` for the first; reads weight registrations; forgets actors silent for
+        too long. Returns how many control messages were handled."""
+        handled = 0
+        if self.control.poll(timeout_ms):
+            while handled < MAX_CONTROL_PER_POLL:
+                try:
+                    frames = self.control.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                handled += 1
+        self._read_registrations()
+        self._expire_silent_actors()
+        return handled
+
+    def wait(self, timeout_ms: int, wake_fd: int | None = None) -> None:
+        """Blocks until a control message or a weights registration arrives, ``wake_fd`` (a
+        file descriptor) becomes readable, or ``timeout_ms`` passes; handles nothing (poll
+        does). The learner's loop sleeps here instead of spinning when it cannot train."""
+        if self._idle_poller is None or self._idle_poller[0] != wake_fd:
+            poller = zmq.Poller()
+            poller.register(self.control, zmq.POLLIN)
+            poller.register(self._weights_socket, zmq.POLLIN)
+            if wake_fd is not None:
+                poller.register(wake_fd, zmq.POLLIN)
+            self._idle_poller = (wake_fd, poller)
+        self._idle_poller[1].poll(timeout_ms)
+
+    def publish_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
+        """Sends weights to every registered actor (copied now: later changes to the arrays
+        are not sent). An actor that has not read the previous copy misses this one."""
+        frames = protocol.encode("weights", {"version": int(version), "incarnation": self.incarnation},
+                                 arrays, compress=False)
+        packed = protocol.pack(frames)
+        self._weights = (int(version), frames, packed)
+        for session in self.sessions:
+            if session.weights_identity is not None:
+                self._send_weights(session.weights_identity, packed)
+
+    @property
+    def weights_version(self) -> int:
+        return self._weights[0] if self._weights else -1
+
+    def stop_actors(self, reason: str) -> None:
+        """Tells every actor to stop now, and any that calls in later."""
+        self._stopping = reason
+        for session in self.sessions:
+            self._send(session.identity, "stop", {"reason": reason})
+
+    def close(self) -> None:
+        for name in ("control", "_weights_socket"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.context.term()
+
+    # -- internals
+
+    def _bind(self, kind: int, host: str, port: int, curve, *, sndhwm: int = 0, rcvhwm: int = 0,
+              buffer_bytes: int = 0, max_message_bytes: int = 0) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if buffer_bytes:
+            sock.setsockopt(zmq.RCVBUF, buffer_bytes)
+        if sndhwm:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+        if rcvhwm:
+            sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if max_message_bytes:
+            # ZeroMQ drops a connection that sends a larger frame, before allocating it.
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = curve
+            sock.curve_server = True
+        address = f"tcp://{host}:{port}"
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise ApexError(f"cannot bind {address}: {e.strerror} (is another learner using ports {self.ports.control}-{self.ports.weights}? pick another with --port)") from None
+        return sock
+
+    def _start_curve(self) -> tuple[bytes, bytes]:
+        directory = Path(self.options.curve_dir)
+        keypair = load_keypair(directory / "learner.key_secret")
+        authorized = directory / "authorized"
+        if not authorized.is_dir() or not any(authorized.glob("*.key")):
+            raise ApexError(f"no authorised actor keys in {authorized}: run `apex keygen {directory}`")
+        self._auth = ThreadAuthenticator(self.context)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=str(authorized))
+        return keypair
+
+    def _reject(self, reason: str, fmt: str, *args: Any) -> None:
+        self.rejected.add(reason)
+        self._bad_log.warning(fmt, *args)
+
+    def _handle(self, frames: list) -> None:
+        identity = frames[0].bytes
+        try:
+            # Actors send no arrays here: a message declaring any is refused before it is read.
+            msg = protocol.decode(frames[1:], max_array_bytes=0, max_message_bytes=0)
+        except ProtocolError as e:
+            version = protocol.peek_version(frames[1]) if len(frames) > 1 else None
+            if version is not None and version != protocol.PROTOCOL:
+                reason = (f"protocol mismatch: actor speaks version {version}, learner {protocol.PROTOCOL}; "
+                          "install the same apex version on both sides")
+                self._send(identity, "reject", {"reason": reason, "retry": False})
+            self._reject("malformed", "rejected control message: %s", e)
+            return
+        if msg.type == "hello" and identity.startswith(AUTO_ID_PREFIX):
+            # A connection without a routing id of its own: an actor's superseded socket
+            # (ROUTER_HANDOVER renames it while its queued hellos drain), or not an apex
+            # actor (they always set one). A welcome could not reach it: nothing to do.
+            return
+        if msg.type == "hello":
+            address = peer_address(frames[0])
+            if self._hellos.allow(address, identity, time.monotonic()):
+                self._hello(identity, msg)
+            else:
+                self._reject("hello_rate", "dropped hellos from %s: over the rate limit", address)
+        elif msg.type == "heartbeat":
+            session = self.sessions.get(identity)
+            if self._stopping is not None:
+                self._send(identity, "stop", {"reason": self._stopping})
+                if session is not None:  # told: the learner's last moments need not wait for it
+                    self.sessions.close(session)
+            elif session is None:  # e.g. this learner restarted: the actor must say hello again
+                self._send(identity, "reject", {"reason": "unknown actor: say hello again", "retry": True})
+            else:
+                session.last_seen = time.monotonic()
+                self._send(identity, "heartbeat_ack", {"weights_version": self.weights_version})
+        else:
+            self._reject("unexpected_type", "rejected a %r message on the control port", msg.type)
+
+    def _hello(self, identity: bytes, msg: Message) -> None:
+        if self._stopping is not None:
+            self._send(identity, "stop", {"reason": self._stopping})
+            return
+        fields = msg.fields
+        problem = _hello_problem(fields)
+        if problem is not None:
+            self.rejected.add("hello_fields")
+            self._send(identity, "reject", {"reason": problem, "retry": False})
+            return
+        previous = self.sessions.get(identity)
+        requested = fields["actor_index"]
+        if requested is None and previous is not None:
+            requested = previous.index
+        index = requested if requested is not None else self._free_index()
+        holder = self.sessions.holding(index)
+        if holder is not None and holder.identity != identity:
+            # A live actor keeps its index: a restarted one takes it back once the old one
+            # has gone silent (heartbeat timeout); a peer cannot take it over by saying hello.
+            self._send(identity, "reject", {"retry": True, "reason": (
+                f"actor index {index} is held by a live actor ({holder.host}, pid {holder.pid}); "
+                f"retrying until it has been silent for {self.options.heartbeat_timeout_s:g}s")})
+            return
+        try:
+            spec = dict(self._welcome(msg, index))
+        except Rejected as e:
+            self._send(identity, "reject", {"reason": str(e), "retry": False})
+            log.info("rejected actor %s (pid %s): %s", fields["host"], fields["pid"], e)
+            return
+        if previous is not None and previous.index == index:
+            session = previous  # the same actor again (a retry): same session, same sequence
+            session.last_seen = time.monotonic()
+        else:
+            if previous is not None:
+                self.sessions.close(previous)
+            session = Session(index, identity, os.urandom(TOKEN_BYTES), fields["host"], fields["pid"],
+                              spec.get("num_envs", fields["num_envs"]), time.monotonic())
+            self.sessions.open(session)
+        if not self._send(identity, "welcome", {"actor_index": index, "spec": spec, "session": session.token,
+                                                "incarnation": self.incarnation}):
+            self.sessions.close(session)
+            return
+        if self._weights is not None:
+            with contextlib.suppress(zmq.Again):  # it is not reading: the weights port will do
+                self.control.send_multipart([identity, *self._weights[1]], copy=False, flags=zmq.NOBLOCK)
+        if previous is None or previous.index != index:
+            log.info("actor %d joined from %s (pid %d)", index, fields["host"], fields["pid"])
+
+    def _read_registrations(self) -> None:
+        """Actors register their session on the weights port; only live sessions are kept."""
+        for _ in range(MAX_CONTROL_PER_POLL):
+            try:
+                frames = self._weights_socket.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            session = self.sessions.by_token(frames[1]) if len(frames) == 2 else None
+            if session is None:
+                self._reject("no_session", "a weights registration without a live session")
+                continue
+            session.weights_identity = frames[0]
+            if self._weights is not None:
+                self._send_weights(frames[0], self._weights[2])
+
+    def _send_weights(self, identity: bytes, packed: bytes) -> None:
+        try:
+            self._weights_socket.send_multipart([identity, packed], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # not reading (its queue holds a copy), or gone: heartbeats will tell
+            pass
+
+    def _free_index(self) -> int:
+        taken = {session.index for session in self.sessions}
+        index = 0
+        while index in taken:
+            index += 1
+        return index
+
+    def _expire_silent_actors(self) -> None:
+        deadline = time.monotonic() - self.options.heartbeat_timeout_s
+        for session in self.sessions:
+            if session.last_seen < deadline:
+                self.sessions.close(session)
+                log.info("actor %d (%s) went silent; dropped (its session sent %d env steps, %d episodes)",
+                         session.index, session.host, session.env_steps, session.episodes)
+
+    def _send(self, identity: bytes, msg_type: str, fields: Mapping[str, Any]) -> bool:
+        """Sends a control message; False if it could not be (encoded or queued)."""
+        try:
+            frames = protocol.encode(msg_type, fields)
+        except (ProtocolError, ValueError, TypeError, OverflowError) as e:  # e.g. a value msgpack cannot hold
+            self._reject("unanswerable", "could not answer an actor: %s", e)
+            return False
+        try:
+            self.control.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+        except zmq.Again:  # the actor's queue is full: it is not reading; heartbeats will tell
+            return False
+        return True
+
+
+def _hello_problem(fields: Mapping[str, Any]) -> str | None:
+    """What is wrong with a hello's fields, or None."""
+    index = fields["actor_index"]
+    if index is not None and not 0 <= index < MAX_ACTOR_INDEX:
+        return f"actor index must be in 0..{MAX_ACTOR_INDEX - 1}, got {index}"
+    if not 0 <= fields["num_envs"] <= MAX_ENVS_PER_ACTOR:
+        return f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR} (0: the learner's actor.num_envs), got {fields['num_envs']}"
+    if len(fields["host"]) > MAX_HOST_CHARS or not 0 <= fields["pid"] < 2**32:
+        return f"host must be at most {MAX_HOST_CHARS} characters and pid in 0..2**32-1"
+    return None

@@ -1,0 +1,150 @@
+"""The learner's bookkeeping of its actors: sessions, rejection counts, hello rate limits."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from apex.errors import RejectedMessage
+
+HELLO_RATE_PER_S = 20.0  # hellos a connection may send a second (a burst of HELLO_BURST first)
+HELLO_BURST = 40
+HELLO_ADDRESS_FACTOR = 16  # an address's hellos: as many as this many connections may send
+MAX_TRACKED_PEERS = 4096  # hello rate buckets kept (least recently seen dropped first)
+
+
+class RejectCounter:
+    """Refused messages by reason (the keys of ``rejected_by_reason``), counted from any thread."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def add(self, reason: str) -> None:
+        with self._lock:
+            self._counts[reason] += 1
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self._counts.values())
+
+    def by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return dict(sorted(self._counts.items()))
+
+
+@dataclass
+class Session:
+    """A welcomed actor: who it is, and what it has sent (its batches must carry ``token``
+    and ever-growing sequence numbers)."""
+
+    index: int
+    identity: bytes
+    token: bytes
+    host: str
+    pid: int
+    num_envs: int
+    last_seen: float
+    last_seq: int = -1
+    weights_identity: bytes | None = None  # its socket on the weights port, once it registered
+    env_steps: int = 0  # derived from its batches, never from what it says
+    episodes: int = 0
+    step_budget: int = 0  # env steps its episode records may still claim (apex.schema.check_episodes)
+    limits: dict[str, int] = field(default_factory=dict)  # batch sizes allowed (set by the learner)
+
+
+class Sessions:
+    """The live sessions, by routing identity and by token. The control loop opens and
+    closes them; the ingest thread checks each batch against them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_identity: dict[bytes, Session] = {}
+        self._by_token: dict[bytes, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
+
+    def __iter__(self) -> Iterator[Session]:
+        with self._lock:
+            return iter(list(self._by_identity.values()))
+
+    def get(self, identity: bytes) -> Session | None:
+        return self._by_identity.get(identity)
+
+    def by_token(self, token: bytes) -> Session | None:
+        return self._by_token.get(token)
+
+    def holding(self, index: int) -> Session | None:
+        """The session that holds actor index ``index``, if any."""
+        return next((s for s in self if s.index == index), None)
+
+    def open(self, session: Session) -> None:
+        with self._lock:
+            self._by_identity[session.identity] = session
+            self._by_token[session.token] = session
+
+    def close(self, session: Session) -> None:
+        with self._lock:
+            self._by_identity.pop(session.identity, None)
+            self._by_token.pop(session.token, None)
+
+    def check_batch(self, fields: Mapping[str, Any]) -> Session:
+        """The session a batch belongs to; raises RejectedMessage for a batch without a live
+        session, from another actor's index, or repeated (a sequence number not above the
+        last one accepted)."""
+        with self._lock:
+            session = self._by_token.get(fields["session"])
+            if session is None:
+                raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
+            if fields["actor_index"] != session.index:
+                raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
+            if fields["seq"] <= session.last_seq:
+                raise RejectedMessage("replayed", f"batch {fields['seq']} of actor {session.index} again "
+                                      f"(last accepted: {session.last_seq})")
+            session.last_seq = fields["seq"]
+            return session
+
+
+class TokenBuckets:
+    """A token bucket per key: events beyond ``rate`` a second (after a burst) are refused.
+    Buckets of the least recently seen keys are forgotten first, so the table stays small."""
+
+    def __init__(self, rate: float, burst: float, keys: int = MAX_TRACKED_PEERS) -> None:
+        self.rate, self.burst, self.keys = rate, float(burst), keys
+        self._buckets: OrderedDict[Any, tuple[float, float]] = OrderedDict()  # key -> (tokens, time)
+
+    def allow(self, key: Any, now: float) -> bool:
+        tokens, then = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[key] = (tokens - 1.0 if allowed else tokens, now)
+        if len(self._buckets) > self.keys:
+            self._buckets.popitem(last=False)
+        return allowed
+
+
+class HelloLimiter:
+    """Hellos per connection (routing id) and per peer address: one flooding connection
+    cannot starve the other actors of its host, and many connections from one address
+    together get a bounded share (HELLO_ADDRESS_FACTOR connections' worth)."""
+
+    def __init__(self, rate: float = HELLO_RATE_PER_S, burst: int = HELLO_BURST) -> None:
+        self._per_connection = TokenBuckets(rate, burst)
+        self._per_address = TokenBuckets(rate * HELLO_ADDRESS_FACTOR, burst * HELLO_ADDRESS_FACTOR)
+
+    def allow(self, address: str, identity: bytes, now: float) -> bool:
+        return self._per_connection.allow((address, identity), now) and self._per_address.allow(address, now)
+
+
+def peer_address(frame: Any) -> str:
+    try:
+        return frame.get("Peer-Address")  # the sending host's IP (TCP)
+    except (zmq.ZMQError, AttributeError):
+        return "unknown"
