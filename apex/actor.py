@@ -71,7 +71,7 @@ def _act(client: LearnerClient, stopping: dict) -> None:
     config = config_module.from_dict(spec["config"])
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = algos.actor_module(config.algo).Actor(config, spec, spec["seed"], tick=client.tick)
+    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)

@@ -21,11 +21,12 @@ from typing import Any
 
 import yaml
 
+from apex.algos import REGISTRY
 from apex.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-ALGOS = ("apex_dqn", "impala")
+ALGOS = tuple(REGISTRY)  # the names `algo` takes
 
 
 @dataclass

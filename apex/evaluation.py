@@ -15,6 +15,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from apex import algos
 from apex import config as config_module
 from apex.checkpoint import (
     ORDERS,
@@ -26,7 +27,6 @@ from apex.checkpoint import (
 )
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
-from apex.models import PolicyValueNetwork, QNetwork
 
 
 def load_checkpoint(path: str | Path, which: str = "best") -> dict:
@@ -63,20 +63,17 @@ def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
     return checkpoint.load_state(), checkpoint.state_path, checkpoint.score
 
 
-# The network each algorithm acts with, and what it is in a checkpoint.
-_POLICY_NETWORK = {"apex_dqn": ("online", "the online Q network"), "impala": ("net", "the policy network")}
-
-
 def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, torch.nn.Module]:
     """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
     line) if the state lacks its algorithm's network or the network does not fit."""
     config = config_module.from_dict(state["config"])
     spec = env_spec(config.env)
-    key, what = _POLICY_NETWORK[config.algo]
+    policy = algos.get(config.algo).learner().policy
+    key, what = policy.checkpoint_key, policy.description
     if not isinstance(state.get(key), dict):
         raise ApexError(f"the checkpoint has no {key!r} ({what} of an {config.algo} checkpoint): "
                         "pass a ckpt-*.pt written by apex learner")
-    net = PolicyValueNetwork(spec, config.model) if config.algo == "impala" else QNetwork(spec, config.model)
+    net = policy.network(spec, config.model)
     try:
         net.load_state_dict(state[key])
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
@@ -88,9 +85,7 @@ def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, tor
 def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor) -> torch.Tensor:
     """The most valuable (Ape-X) or most likely (IMPALA) action of each observation in a
     batch: [B], or [B, components] for a MultiDiscrete action."""
-    if config.algo == "impala":
-        return net.greedy(net(obs)[0])
-    return net(obs).argmax(dim=1)
+    return algos.get(config.algo).learner().policy.greedy(net, obs)
 
 
 def policy_from_checkpoint(state: dict):

@@ -130,7 +130,7 @@ class LearnerProcess:
             options_from_config(config.transport),
         )
         try:
-            self.learner = algos.get(self.config.algo).Learner(self.config, self.spec, self.device)
+            self.learner = algos.get(self.config.algo).learner().Learner(self.config, self.spec, self.device)
         except BaseException:
             self.endpoint.close()
             raise

@@ -10,6 +10,7 @@ otherwise, they fall back to the plain calls: as correct, only slower to start.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Iterable
 
 import torch
@@ -43,3 +44,20 @@ def step(optimizer: torch.optim.Optimizer) -> None:
     update = inspect.unwrap(type(optimizer).step)
     with torch.no_grad():
         update(optimizer)
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameters: Iterable[torch.nn.Parameter],
+                 grad_clip: float, figures: list[torch.Tensor]) -> list[float] | None:
+    """One gradient step of ``loss``, clipped to ``grad_clip``, taken only if the loss, the
+    gradient norm and ``figures`` are all finite. One host synchronisation reads them all:
+    returns ``[*figures, grad_norm]`` as floats, or None when the step was skipped (its
+    gradients cleared)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
+    values = torch.stack([*figures, grad_norm]).cpu().tolist()
+    if not all(math.isfinite(x) for x in values):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    step(optimizer)
+    return values

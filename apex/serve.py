@@ -90,7 +90,7 @@ class Server:
         from apex.envs import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
-        actor = algos.actor_module(self.config.algo).EpisodeActor(self.config, welcome, spec, welcome["seed"])
+        actor = algos.get(self.config.algo).actor().EpisodeActor(self.config, welcome, spec, welcome["seed"])
         self.episodes = ExternalEpisodes(self.config, spec, low, high, actor, max_episodes=options.max_episodes,
                                          episode_timeout_s=options.episode_timeout_s)
         self.lock = threading.Lock()

@@ -111,7 +111,7 @@ def honest_batch(client: LearnerClient) -> dict:
     """The first batch an actor of this run would send (the run's own config and spec)."""
     spec = client.welcome.fields["spec"]
     config = config_module.from_dict(spec["config"])
-    core = algos.actor_module(config.algo).Actor(config, spec, spec["seed"])
+    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"])
     batch = None
     while batch is None:
         batch, _ = core.act()

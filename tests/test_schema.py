@@ -25,7 +25,7 @@ def actor_batch(algo: str, num_envs: int = 3) -> tuple[dict, EnvSpec, Config]:
     config.impala.unroll_length = 5
     config.actor.chunk_transitions = 8
     welcome = {"num_envs": num_envs, "epsilons": [0.5] * num_envs, "eval_envs": [False] * num_envs}
-    actor = algos.actor_module(algo).Actor(config, welcome, seed=0)
+    actor = algos.get(algo).actor().Actor(config, welcome, seed=0)
     batch = None
     while batch is None:
         batch, _ = actor.act()
@@ -148,7 +148,7 @@ def test_batch_limits_hold_every_batch_an_honest_actor_sends():
         config.env.max_episode_steps = 3  # episodes end all the time: the most chunks and stacks
         module = apex_dqn if algo == "apex_dqn" else impala
         welcome = {"num_envs": num_envs, "epsilons": [1.0] * num_envs, "eval_envs": [False] * num_envs}
-        actor = algos.actor_module(algo).Actor(config, welcome, seed=1)
+        actor = algos.get(algo).actor().Actor(config, welcome, seed=1)
         schema, limits = module.batch_schema(actor.spec, config), module.batch_limits(num_envs, actor.spec, config)
         for _ in range(100):
             batch, _ = actor.act()

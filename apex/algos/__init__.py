@@ -1,19 +1,144 @@
-"""Algorithms: each has a learner core (``apex.algos.<algo>``: ``Learner``, which imports
-torch) and an actor core (``apex.algos.<algo>_actor``: ``Actor``, NumPy only for vector
-observations) behind the same small interface, so one actor process and one learner process
-serve them all."""
+"""Algorithms behind one declared seam: each has a learner core (``Learner``, which imports
+torch), an actor core (``Actor``, NumPy only for vector observations), an episode actor for
+`apex serve` (``EpisodeActor``) and the policy that `apex eval` and ``apex.load_policy`` act
+with. The process shells (``apex.learner``, ``apex.actor``, ``apex.serve``, ``apex.evaluation``)
+call only what the protocols below declare, and find each part through ``REGISTRY``, which
+imports a side only when it is asked for (an actor never imports its learner's torch).
+"""
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # the registry itself imports nothing heavy: `apex --help` stays fast
+    import numpy as np
+    import torch
+
+    from apex.config import Config, ModelConfig
+    from apex.envs import EnvSpec
+    from apex.protocol import Message
+    from apex.replay import StackedReplay
+    from apex.schema import BatchSchema
 
 
-def get(algo: str) -> ModuleType:
-    """The learner side of ``algo`` (``apex_dqn`` or ``impala``)."""
-    return importlib.import_module(f"apex.algos.{algo}")
+class LearnerCore(Protocol):
+    """What the learner process calls: no sockets, no files, no threads of its own."""
+
+    schema: BatchSchema  # the one check of what actors send
+    updates: int
+    samples_per_update: int
+    checkpoint_replay: StackedReplay | None  # what checkpoints hold beside state_dict()
+
+    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None: ...
+    def welcome(self, actor_index: int, num_envs: int) -> dict: ...  # the algorithm's part of an actor's welcome
+    def batch_limits(self, num_envs: int) -> dict[str, int]: ...
+    def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
+    def wait_to_insert(self, timeout: float) -> bool: ...
+    def insert_many(self, batches: list[dict]) -> list[Exception | None]: ...
+    def wait_to_step(self, timeout: float) -> bool: ...
+    def step(self) -> dict[str, float]: ...  # one update; {} when skipped as non-finite
+    def weights(self) -> dict[str, np.ndarray]: ...
+    def metrics(self) -> dict: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    @property
+    def memory_nbytes(self) -> int: ...
 
 
-def actor_module(algo: str) -> ModuleType:
-    """The actor side of ``algo``: its module's ``Actor`` steps the environments."""
-    return importlib.import_module(f"apex.algos.{algo}_actor")
+class ActorCore(Protocol):
+    """What the actor process calls: K environments and one batched forward pass."""
+
+    steps: int
+    weights_version: int
+
+    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = ...) -> None: ...
+    @property
+    def num_envs(self) -> int: ...
+    def set_weights(self, msg: Message) -> None: ...  # ProtocolError: refused, the old ones act on
+    def act(self) -> tuple[dict | None, list[list]]: ...  # (a batch to send or None, finished episodes)
+    def close(self) -> None: ...
+
+
+class EpisodeActorCore(Protocol):
+    """What `apex serve` calls (through ``apex.external``): episodes that clients step."""
+
+    weights_version: int
+    learns_logged_actions: bool
+    reuse_freed_slots: bool
+
+    def __init__(self, config: Config, welcome: dict, spec: EnvSpec, seed: int) -> None: ...
+    def set_weights(self, msg: Message) -> None: ...
+    def begin(self, episode: Any) -> None: ...
+    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray: ...
+    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None: ...
+    def abandon(self, episode: Any) -> None: ...
+    def take(self, flush: bool = False) -> list[tuple[dict, list]]: ...
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The network an algorithm's greedy policy acts with, and where checkpoints keep it."""
+
+    checkpoint_key: str  # e.g. "online": the state dict in a checkpoint
+    description: str  # e.g. "the online Q network", for errors
+    network: Callable[[EnvSpec, ModelConfig], torch.nn.Module]
+    greedy: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # obs [B, ...] -> actions [B(, components)]
+
+
+@dataclass(frozen=True)
+class LearnerSide:
+    Learner: type[LearnerCore]
+    policy: Policy
+
+
+@dataclass(frozen=True)
+class ActorSide:
+    Actor: type[ActorCore]
+    EpisodeActor: type[EpisodeActorCore]
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    learner: Callable[[], LearnerSide]  # imports torch
+    actor: Callable[[], ActorSide]  # NumPy only (torch for image observations, when they come)
+
+
+def _apex_dqn_learner() -> LearnerSide:
+    from apex.algos import apex_dqn
+
+    return LearnerSide(apex_dqn.Learner, apex_dqn.POLICY)
+
+
+def _apex_dqn_actor() -> ActorSide:
+    from apex.algos import apex_dqn_actor
+
+    return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor)
+
+
+def _impala_learner() -> LearnerSide:
+    from apex.algos import impala
+
+    return LearnerSide(impala.Learner, impala.POLICY)
+
+
+def _impala_actor() -> ActorSide:
+    from apex.algos import impala_actor
+
+    return ActorSide(impala_actor.Actor, impala_actor.EpisodeActor)
+
+
+REGISTRY: dict[str, Algorithm] = {
+    "apex_dqn": Algorithm("apex_dqn", _apex_dqn_learner, _apex_dqn_actor),
+    "impala": Algorithm("impala", _impala_learner, _impala_actor),
+}
+
+
+def get(algo: str) -> Algorithm:
+    """The registered algorithm ``algo`` (config validation has named the choices)."""
+    try:
+        return REGISTRY[algo]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {algo!r}: one of {', '.join(REGISTRY)}") from None

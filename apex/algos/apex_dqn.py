@@ -14,7 +14,6 @@ return_mean_100.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import NamedTuple
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex import optim
+from apex.algos import Policy
 from apex.algos.apex_dqn_actor import actor_epsilons, merge_chunks
 from apex.config import Config
 from apex.envs import EnvSpec
@@ -203,17 +203,14 @@ class Learner:
         synchronisation decides, the one the metrics need."""
         out = dqn_loss(self.online, self.target, batch["obs"], batch["action"], batch["reward"],
                        batch["discount"], batch["next_obs"], batch["weights"])
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.online.parameters(), self.config.learner.grad_clip)
-        figures = torch.stack([out.loss.detach(), out.q_mean, out.td_abs_mean, grad_norm,
-                               out.priorities.sum()]).cpu().tolist()
-        metrics = dict(zip(("loss", "q_mean", "td_abs_mean", "grad_norm"), figures))
-        if not all(math.isfinite(x) for x in figures):
-            self.optimizer.zero_grad(set_to_none=True)
+        # The priorities' sum: finite only if every priority is.
+        figures = optim.guarded_step(self.optimizer, out.loss, self.online.parameters(), self.config.learner.grad_clip,
+                                     [out.loss.detach(), out.q_mean, out.td_abs_mean, out.priorities.sum()])
+        if figures is None:
             self.skipped_updates += 1
             return out.priorities, {}
-        optim.step(self.optimizer)
+        loss, q_mean, td_abs_mean, _, grad_norm = figures
+        metrics = {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
         self.updates += 1
         if self.updates % self.config.learner.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
@@ -263,3 +260,11 @@ class Learner:
             "dropped_transitions": self.dropped_transitions,
             "stale_priority_updates": self.replay.stale_priority_updates,
         }
+
+
+def _greedy(net: QNetwork, obs: torch.Tensor) -> torch.Tensor:
+    return net(obs).argmax(dim=1)
+
+
+# `apex eval` and apex.load_policy act with the online network, epsilon-greedy (0 by default).
+POLICY = Policy("online", "the online Q network", QNetwork, _greedy)

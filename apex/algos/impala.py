@@ -20,13 +20,13 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from apex import optim
+from apex.algos import Policy
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
@@ -213,16 +213,11 @@ class Learner:
             logits.reshape(steps, size, -1), values.reshape(steps, size), to("action"), to("behaviour_logp"),
             to("reward"), to("discount"), im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost, self.spec.action_nvec,
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.config.learner.grad_clip)
-        # One host synchronisation: the metrics, and whether the update is finite.
-        figures = torch.stack([out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy, grad_norm]).cpu().tolist()
-        if not all(math.isfinite(x) for x in figures):
-            self.optimizer.zero_grad(set_to_none=True)
+        figures = optim.guarded_step(self.optimizer, out.loss, self.net.parameters(), self.config.learner.grad_clip,
+                                     [out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy])
+        if figures is None:
             self.skipped_updates += 1
             return {}
-        optim.step(self.optimizer)
         self.updates += 1
         return dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures))
 
@@ -256,3 +251,11 @@ class Learner:
             "replay_capacity": self.queue.capacity,
             "skipped_updates": self.skipped_updates,
         }
+
+
+def _greedy(net: PolicyValueNetwork, obs: torch.Tensor) -> torch.Tensor:
+    return net.greedy(net(obs)[0])
+
+
+# `apex eval` and apex.load_policy take the policy's most likely action.
+POLICY = Policy("net", "the policy network", PolicyValueNetwork, _greedy)
