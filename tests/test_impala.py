@@ -141,6 +141,42 @@ def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_reset
     actor.close()
 
 
+def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_saw():
+    """Catch's 40x40 frames, 4 to a stack: the learner queues each unroll's frames once
+    (about T + stack of them, not (T + 1) * stack) and builds the stacks of a batch, time-
+    major, exactly as the actor's network saw them, across episode resets."""
+    config = Config()
+    config.algo = "impala"
+    config.env.id = "tests.envs:apex-test/Catch-v0"
+    T = config.impala.unroll_length = 12
+    config.impala.batch_unrolls = 4
+    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
+    spec = actor.spec
+    assert spec.stack == 4 and spec.frame_shape == (40, 40)
+    learner = impala.Learner(config, spec, torch.device("cpu"))
+    seen = []  # [T+1, K, stack, 40, 40] per unroll batch
+    stacks = []
+    while len(seen) < 2:  # two batches of 2 unrolls: one learner batch of 4
+        stacks.append(actor.stacker.obs.copy())
+        batch, _ = actor.act()
+        if batch is not None:
+            stacks.append(actor.stacker.obs.copy())  # the bootstrap step
+            seen.append(np.stack(stacks[-(T + 1):]))
+            stacks = stacks[:-1]  # the next unroll starts at this one's bootstrap step
+            arrays, _ = learner.schema.validate(batch, learner.batch_limits(2))
+            learner.insert(arrays)
+    actor.close()
+    # Catch's episodes are short, and each reset repeats its first frame to fill a stack:
+    # still well under the stacks a step that the queue held before (4.3 frames here).
+    stacked = (T + 1) * spec.stack * 40 * 40 / T
+    assert learner.queue.bytes_per_transition(T) < 0.6 * stacked
+    unrolls = learner.queue.take(4)
+    frames_per_unroll = [len(u["frames"]) for u in unrolls]
+    assert all(T + spec.stack <= n <= (T + 1) * spec.stack for n in frames_per_unroll), frames_per_unroll
+    built = learner._stacks(unrolls)
+    np.testing.assert_array_equal(built, np.concatenate(seen, axis=1))
+
+
 
 
 def test_actor_scales_training_rewards_but_reports_returns_as_they_are():

@@ -175,17 +175,28 @@ class Learner:
         return self.queue.wait_for_room(timeout)
 
     def insert(self, arrays: dict) -> int:
-        """Queues the unrolls of a batch validated by ``self.schema``."""
+        """Queues the unrolls of a batch validated by ``self.schema``, each with the frames
+        its stacks use, stored once (``step`` builds the stacks): for Atari about T + stack
+        frames an unroll instead of (T + 1) * stack."""
         unrolls = len(arrays["obs_frame"])
         frames = arrays["frames"]
         frames = frames.decompress() if isinstance(frames, Compressed) else frames
-        obs = frames[arrays["obs_frame"][..., None] + self._offsets]  # [K, T+1, stack, ...]
+        obs_frame = arrays["obs_frame"]
+        first, end = obs_frame.min(axis=1), obs_frame.max(axis=1) + self.spec.stack
         self.queue.put([
-            {"obs": obs[k], "action": arrays["action"][k], "reward": arrays["reward"][k],
+            {"frames": frames[first[k] : end[k]].copy(), "obs_frame": obs_frame[k] - first[k],
+             "action": arrays["action"][k], "reward": arrays["reward"][k],
              "discount": arrays["discount"][k], "behaviour_logp": arrays["behaviour_logp"][k]}
             for k in range(unrolls)
         ])
         return unrolls * self.config.impala.unroll_length
+
+    def _stacks(self, unrolls: list[dict]) -> np.ndarray:
+        """The observation stacks of a batch of unrolls, time-major: [T+1, B, stack, ...]."""
+        frames = np.concatenate([u["frames"] for u in unrolls])
+        starts = np.cumsum([0] + [len(u["frames"]) for u in unrolls[:-1]])
+        ids = np.stack([u["obs_frame"] for u in unrolls], axis=1) + starts  # [T+1, B]
+        return np.take(frames, ids[..., None] + self._offsets, axis=0)
 
     def insert_many(self, batches: list[dict]) -> list[Exception | None]:
         """Queues validated batches; each one's error (a corrupt lz4 payload), or None."""
@@ -204,9 +215,11 @@ class Learner:
     def step(self) -> dict[str, float]:
         im = self.config.impala
         unrolls = self.queue.take(im.batch_unrolls)
-        batch = {name: np.stack([u[name] for u in unrolls], axis=1) for name in unrolls[0]}  # time-major
+        batch = {name: np.stack([u[name] for u in unrolls], axis=1)  # time-major
+                 for name in ("action", "reward", "discount", "behaviour_logp")}
+        batch["obs"] = self._stacks(unrolls)  # [T+1, B, stack, ...]
         to = lambda name: to_device(batch[name], self.device)  # noqa: E731
-        obs = to("obs")  # [T+1, B, stack, ...]
+        obs = to("obs")
         steps, size = obs.shape[:2]
         logits, values = self.net(obs.reshape(steps * size, *obs.shape[2:]))
         out = impala_loss(
@@ -244,6 +257,7 @@ class Learner:
 
     def metrics(self) -> dict:
         return {
+            "replay_bytes_per_transition": round(self.queue.bytes_per_transition(self.config.impala.unroll_length), 1),
             "queue_unrolls": len(self.queue),
             "queue_dropped_unrolls": self.queue.dropped,
             "inserted_unrolls": self.queue.inserted,

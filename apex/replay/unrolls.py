@@ -25,6 +25,14 @@ class UnrollQueue:
     def __len__(self) -> int:
         return len(self._items)
 
+    def bytes_per_transition(self, steps_per_item: int) -> float:
+        """Bytes of the queued items' arrays per step they hold (0 when empty)."""
+        with self._cond:
+            items = list(self._items)
+        if not items:
+            return 0.0
+        return sum(a.nbytes for item in items for a in item.values()) / (len(items) * steps_per_item)
+
     def wait_for_room(self, timeout: float) -> bool:
         if not self.block:
             return True
