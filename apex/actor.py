@@ -9,13 +9,13 @@ waiting for the learner, stepping, or waiting to send.
 from __future__ import annotations
 
 import logging
-import signal
 import time
 
 from apex import algos
 from apex import config as config_module
 from apex.errors import ProtocolError
 from apex.logs import RateLimitedLog
+from apex.signals import StopSignals
 from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions
 
 log = logging.getLogger(__name__)
@@ -39,33 +39,25 @@ def run_actor(
     # (apex.inference), once the welcome has said what they are.
     import apex.envs  # noqa: F401
 
-    stopping = {"signal": None}
-
-    def on_signal(signum, _frame):
-        stopping["signal"] = signum
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options,
-                           should_stop=lambda: stopping["signal"] is not None)
-    try:
+    with StopSignals() as signals:
+        client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options,
+                               should_stop=lambda: signals.received)
         try:
-            _act(client, stopping)
-        except Stopped:
-            pass
-        except HandshakeRejected:
-            if client.stop_reason is None:
-                raise
-            # Said hello again just as the learner was stopping for good: that is a stop too.
-        reason = client.stop_reason or f"signal {signal.Signals(stopping['signal']).name}"
-        log.info("actor %s stopping: %s", client.actor_index, reason)
-        return 130 if stopping["signal"] == signal.SIGINT and client.stop_reason is None else 0
-    finally:
-        client.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+            try:
+                _act(client, signals)
+            except Stopped:
+                pass
+            except HandshakeRejected:
+                if client.stop_reason is None:
+                    raise
+                # Said hello again just as the learner was stopping for good: that is a stop too.
+            log.info("actor %s stopping: %s", client.actor_index, client.stop_reason or signals.reason())
+            return signals.exit_code() if client.stop_reason is None else 0
+        finally:
+            client.close()
 
 
-def _act(client: LearnerClient, stopping: dict) -> None:
+def _act(client: LearnerClient, signals: StopSignals) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
     spec = client.handshake().fields["spec"]
     config = config_module.from_dict(spec["config"])
@@ -78,7 +70,7 @@ def _act(client: LearnerClient, stopping: dict) -> None:
         episodes: list[list] = []
         last_tick = 0.0
         sent = False
-        while client.stop_reason is None and stopping["signal"] is None:
+        while client.stop_reason is None and not signals.received:
             now = time.monotonic()
             if now - last_tick > TICK_S:
                 client.tick()

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 from apex.checkpoint import has_checkpoint
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
+from apex.signals import StopSignals
 from apex.transport import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
@@ -129,63 +129,54 @@ def run(
     restart_at = [0.0] * actors
     learner_restarted = 0
     learner_restart_at = 0.0
-    interrupted = {"signal": None, "sent": False}
-
-    def on_signal(signum, _frame):
-        interrupted["signal"] = signum
-
-    # Signal handlers can only be set from the main thread; elsewhere (apex.train in a
-    # notebook's worker thread, say) Ctrl-C is not ours to catch.
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
-    try:
-        while True:
-            now = time.monotonic()
-            if interrupted["signal"] is not None and learner_restart_at == 0.0:
-                learner.send_signal(interrupted["signal"])  # the learner stops its actors and exits
-                interrupted["signal"], interrupted["sent"] = None, True
-            if learner_restart_at == 0.0 and learner.poll() is not None:
-                code = learner.returncode
-                if now - learner_started > _HEALTHY_S:
-                    learner_restarted = 0  # a crash hours into a run is not a crash loop
-                if code in _FINAL_EXITS or interrupted["sent"] or learner_restarted >= learner_restarts:
-                    return code
-                delay = min(30.0, 2.0 * 2 ** learner_restarted)
-                log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
-                            code, " from its newest checkpoint" if resumable() else "",
-                            delay, learner_restarted + 1, learner_restarts)
-                learner_restart_at = now + delay
-            elif learner_restart_at and (now >= learner_restart_at or interrupted["signal"] is not None):
-                if interrupted["signal"] is not None:  # interrupted while the learner was down
-                    return 130 if interrupted["signal"] == signal.SIGINT else 0
-                learner = start_learner()
-                learner_started = time.monotonic()
-                learner_restarted += 1
-                learner_restart_at = 0.0
-            for i, proc in enumerate(procs):
-                if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
-                    continue
-                if restart_at[i] == 0.0:
-                    delay = min(30.0, 0.5 * 2 ** restarts[i])
-                    log.warning("actor %d exited with %s; restarting in %.1fs", i, proc.returncode, delay)
-                    restart_at[i] = now + delay
-                elif now >= restart_at[i]:
-                    procs[i] = _spawn(actor_args[i])
-                    restarts[i] += 1
-                    restart_at[i] = 0.0
-            if on_tick is not None:
-                on_tick()
-            time.sleep(0.2)
-    finally:
-        for proc in [learner, *procs]:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 30  # a learner writes its last checkpoint (with the replay)
-        for proc in [learner, *procs]:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    forwarded = False  # a signal was passed on to the learner: its exit is the run's end
+    with StopSignals() as signals:
+        try:
+            while True:
+                now = time.monotonic()
+                if signals.received and learner_restart_at == 0.0:
+                    learner.send_signal(signals.take())  # the learner stops its actors and exits
+                    forwarded = True
+                if learner_restart_at == 0.0 and learner.poll() is not None:
+                    code = learner.returncode
+                    if now - learner_started > _HEALTHY_S:
+                        learner_restarted = 0  # a crash hours into a run is not a crash loop
+                    if code in _FINAL_EXITS or forwarded or learner_restarted >= learner_restarts:
+                        return code
+                    delay = min(30.0, 2.0 * 2 ** learner_restarted)
+                    log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
+                                code, " from its newest checkpoint" if resumable() else "",
+                                delay, learner_restarted + 1, learner_restarts)
+                    learner_restart_at = now + delay
+                elif learner_restart_at and (now >= learner_restart_at or signals.received):
+                    if signals.received:  # interrupted while the learner was down
+                        return signals.exit_code()
+                    learner = start_learner()
+                    learner_started = time.monotonic()
+                    learner_restarted += 1
+                    learner_restart_at = 0.0
+                for i, proc in enumerate(procs):
+                    if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
+                        continue
+                    if restart_at[i] == 0.0:
+                        delay = min(30.0, 0.5 * 2 ** restarts[i])
+                        log.warning("actor %d exited with %s; restarting in %.1fs", i, proc.returncode, delay)
+                        restart_at[i] = now + delay
+                    elif now >= restart_at[i]:
+                        procs[i] = _spawn(actor_args[i])
+                        restarts[i] += 1
+                        restart_at[i] = 0.0
+                if on_tick is not None:
+                    on_tick()
+                time.sleep(0.2)
+        finally:
+            for proc in [learner, *procs]:
+                if proc.poll() is None:
+                    proc.terminate()
+            deadline = time.monotonic() + 30  # a learner writes its last checkpoint (with the replay)
+            for proc in [learner, *procs]:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()

@@ -8,7 +8,6 @@ import logging
 import os
 import resource
 import shlex
-import signal
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT, check_episodes
+from apex.signals import StopSignals
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, is_loopback, options_from_config
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class LearnerProcess:
         self._ingest_thread: threading.Thread | None = None
         self._wakeup = Wakeup()
         self._version = 0  # of the weights last published
-        self._signal: int | None = None
+        self._signals = StopSignals()
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
         self.resumed_from = None
         try:
@@ -295,8 +295,11 @@ class LearnerProcess:
     # -- main loop
 
     def run(self) -> int:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._on_signal)
+        """Trains until a stop condition or a signal; returns the exit code."""
+        with self._signals:
+            return self._run()
+
+    def _run(self) -> int:
         try:
             self.logdir.mkdir(parents=True, exist_ok=True)
             metrics = self._metrics = MetricsWriter(self.logdir)
@@ -356,8 +359,8 @@ class LearnerProcess:
                     next_checkpoint = now + self.config.learner.checkpoint_interval_s
                     if every_updates:
                         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates
-                if self._signal is not None:
-                    stop_reason = f"signal {signal.Signals(self._signal).name}"
+                if self._signals.received:
+                    stop_reason = self._signals.reason()
         finally:
             stopped_unix_s = time.time()
             self.endpoint.stop_actors(stop_reason or "learner error")
@@ -387,7 +390,7 @@ class LearnerProcess:
             self.endpoint.close()
             self._wakeup.close()
             self._say_goodbye(summary)
-        return 130 if self._signal == signal.SIGINT else 0
+        return self._signals.exit_code()
 
     def _wait_for_work(self) -> None:
         """Sleeps until data lands (the ingest thread's wake-up), a control message comes,
@@ -423,9 +426,6 @@ class LearnerProcess:
             return
         self._version = version
         self.endpoint.publish_weights(version, weights)
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        self._signal = signum
 
     def _linger_for_stops(self, seconds: float = 0.5) -> None:
         """Answers heartbeats with stop for a moment, so that every actor hears it."""

@@ -15,7 +15,6 @@ import asyncio
 import hmac
 import logging
 import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from apex import config as config_module
 from apex.errors import ApexError, ProtocolError
 from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
+from apex.signals import StopSignals
 from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions, is_loopback
 
 log = logging.getLogger(__name__)
@@ -207,20 +207,19 @@ def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int |
             raise ApexError("apex serve --http needs aiohttp: pip install 'apex-rl[serve]' "
                             "(or serve ZeroMQ only: --http off --zmq PORT)") from None
     stopping = threading.Event()
-    signals = {"signal": None}
+    with StopSignals(then=stopping.set) as signals:
+        return _serve_until_stopped(host, port, options, actor_index, num_envs, transport, stopping, signals)
 
-    def on_signal(signum, _frame):
-        signals["signal"] = signum
-        stopping.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+def _serve_until_stopped(host: str, port: int, options: ServeOptions, actor_index: int | None, num_envs: int | None,
+                         transport: TransportOptions, stopping: threading.Event, signals: StopSignals) -> int:
     client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=transport,
                            should_stop=stopping.is_set)
     try:
         try:
             client.handshake()
         except Stopped:
-            return 130 if signals["signal"] == signal.SIGINT else 0
+            return signals.exit_code()
         except HandshakeRejected:
             if client.stop_reason is None:
                 raise
@@ -236,14 +235,11 @@ def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int |
             learner_thread.join(timeout=10)
         if server.error is not None:
             raise server.error
-        reason = client.stop_reason or (f"signal {signal.Signals(signals['signal']).name}" if signals["signal"]
-                                        else server.stop_reason)
+        reason = client.stop_reason or (signals.reason() if signals.received else server.stop_reason)
         log.info("serve stopping: %s", reason)
-        return 130 if signals["signal"] == signal.SIGINT and client.stop_reason is None else 0
+        return signals.exit_code() if client.stop_reason is None else 0
     finally:
         client.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 async def _serve(server: Server, stopping: threading.Event) -> None:
