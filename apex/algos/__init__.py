@@ -104,6 +104,7 @@ class Algorithm:
     name: str
     learner: Callable[[], LearnerSide]  # imports torch
     actor: Callable[[], ActorSide]  # NumPy only (torch for image observations, when they come)
+    state_keys: tuple[str, ...]  # the state dicts its learner's checkpoints hold (checked before loading)
 
 
 def _apex_dqn_learner() -> LearnerSide:
@@ -131,8 +132,8 @@ def _impala_actor() -> ActorSide:
 
 
 REGISTRY: dict[str, Algorithm] = {
-    "apex_dqn": Algorithm("apex_dqn", _apex_dqn_learner, _apex_dqn_actor),
-    "impala": Algorithm("impala", _impala_learner, _impala_actor),
+    "apex_dqn": Algorithm("apex_dqn", _apex_dqn_learner, _apex_dqn_actor, ("online", "target", "optimizer")),
+    "impala": Algorithm("impala", _impala_learner, _impala_actor, ("net", "optimizer")),
 }
 
 

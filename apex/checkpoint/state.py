@@ -1,0 +1,91 @@
+"""A checkpoint's learner state (ckpt-N.pt): read without running code, then checked."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from apex.algos import REGISTRY
+from apex.checkpoint.common import CorruptCheckpoint, is_int, show
+
+
+# What every apex learner state holds beside its algorithm's networks, as torch.load
+# (weights_only) returns it; bool is excluded where an int is wanted.
+_STATE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "updates": int, "env_steps": int, "time": (int, float), "episode_stats": dict, "config": dict}
+_DEFAULT_ALGO = "apex_dqn"  # Config.algo's default: a config written without one means it
+_WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def read_state(path: Path) -> Any:
+    """What ``torch.load`` finds in ``path``, loaded without running any code (tensors and
+    plain containers only); CorruptCheckpoint with a one-line reason if it cannot."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. a forged file's pickle protocol: the error says enough
+            import torch  # here, not at import: `apex run` and the CLI start without torch
+
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (untrusted bytes can fail the parser in any way, none our bug)
+        raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {load_failure(e)}") from None
+
+
+def load_failure(error: Exception) -> str:
+    text = str(error).strip()
+    if text.startswith("Weights only load failed"):
+        found = _WEIGHTS_ONLY_GLOBAL.search(text)
+        what = f"it would call {found.group(1)}" if found else "it holds objects other than tensors and plain containers"
+        return f"{what}, and a checkpoint is loaded without running code (a forged or foreign file?)"
+    first = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def check_state(state: Any, source: str) -> dict:
+    """``state`` if it holds what every apex learner checkpoint does (the counters, the
+    episode stats, the config and its algorithm's networks and optimizer);
+    CorruptCheckpoint naming the first thing missing or of the wrong type."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"{source} holds a {type(state).__name__}, not an apex learner state (a dict)")
+    for key, kind in _STATE_KEYS.items():
+        if key not in state:
+            raise CorruptCheckpoint(f"{source} lacks {key!r}: not an apex learner checkpoint")
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise CorruptCheckpoint(f"{source}: {key!r} is a {type(value).__name__}, expected {_type_names(kind)}")
+    if state["updates"] < 0 or state["env_steps"] < 0 or not 0 <= state["time"] < float("inf"):
+        raise CorruptCheckpoint(f"{source}: updates, env_steps and time must be finite and >= 0, got "
+                                f"{state['updates']}, {state['env_steps']}, {state['time']}")
+    _check_episode_stats(state["episode_stats"], source)
+    _check_optional(state, source)
+    algo = state["config"].get("algo", _DEFAULT_ALGO)
+    if not isinstance(algo, str) or algo not in REGISTRY:
+        raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(REGISTRY)}")
+    for key in REGISTRY[algo].state_keys:
+        if not isinstance(state.get(key), dict):
+            raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
+    return state
+
+
+def _check_episode_stats(stats: dict, source: str) -> None:
+    """What EpisodeStats.load_state_dict reads."""
+    numbers = all(isinstance(stats.get(k), list) and all(isinstance(x, (int, float)) for x in stats[k])
+                  for k in ("eval", "train"))
+    if not (numbers and is_int(stats.get("episodes")) and isinstance(stats.get("best"), (int, float))):
+        raise CorruptCheckpoint(f"{source}: 'episode_stats' must hold lists 'eval' and 'train' of returns, "
+                                "an int 'episodes' and a number 'best'")
+
+
+def _check_optional(state: dict, source: str) -> None:
+    """Keys that older checkpoints may lack, checked when present (the learner reads them)."""
+    hosts = state.get("env_steps_by_host", {})
+    if not (isinstance(hosts, dict) and all(isinstance(k, str) and is_int(v) for k, v in hosts.items())):
+        raise CorruptCheckpoint(f"{source}: 'env_steps_by_host' must map host names to ints >= 0")
+    limiter = state.get("limiter", {"inserts": 0, "samples": 0})
+    if not (isinstance(limiter, dict) and is_int(limiter.get("inserts")) and is_int(limiter.get("samples"))):
+        raise CorruptCheckpoint(f"{source}: 'limiter' must hold ints 'inserts' and 'samples' >= 0")
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
