@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 ALGOS = tuple(REGISTRY)  # the names `algo` takes
 
 
-@dataclass
+@dataclass(frozen=True)
 class EnvConfig:
     id: str = "CartPole-v1"
     """Any Gymnasium id, or ``module:EnvId`` (the module is imported first, as gym.make
@@ -63,7 +63,7 @@ class EnvConfig:
     at the policy's expense)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     hidden: list[int] = field(default_factory=lambda: [128, 128])
     """MLP hidden layer sizes for vector observations (images get a conv torso sized to the
@@ -72,7 +72,7 @@ class ModelConfig:
     """Dueling value/advantage heads (Wang et al. 2016)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReplayConfig:
     capacity: int = 100_000
     """Transitions kept; the oldest are evicted first."""
@@ -92,7 +92,7 @@ class ReplayConfig:
     """Frames kept for stacked observations (None: capacity + an eighth + 4096)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LearnerConfig:
     batch_size: int = 256
     """Transitions per update."""
@@ -132,7 +132,7 @@ class LearnerConfig:
     resumed run does not start from an empty replay (IMPALA keeps no replay)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorConfig:
     num_envs: int = 16
     """Environments each actor process steps together."""
@@ -151,7 +151,7 @@ class ActorConfig:
     """Vector steps between looks for newer weights (never blocks)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ImpalaConfig:
     unroll_length: int = 20
     """Steps per unroll (T); consecutive unrolls share their bootstrap step."""
@@ -177,7 +177,7 @@ class ImpalaConfig:
     """RMSProp epsilon (the paper's 0.01)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TransportConfig:
     port: int = 5550
     """Learner control port; trajectories use port+1 and weights port+2."""
@@ -203,7 +203,7 @@ class TransportConfig:
     refused at its hello with a message naming this setting."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StopConditions:
     """When `apex learner` / `apex run` stop (None: never by this one)."""
 
@@ -218,7 +218,7 @@ class StopConditions:
                 raise ConfigError(f"--stop-{name.replace('_', '-')} (stop_{name}) must be positive, got {value}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     algo: str = "apex_dqn"
     """``apex_dqn`` or ``impala``."""

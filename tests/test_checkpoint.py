@@ -313,16 +313,14 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
     its moments after some updates), counters, -inf, the full config."""
     from apex.algos import impala
     from apex.algos.apex_dqn import Learner as ApexLearner
-    from apex.config import Config
+    from apex import config as config_module
     from apex.envs import EnvSpec
     from apex.metrics import EpisodeStats
     from tests.test_learner import bandit_chunk
 
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     for algo in ("apex_dqn", "impala"):
-        config = Config()
-        config.algo = algo
-        config.replay.capacity = 1000
+        config = config_module.load(None, [f"algo={algo}", "replay.capacity=1000", "replay.min_size=100"])
         learner = (ApexLearner if algo == "apex_dqn" else impala.Learner)(config, spec, torch.device("cpu"))
         if algo == "apex_dqn":
             learner.insert(bandit_chunk(500))

@@ -14,6 +14,7 @@ import torch
 
 from apex.algos.apex_dqn import Learner
 from apex.cli import main
+from apex import config as config_module
 from apex.config import Config
 from apex.envs import env_spec
 from apex.errors import ApexError
@@ -160,9 +161,7 @@ def metrics_run(directory: Path, slope: float = 1.0, config: Config | None = Non
 
 
 def config_of(env: str, algo: str) -> Config:
-    config = Config()
-    config.env.id, config.algo = env, algo
-    return config
+    return config_module.load(None, [f"env.id={env}", f"algo={algo}"])
 
 
 def visible_tick_labels(axis, which: str) -> list[str]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apex.algos import impala, impala_actor
-from apex.config import Config
+from apex import config as config_module
 from apex.replay import UnrollQueue
 
 
@@ -117,9 +117,7 @@ def test_unroll_queue_blocks_or_drops():
 
 
 def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_resets():
-    config = Config()
-    config.algo = "impala"
-    config.impala.unroll_length = 7
+    config = config_module.load(None, ["algo=impala", "impala.unroll_length=7"])
     actor = impala_actor.Actor(config, {"num_envs": 3}, seed=0)
     frames_seen = []  # what the network saw, step by step, per env
     batches = []
@@ -145,11 +143,9 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
     """Catch's 40x40 frames, 4 to a stack: the learner queues each unroll's frames once
     (about T + stack of them, not (T + 1) * stack) and builds the stacks of a batch, time-
     major, exactly as the actor's network saw them, across episode resets."""
-    config = Config()
-    config.algo = "impala"
-    config.env.id = "tests.envs:apex-test/Catch-v0"
-    T = config.impala.unroll_length = 12
-    config.impala.batch_unrolls = 4
+    T = 12
+    config = config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0",
+                                       f"impala.unroll_length={T}", "impala.batch_unrolls=4"])
     actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
     spec = actor.spec
     assert spec.stack == 4 and spec.frame_shape == (40, 40)
@@ -180,9 +176,7 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
 
 
 def test_actor_scales_training_rewards_but_reports_returns_as_they_are():
-    config = Config(algo="impala")
-    config.env.reward_scale = 0.01
-    config.impala.unroll_length = 5
+    config = config_module.load(None, ["algo=impala", "env.reward_scale=0.01", "impala.unroll_length=5"])
     actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
     batch, episodes = None, []
     while batch is None:

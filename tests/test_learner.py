@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from apex import config as config_module
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.algos.apex_dqn import Learner as ApexLearner
@@ -51,9 +52,7 @@ def bandit_chunk(n: int) -> dict:
 
 
 def test_updates_learn_the_better_action_and_lower_priorities():
-    config = Config()
-    config.learner.batch_size = 64
-    config.learner.lr = 1e-2
+    config = config_module.load(None, ["learner.batch_size=64", "learner.lr=1e-2"])
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     learner = ApexLearner(config, spec, torch.device("cpu"))
     assert learner.insert(bandit_chunk(500)) == 500

@@ -9,6 +9,7 @@ import pytest
 from apex import algos
 from apex.algos import apex_dqn, impala
 from apex.bench.batches import BATCH_FIELDS
+from apex import config as config_module
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import RejectedMessage
@@ -20,10 +21,7 @@ ATARI = EnvSpec((84, 84), np.dtype(np.uint8), 4, 6)
 
 def actor_batch(algo: str, num_envs: int = 3) -> tuple[dict, EnvSpec, Config]:
     """A batch exactly as an actor of ``algo`` sends it on CartPole."""
-    config = Config()
-    config.algo = algo
-    config.impala.unroll_length = 5
-    config.actor.chunk_transitions = 8
+    config = config_module.load(None, [f"algo={algo}", "impala.unroll_length=5", "actor.chunk_transitions=8"])
     welcome = {"num_envs": num_envs, "epsilons": [0.5] * num_envs, "eval_envs": [False] * num_envs}
     actor = algos.get(algo).actor().Actor(config, welcome, seed=0)
     batch = None
@@ -141,11 +139,9 @@ def test_image_frames_stay_compressed_for_the_ring_and_float_frames_are_checked(
 def test_batch_limits_hold_every_batch_an_honest_actor_sends():
     """The limits are an upper bound of what the actor cores produce (or honest data is lost)."""
     for algo, num_envs in (("apex_dqn", 1), ("apex_dqn", 7), ("impala", 5)):
-        config = Config()
-        config.algo = algo
-        config.actor.chunk_transitions = 4
-        config.impala.unroll_length = 3
-        config.env.max_episode_steps = 3  # episodes end all the time: the most chunks and stacks
+        # episodes end all the time (max_episode_steps 3): the most chunks and stacks
+        config = config_module.load(None, [f"algo={algo}", "actor.chunk_transitions=4", "impala.unroll_length=3",
+                                           "env.max_episode_steps=3"])
         module = apex_dqn if algo == "apex_dqn" else impala
         welcome = {"num_envs": num_envs, "epsilons": [1.0] * num_envs, "eval_envs": [False] * num_envs}
         actor = algos.get(algo).actor().Actor(config, welcome, seed=1)

@@ -20,6 +20,7 @@ import tests.envs  # noqa: F401  (registers the apex-test/ ids)
 from apex import spaces
 from apex.algos import apex_dqn, impala, impala_actor
 from apex.bench.transport import free_base_port
+from apex import config as config_module
 from apex.config import Config, EnvConfig
 from apex.envs import EnvSpec, VectorEnv, env_spec, make_env
 from apex.errors import ConfigError, RejectedMessage
@@ -304,9 +305,8 @@ def test_impala_loss_on_multidiscrete_is_the_product_policy():
 
 
 def dial_config() -> Config:
-    config = Config(algo="impala", env=EnvConfig(id="tests.envs:apex-test/MultiDial-v0"))
-    config.impala.unroll_length = 5
-    return config
+    return config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/MultiDial-v0",
+                                     "impala.unroll_length=5"])
 
 
 def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
