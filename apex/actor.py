@@ -16,7 +16,7 @@ from apex import config as config_module
 from apex.errors import ProtocolError
 from apex.logs import RateLimitedLog
 from apex.signals import StopSignals
-from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions
+from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def run_actor(
     *,
     actor_index: int | None = None,
     num_envs: int | None = None,
-    options: TransportOptions = TransportOptions(),
+    options: TransportConfig = TransportConfig(),
 ) -> int:
     """The actor process: connect, act, send, until the learner says stop or a signal
     arrives. Returns 0 (130 after SIGINT)."""

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from apex import __version__
-from apex.config import ALGOS
+from apex.config import ALGOS, DEFAULT_PORT
 from apex.errors import ApexError
 
 # Every flag that a container may rather set through the environment.
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="address to bind (default: 127.0.0.1, this machine only; 0.0.0.0 for actors on "
                               f"other hosts, with CURVE keys from `apex keygen`; env {ENV['bind_host']})")
     learner.add_argument("--port", type=int, default=_env_default("port", int), metavar="P",
-                         help=f"control port; P+1 and P+2 are used too (default: transport.port, 5550; env {ENV['port']})")
+                         help=f"control port; P+1 and P+2 are used too (default: transport.port, {DEFAULT_PORT}; env {ENV['port']})")
     _add_stop_flags(learner)
     _add_resume(learner)
     learner.add_argument("--auto-resume", action="store_true",
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     actor = commands.add_parser("actor", help="run one actor process against a learner",
                                 description="Run an actor: it gets the environment and model from the learner.")
     actor.add_argument("--learner", default=_env_default("learner"), metavar="HOST[:PORT]",
-                       help=f"learner address (port default: 5550; env {ENV['learner']})")
+                       help=f"learner address (port default: {DEFAULT_PORT}; env {ENV['learner']})")
     actor.add_argument("--actor-index", type=int, default=_env_default("actor_index", int), metavar="I",
                        help=f"position on the exploration ladder (default: the learner assigns one; env {ENV['actor_index']})")
     actor.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="An actor whose environments are remote: clients ask it for actions and report rewards "
                     "over HTTP/JSON or ZeroMQ/msgpack; it trains the learner on their episodes.")
     serve.add_argument("--learner", default=_env_default("learner"), metavar="HOST[:PORT]",
-                       help=f"learner address (port default: 5550; env {ENV['learner']})")
+                       help=f"learner address (port default: {DEFAULT_PORT}; env {ENV['learner']})")
     serve.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
                        help="HTTP/JSON address (default: 127.0.0.1:8000; 'off': none)")
     serve.add_argument("--zmq", default=None, metavar="[HOST:]PORT",
@@ -400,8 +400,7 @@ def _learner(args: argparse.Namespace) -> int:
 def _learner_link(args: argparse.Namespace, who: str):
     """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
     (--learner HOST[:PORT]), --num-envs, and transport options (only transport.* may be set).
-    Returns (host, port, TransportOptions)."""
-    from apex.transport import DEFAULT_PORT, options_from_config
+    Returns (host, port, TransportConfig)."""
 
     if not args.learner:
         raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
@@ -409,14 +408,14 @@ def _learner_link(args: argparse.Namespace, who: str):
     try:
         port = int(port_text) if port_text else DEFAULT_PORT
     except ValueError:
-        raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:5550") from None
+        raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:{DEFAULT_PORT}") from None
     if args.num_envs is not None and args.num_envs < 1:
         raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
     for override in args.overrides:
         if not override.startswith("transport."):
             raise ApexError(f"--set {override}: {who} takes only transport.* settings; the environment, model and "
                             "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
-    return host, port, options_from_config(_load_config(args, shorthands=False).transport)
+    return host, port, _load_config(args, shorthands=False).transport
 
 
 def _actor(args: argparse.Namespace) -> int:

@@ -177,14 +177,28 @@ class ImpalaConfig:
     """RMSProp epsilon (the paper's 0.01)."""
 
 
+DEFAULT_PORT = 5550
+
+
+def port_problem(port: int) -> str | None:
+    """Why ``port`` cannot be a learner's base port (it uses port+1 and port+2 too), or None."""
+    if not 1 <= port <= 65533:
+        return f"port must be in 1..65533 (the learner also uses port+1 and port+2), got {port}"
+    return None
+
+
 @dataclass(frozen=True)
 class TransportConfig:
-    port: int = 5550
+    """The transport settings of both ends (the learner's, and those an actor is started with)."""
+
+    port: int = DEFAULT_PORT
     """Learner control port; trajectories use port+1 and weights port+2."""
     trajectory_hwm: int = 4
-    """Batches an actor may queue before sending blocks."""
+    """Batches an actor may queue before sending blocks (ZeroMQ high-water mark)."""
     trajectory_buffer_bytes: int = 32 * 1024
-    """Kernel socket buffer of the trajectory stream; small, so queued batches stay fresh."""
+    """Kernel socket buffer of the trajectory stream on each side; small, so queued batches
+    stay fresh (the high-water mark counts messages, and the kernel's own megabytes would hold
+    hundreds of small batches that then reach a throttled learner seconds stale)."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats."""
     heartbeat_timeout_s: float = 5.0
@@ -314,7 +328,7 @@ class Config:
         check(im.baseline_cost >= 0 and im.entropy_cost >= 0, "impala.baseline_cost and impala.entropy_cost must be >= 0")
         check(im.optimizer in ("rmsprop", "adam"), f"impala.optimizer must be rmsprop or adam, got {im.optimizer!r}")
         t = self.transport
-        check(1 <= t.port <= 65533, f"transport.port must be in 1..65533 (port+1 and port+2 are used too), got {t.port}")
+        check(port_problem(t.port) is None, f"transport.{port_problem(t.port)}")
         check(t.trajectory_hwm >= 1, f"transport.trajectory_hwm must be >= 1, got {t.trajectory_hwm}")
         check(t.trajectory_buffer_bytes >= 4096, f"transport.trajectory_buffer_bytes must be >= 4096, got {t.trajectory_buffer_bytes}")
         check(t.heartbeat_interval_s > 0, f"transport.heartbeat_interval_s must be > 0, got {t.heartbeat_interval_s}")

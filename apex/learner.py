@@ -26,7 +26,7 @@ from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT, check_episodes
 from apex.signals import StopSignals
-from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, is_loopback, options_from_config
+from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class LearnerProcess:
         # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
         self.endpoint = LearnerEndpoint(
             bind_host, port if port is not None else config.transport.port, self._welcome,
-            options_from_config(config.transport),
+            config.transport,
         )
         try:
             self.learner = algos.get(self.config.algo).learner().Learner(self.config, self.spec, self.device)

@@ -27,7 +27,7 @@ from apex.errors import ApexError, ProtocolError
 from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
 from apex.signals import StopSignals
-from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportOptions, is_loopback
+from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportConfig, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ class Server:
 
 
 def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int | None = None,
-              num_envs: int | None = None, transport: TransportOptions = TransportOptions()) -> int:
+              num_envs: int | None = None, transport: TransportConfig = TransportConfig()) -> int:
     """The `apex serve` process: handshake, then serve until the learner stops or a signal."""
     import apex.envs  # noqa: F401  (gymnasium before signals are taken over, as an actor does)
 
@@ -212,7 +212,7 @@ def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int |
 
 
 def _serve_until_stopped(host: str, port: int, options: ServeOptions, actor_index: int | None, num_envs: int | None,
-                         transport: TransportOptions, stopping: threading.Event, signals: StopSignals) -> int:
+                         transport: TransportConfig, stopping: threading.Event, signals: StopSignals) -> int:
     client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=transport,
                            should_stop=stopping.is_set)
     try:

@@ -17,11 +17,11 @@ from apex import config as config_module
 from apex.algos import apex_dqn_actor
 from apex.bench.transport import free_base_port
 from apex.cli import _load_config, build_parser
-from apex.transport import LearnerClient, LearnerEndpoint, TransportOptions
+from apex.transport import LearnerClient, LearnerEndpoint, TransportConfig
 from tests.test_e2e import apex
 
-FAST = TransportOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
-PATIENT = TransportOptions(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)  # for clients that do not tick
+FAST = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+PATIENT = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)  # for clients that do not tick
 
 
 def run_cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
@@ -148,7 +148,7 @@ def test_a_retired_key_in_an_old_config_is_dropped_with_a_warning(caplog):
 class Endpoint:
     """A LearnerEndpoint polled in a thread, welcoming with the Ape-X ladder."""
 
-    def __init__(self, port: int, options: TransportOptions = FAST) -> None:
+    def __init__(self, port: int, options: TransportConfig = FAST) -> None:
         actor = config_module.ActorConfig(num_envs=4, eval_envs=1)
         self.endpoint = LearnerEndpoint(
             "127.0.0.1", port,

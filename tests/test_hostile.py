@@ -32,10 +32,10 @@ import zmq
 from apex import algos, protocol
 from apex import config as config_module
 from apex.bench.transport import free_base_port
-from apex.transport import LearnerClient, TransportOptions, generate_keys
+from apex.transport import LearnerClient, TransportConfig, generate_keys
 from tests.test_e2e import FAST, metrics, processes_mentioning, wait_for
 
-OPTIONS = TransportOptions(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
 # Small batches, and ingest that the sample-to-insert ratio does not hold back on a loaded machine.
 QUICK_START = ["--set", "replay.min_size=500", "--set", "learner.batch_size=64", "--set", "impala.batch_unrolls=8",
                "--set", "replay.samples_per_insert=0.5"]

@@ -16,12 +16,12 @@ from apex.transport import (
     LearnerClient,
     LearnerEndpoint,
     Rejected,
-    TransportOptions,
+    TransportConfig,
     generate_keys,
 )
 from apex.bench.transport import free_base_port
 
-FAST = TransportOptions(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+FAST = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
 SPEC = {"env": {"id": "CartPole-v1"}, "algo": "apex_dqn"}
 
 
@@ -205,7 +205,7 @@ def test_new_actor_gets_current_weights_at_once_and_only_the_newest(learner, por
 
 def test_slow_learner_makes_the_actor_wait_with_bounded_queues(learner, port):
     """Nobody reads the trajectory stream: sends block after a bounded number of batches."""
-    client = make_client(port, options=TransportOptions(trajectory_hwm=2, heartbeat_interval_s=0.05, heartbeat_timeout_s=5))
+    client = make_client(port, options=TransportConfig(trajectory_hwm=2, heartbeat_interval_s=0.05, heartbeat_timeout_s=5))
     try:
         client.handshake(timeout_s=5)
         batch = {"obs": np.random.default_rng(0).integers(0, 255, (1 << 20,), dtype=np.uint8)}  # 1 MiB, incompressible
@@ -276,11 +276,11 @@ def test_curve_admits_only_authorised_actors(tmp_path, port):
     (intruder / "learner.key").unlink()
     (intruder / "learner.key").write_bytes((keys / "learner.key").read_bytes())  # knows the server key
 
-    options = TransportOptions(heartbeat_timeout_s=30, curve_dir=str(keys))
+    options = TransportConfig(heartbeat_timeout_s=30, curve_dir=str(keys))
     learner = Learner(port, options=options)
     good = make_client(port, options=options)
-    bad = make_client(port, options=TransportOptions(curve_dir=str(intruder)))
-    plain = make_client(port, options=TransportOptions())
+    bad = make_client(port, options=TransportConfig(curve_dir=str(intruder)))
+    plain = make_client(port, options=TransportConfig())
     try:
         assert good.handshake(timeout_s=5).fields["spec"]["env"] == SPEC["env"]
         assert good.send_batch({"x": np.arange(3)}, weights_version=0, timeout_s=5)

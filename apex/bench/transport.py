@@ -3,7 +3,7 @@
 Senders are real processes that replay one pre-encoded batch as fast as the socket takes
 it (encoding is `apex bench codec`'s business); the receiver decodes every batch fully into
 NumPy arrays, as the learner's ingest does. apex's stream runs with its own socket settings
-(high-water mark and small kernel buffers, apex.transport.TransportOptions); the baselines
+(high-water mark and small kernel buffers, apex.transport.TransportConfig); the baselines
 pickle the naive forms of the same batch (see apex.bench.batches) over a plain PUSH/PULL
 socket with ZeroMQ's defaults.
 """
@@ -22,7 +22,7 @@ import zmq
 from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table
-from apex.transport import TransportOptions
+from apex.transport import TransportConfig
 
 SENDERS = (1, 4)
 WARMUP_S = 0.5
@@ -42,7 +42,7 @@ def socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
     """(sender, receiver) options: apex's own for apex, ZeroMQ's defaults for the baselines."""
     if method != "apex":
         return {}, {}
-    options = TransportOptions()
+    options = TransportConfig()
     return (
         {zmq.SNDHWM: options.trajectory_hwm, zmq.SNDBUF: options.trajectory_buffer_bytes},
         {zmq.RCVHWM: options.trajectory_hwm, zmq.RCVBUF: options.trajectory_buffer_bytes},

@@ -34,8 +34,8 @@ from apex.transport.learner_side import MAX_ENVS_PER_ACTOR, LearnerEndpoint
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import Session
 from apex.transport.settings import (DEFAULT_PORT, HandshakeRejected, LearnerGone, Ports, Rejected, Stopped,
-                                     TransportOptions, is_loopback, options_from_config)
+                                     TransportConfig, is_loopback)
 
 __all__ = ["DEFAULT_PORT", "MAX_ENVS_PER_ACTOR", "HandshakeRejected", "LearnerClient", "LearnerEndpoint", "LearnerGone",
-           "Ports", "Rejected", "Session", "Stopped", "TrajectoryReceiver", "TransportOptions", "generate_keys",
-           "is_loopback", "load_keypair", "load_public", "options_from_config"]
+           "Ports", "Rejected", "Session", "Stopped", "TrajectoryReceiver", "TransportConfig", "generate_keys",
+           "is_loopback", "load_keypair", "load_public"]

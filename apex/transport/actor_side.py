@@ -20,7 +20,7 @@ from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.keys import load_keypair, load_learner_public
 from apex.transport.settings import (MAX_HOST_CHARS, HandshakeRejected, LearnerGone, Ports, Stopped,
-                                     TransportOptions)
+                                     TransportConfig)
 
 log = logging.getLogger("apex.transport")
 
@@ -47,7 +47,7 @@ class LearnerClient:
         *,
         actor_index: int | None = None,
         num_envs: int = 1,
-        options: TransportOptions = TransportOptions(),
+        options: TransportConfig = TransportConfig(),
         should_stop: Callable[[], bool] = lambda: False,
     ) -> None:
         self.ports = Ports.from_base(port)

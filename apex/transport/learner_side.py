@@ -23,7 +23,7 @@ from apex.protocol import Message
 from apex.transport.keys import load_keypair
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import HelloLimiter, RejectCounter, Session, Sessions, peer_address
-from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportOptions
+from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
 
 log = logging.getLogger("apex.transport")
 
@@ -54,7 +54,7 @@ class LearnerEndpoint:
         host: str,
         port: int,
         welcome: Callable[[Message, int], Mapping[str, Any]],
-        options: TransportOptions = TransportOptions(),
+        options: TransportConfig = TransportConfig(),
     ) -> None:
         self.ports = Ports.from_base(port)
         self.options = options

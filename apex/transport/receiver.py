@@ -12,7 +12,7 @@ from apex.errors import ProtocolError, RejectedMessage
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.sessions import RejectCounter, Sessions, peer_address
-from apex.transport.settings import TransportOptions
+from apex.transport.settings import TransportConfig
 
 log = logging.getLogger("apex.transport")
 
@@ -21,7 +21,7 @@ class TrajectoryReceiver:
     """The learner's end of the trajectory stream: decoded batches of live sessions; every
     other message is counted by reason, logged and skipped."""
 
-    def __init__(self, sock: zmq.Socket, options: TransportOptions, sessions: Sessions, rejected: RejectCounter) -> None:
+    def __init__(self, sock: zmq.Socket, options: TransportConfig, sessions: Sessions, rejected: RejectCounter) -> None:
         self.socket = sock
         self.options = options
         self.sessions = sessions
