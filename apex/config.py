@@ -27,6 +27,7 @@ from apex.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ALGOS = tuple(REGISTRY)  # the names `algo` takes
+ATARI_PREFIX = "ALE/"  # ids of the Arcade Learning Environment
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ class EnvConfig:
     as the environment gives them. Keeps values near 1 where rewards are large or many
     (Acrobot's -1 a step for 500 steps: values near -100, which a shared IMPALA torso fits
     at the policy's expense)."""
+
+    @property
+    def is_atari(self) -> bool:
+        """An ALE id: made with the Atari preprocessing, rewards clipped if clip_rewards."""
+        return self.id.startswith(ATARI_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -245,10 +251,6 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     impala: ImpalaConfig = field(default_factory=ImpalaConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
-
-    @property
-    def is_atari(self) -> bool:
-        return self.env.id.startswith("ALE/")
 
     @property
     def frame_capacity(self) -> int:

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 
 from apex import spaces
-from apex.config import EnvConfig
+from apex.config import ATARI_PREFIX, EnvConfig
 from apex.errors import ConfigError
 
 
@@ -150,7 +150,7 @@ def _register_plugin(env_id: str) -> bool:
 
 def _make(config: EnvConfig, seed: int | None = None,
           render_mode: str | None = None) -> tuple[gym.Env, spaces.ObservationPlan, spaces.ActionPlan]:
-    is_atari = config.id.startswith("ALE/")
+    is_atari = config.is_atari
     if is_atari:
         _register_atari()
     import_env_modules(config)
@@ -160,7 +160,7 @@ def _make(config: EnvConfig, seed: int | None = None,
     except gym.error.Error:
         if _register_plugin(registered_id):
             return _make(config, seed, render_mode)
-        known = [name for name in gym.registry if not name.startswith("ALE/") or is_atari]
+        known = [name for name in gym.registry if not name.startswith(ATARI_PREFIX) or is_atari]
         import difflib
 
         close = difflib.get_close_matches(registered_id, known, n=1)

@@ -156,7 +156,7 @@ class NStepChunker:
 def make_chunker(config: Config, stack: int) -> NStepChunker:
     """One environment's (or external episode's) chunker, as the run's config says."""
     return NStepChunker(stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
-                        clip_rewards=config.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
+                        clip_rewards=config.env.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
 
 
 def merge_chunks(chunks: list[dict]) -> dict:

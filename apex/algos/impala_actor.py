@@ -28,7 +28,7 @@ def sample(rng: np.random.Generator, log_policies: list[np.ndarray],
 
 def train_reward(reward, config: Config):
     """The reward trained on: sign-clipped for Atari when env.clip_rewards, times env.reward_scale."""
-    return (np.sign(reward) if config.is_atari and config.env.clip_rewards else reward) * config.env.reward_scale
+    return (np.sign(reward) if config.env.is_atari and config.env.clip_rewards else reward) * config.env.reward_scale
 
 
 class Actor:
