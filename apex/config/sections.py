@@ -1,20 +1,10 @@
-"""One typed configuration tree: YAML in, dataclasses out, ``--set a.b=c`` overrides.
-
-The defaults are the embedded CartPole Ape-X run (``apex run`` with no ``--config``), and
-``configs/cartpole_apex.yaml`` spells the same values out. Loading collects every problem
-(unknown keys with the nearest valid one, wrong types, values out of range) and raises one
-ConfigError that lists them all.
-"""
+"""The configuration tree: one frozen dataclass a section, with its defaults (the embedded
+CartPole Ape-X run) and the range checks of ``Config.validate``."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
-import logging
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +14,28 @@ import yaml
 from apex.algos import REGISTRY
 from apex.errors import ConfigError
 
-log = logging.getLogger(__name__)
 
 ALGOS = tuple(REGISTRY)  # the names `algo` takes
+
+
 ATARI_PREFIX = "ALE/"  # ids of the Arcade Learning Environment
+
+
+def wrapper_problem(wrapper: Any) -> str | None:
+    """What is wrong with one env.wrappers item, or None (its import is checked where the
+    environment is made)."""
+    if isinstance(wrapper, str):
+        return None if wrapper.strip() else "an empty name"
+    if isinstance(wrapper, dict):
+        unknown = set(wrapper) - {"type", "kwargs"}
+        if unknown:
+            return f"unknown keys {sorted(unknown)}: a wrapper is a dotted path or {{type: dotted.path, kwargs: {{...}}}}"
+        if not isinstance(wrapper.get("type"), str) or not wrapper["type"]:
+            return "a mapping needs type: dotted.path.to.Wrapper"
+        if not isinstance(wrapper.get("kwargs", {}), dict):
+            return f"kwargs must be a mapping, got {wrapper['kwargs']!r}"
+        return None
+    return f"a dotted path or {{type: dotted.path, kwargs: {{...}}}}, got {wrapper!r}"
 
 
 @dataclass(frozen=True)
@@ -355,264 +363,3 @@ class Config:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False).encode()
         write_atomic(Path(path), lambda f: f.write(text))
         return Path(path)
-
-
-def presets() -> dict[str, Any]:
-    """The shipped presets (configs/*.yaml, installed as apex.configs): name -> file."""
-    from importlib.resources import files
-
-    try:
-        folder = files("apex.configs")
-    except ModuleNotFoundError:  # apex imported from a source tree (PYTHONPATH), not installed
-        folder = Path(__file__).resolve().parent.parent / "configs"
-    return {f.name[: -len(".yaml")]: f for f in sorted(folder.iterdir(), key=lambda f: f.name)
-            if f.name.endswith(".yaml")} if folder.is_dir() else {}
-
-
-def describe_preset(preset: Any) -> str:
-    """A preset's first header comment line (what it is), without the '#'."""
-    for line in preset.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
-            break
-    return ""
-
-
-def setting_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the docstring written under that field in this module."""
-    import ast
-    import inspect
-    import sys
-
-    docs = {}
-    for node in ast.parse(inspect.getsource(sys.modules[__name__])).body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        body = node.body
-        for field_node, doc in zip(body, body[1:]):
-            if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                    and isinstance(doc.value.value, str)):
-                docs[(node.name, field_node.target.id)] = " ".join(doc.value.value.split())
-    return docs
-
-
-def annotated_yaml(config: Config) -> str:
-    """The config as YAML that ``load`` reads back, each setting preceded by its docstring."""
-    docs = setting_docs()
-    lines: list[str] = []
-
-    def emit(obj: Any, indent: str) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            doc = docs.get((type(obj).__name__, f.name))
-            if dataclasses.is_dataclass(value):
-                lines.append(f"{indent}{f.name}:")
-                emit(value, indent + "  ")
-                continue
-            if doc:
-                lines.extend(f"{indent}# {part}" for part in _wrap(doc, 96 - len(indent)))
-            dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, sort_keys=False).strip()
-            lines.append(f"{indent}{dumped.removeprefix('{').removesuffix('}')}")
-
-    emit(config, "")
-    return "\n".join(lines) + "\n"
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, max(40, width))
-
-
-def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
-    """(where it came from, its sections) for a YAML file or a preset's name (``pong_apex``,
-    with or without ``.yaml``); a file at that path wins over a preset."""
-    name = str(path)
-    if Path(path).is_file():
-        source, text = str(path), Path(path).read_text()
-    else:
-        found = presets().get(name.removesuffix(".yaml")) if "/" not in name else None
-        if found is None:
-            raise ConfigError(f"config {name} not found: pass a YAML file or a preset name "
-                              f"({', '.join(presets())}; `apex config list`)")
-        source, text = f"preset {found.name}", found.read_text()
-        if Path(f"{name}.yaml").is_file():
-            log.warning("--config %s is the shipped preset; to read ./%s.yaml instead, pass it with .yaml", name, name)
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source} is not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source} must hold a mapping of sections, got {type(raw).__name__}")
-    return source, raw
-
-
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Reads a YAML file or a preset by name (or the defaults when ``path`` is None), applies
-    ``key=value`` overrides (values parsed as YAML), validates, and returns the Config."""
-    raw = read_yaml(path)[1] if path is not None else {}
-    return load_dict(raw, overrides)
-
-
-def load_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Like ``load``, from nested dicts (e.g. the config saved in a checkpoint)."""
-    raw = copy.deepcopy(raw)
-    for override in overrides:
-        _apply_override(raw, override)
-    return from_dict(raw)
-
-
-# Keys that older configs (and the configs saved in their checkpoints) hold and that no
-# longer mean anything: dropped with a warning, so that those runs still load and resume.
-RETIRED_KEYS = {
-    ("actor", "num_actors"): "the exploration ladder now follows the actors that join",
-}
-
-
-def _drop_retired(raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        return raw  # said by _build
-    for (section, key), why in RETIRED_KEYS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            raw = {**raw, section: {k: v for k, v in raw[section].items() if k != key}}
-            log.warning("ignoring %s.%s (from an older config or checkpoint): %s", section, key, why)
-    return raw
-
-
-def from_dict(raw: dict[str, Any]) -> Config:
-    """Builds a validated Config from nested dicts (unknown keys are errors)."""
-    raw = _drop_retired(raw)
-    problems: list[str] = []
-    config = _build(Config, raw, "", problems)
-    if problems:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
-    config.validate()
-    return config
-
-
-def _apply_override(raw: dict[str, Any], override: str) -> None:
-    key, sep, text = override.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"--set expects key=value (e.g. env.id=Acrobot-v1), got {override!r}")
-    try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {override!r}: value is not valid YAML ({e})") from None
-    node = raw
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {override!r}: {part} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
-    if not isinstance(raw, dict):
-        problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        name = f"{prefix}{key}"
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
-            problems.append(f"unknown key {name}{hint}")
-            continue
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint):
-            kwargs[key] = _build(hint, value, f"{name}.", problems)
-        else:
-            converted, ok = _convert(value, hint)
-            if ok:
-                kwargs[key] = converted
-            else:
-                problems.append(f"{name} must be {_type_name(hint)}, got {value!r}")
-    return cls(**kwargs)
-
-
-def _convert(value: Any, hint: Any) -> tuple[Any, bool]:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            converted, ok = _convert(value, option)
-            if ok:
-                return converted, True
-        return value, False
-    if hint is type(None):
-        return None, value is None
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            return value, False
-        items = [_convert(v, item) for v in value]
-        return [v for v, _ in items], all(ok for _, ok in items)
-    if hint is bool:
-        return value, isinstance(value, bool)
-    if hint is int:
-        return value, isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), True
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
-            try:
-                return float(value), True
-            except ValueError:
-                return value, False
-        return value, False
-    if hint is str:
-        return value, isinstance(value, str)
-    if origin is dict:
-        ok = isinstance(value, dict) and all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-        return (dict(value) if ok else value), ok
-    if hint is Any:
-        return value, _is_plain(value)
-    return value, False
-
-
-def _is_plain(value: Any) -> bool:
-    """Whether a value is plain data (what YAML, JSON and the handshake's msgpack all hold)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return True
-    if isinstance(value, list):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
-    return False
-
-
-def wrapper_problem(wrapper: Any) -> str | None:
-    """What is wrong with one env.wrappers item, or None (its import is checked where the
-    environment is made)."""
-    if isinstance(wrapper, str):
-        return None if wrapper.strip() else "an empty name"
-    if isinstance(wrapper, dict):
-        unknown = set(wrapper) - {"type", "kwargs"}
-        if unknown:
-            return f"unknown keys {sorted(unknown)}: a wrapper is a dotted path or {{type: dotted.path, kwargs: {{...}}}}"
-        if not isinstance(wrapper.get("type"), str) or not wrapper["type"]:
-            return "a mapping needs type: dotted.path.to.Wrapper"
-        if not isinstance(wrapper.get("kwargs", {}), dict):
-            return f"kwargs must be a mapping, got {wrapper['kwargs']!r}"
-        return None
-    return f"a dotted path or {{type: dotted.path, kwargs: {{...}}}}, got {wrapper!r}"
-
-
-def _type_name(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(hint))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(hint)[0])}"
-    if origin is dict:
-        return "a mapping of names to plain values"
-    if hint is Any:
-        return "a plain value"
-    if hint is type(None):
-        return "null"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))

@@ -1,0 +1,82 @@
+"""The shipped presets (configs/*.yaml, installed as apex.configs) and the annotated YAML of
+`apex config show`, its comments from the settings' docstrings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from apex.config.sections import Config
+
+
+def presets() -> dict[str, Any]:
+    """The shipped presets (configs/*.yaml, installed as apex.configs): name -> file."""
+    from importlib.resources import files
+
+    try:
+        folder = files("apex.configs")
+    except ModuleNotFoundError:  # apex imported from a source tree (PYTHONPATH), not installed
+        folder = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/, beside apex/
+    return {f.name[: -len(".yaml")]: f for f in sorted(folder.iterdir(), key=lambda f: f.name)
+            if f.name.endswith(".yaml")} if folder.is_dir() else {}
+
+
+def describe_preset(preset: Any) -> str:
+    """A preset's first header comment line (what it is), without the '#'."""
+    for line in preset.read_text().splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+        if line.strip():
+            break
+    return ""
+
+
+def setting_docs() -> dict[tuple[str, str], str]:
+    """(class name, field) -> the docstring written under that field in apex.config.sections."""
+    import ast
+    import inspect
+
+    from apex.config import sections
+
+    docs = {}
+    for node in ast.parse(inspect.getsource(sections)).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for field_node, doc in zip(body, body[1:]):
+            if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                docs[(node.name, field_node.target.id)] = " ".join(doc.value.value.split())
+    return docs
+
+
+def annotated_yaml(config: Config) -> str:
+    """The config as YAML that ``load`` reads back, each setting preceded by its docstring."""
+    docs = setting_docs()
+    lines: list[str] = []
+
+    def emit(obj: Any, indent: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            doc = docs.get((type(obj).__name__, f.name))
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                emit(value, indent + "  ")
+                continue
+            if doc:
+                lines.extend(f"{indent}# {part}" for part in _wrap(doc, 96 - len(indent)))
+            dumped = yaml.safe_dump({f.name: value}, default_flow_style=True, sort_keys=False).strip()
+            lines.append(f"{indent}{dumped.removeprefix('{').removesuffix('}')}")
+
+    emit(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, max(40, width))
