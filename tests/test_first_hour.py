@@ -16,7 +16,7 @@ import yaml
 from apex import config as config_module
 from apex.algos import apex_dqn_actor
 from apex.bench.transport import free_base_port
-from apex.cli import _load_config, build_parser
+from apex.cli import build_parser, load_config
 from apex.transport import LearnerClient, LearnerEndpoint, TransportConfig
 from tests.test_e2e import apex
 
@@ -36,12 +36,12 @@ def run_cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
 def test_shorthands_set_the_config_and_set_wins_over_them():
     args = build_parser().parse_args(["run", "--env", "Acrobot-v1", "--algo", "impala", "--seed", "3",
                                       "--num-envs", "4"])
-    config = _load_config(args)
+    config = load_config(args)
     assert (config.env.id, config.algo, config.seed, config.actor.num_envs) == ("Acrobot-v1", "impala", 3, 4)
     args = build_parser().parse_args(["learner", "--env", "Acrobot-v1", "--set", "env.id=MountainCar-v0"])
-    assert _load_config(args).env.id == "MountainCar-v0"
+    assert load_config(args).env.id == "MountainCar-v0"
     args = build_parser().parse_args(["learner", "--env", "ALE/Pong-v5", "--seed", "0"])
-    assert (_load_config(args).env.id, _load_config(args).seed) == ("ALE/Pong-v5", 0)
+    assert (load_config(args).env.id, load_config(args).seed) == ("ALE/Pong-v5", 0)
 
 
 def test_an_actors_num_envs_is_its_own_not_a_config_shorthand():

@@ -1,32 +1,14 @@
-"""The `apex` command line: thin argument parsing that calls into the modules."""
+"""The `apex` argument parser: every subcommand, flag and environment variable."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import shlex
-import sys
-from pathlib import Path
 
 from apex import __version__
+from apex.cli import commands as cmd
+from apex.cli.environment import ENV
 from apex.config import ALGOS, DEFAULT_PORT
-from apex.errors import ApexError
-
-# Every flag that a container may rather set through the environment.
-ENV = {
-    "config": "APEX_CONFIG",
-    "logdir": "APEX_LOGDIR",
-    "bind_host": "APEX_BIND_HOST",
-    "port": "APEX_PORT",
-    "learner": "APEX_LEARNER",
-    "actor_index": "APEX_ACTOR_INDEX",
-    "num_envs": "APEX_NUM_ENVS",
-    "curve_dir": "APEX_CURVE_DIR",
-    "resume": "APEX_RESUME",
-}
-
 
 # What an unknown flag's error adds, by subcommand: most unknown flags of run and learner
 # are config values (`--lr 1e-3`), and every config value has a --set.
@@ -85,17 +67,6 @@ def _add_shorthands(p: argparse.ArgumentParser, num_envs: bool = False) -> None:
     if num_envs:
         group.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
                            help=f"environments per actor (--set actor.num_envs=K; env {ENV['num_envs']})")
-
-
-def _shorthand_overrides(args: argparse.Namespace) -> list[str]:
-    """The --set equivalents of --env, --algo, --seed and --num-envs (put before the --set
-    flags, which win where both are given)."""
-    overrides = []
-    for flag, key in (("env", "env.id"), ("algo", "algo"), ("seed", "seed"), ("num_envs", "actor.num_envs")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: an id is read back as the string it is
-    return overrides
 
 
 def _add_stop_flags(p: argparse.ArgumentParser) -> None:
@@ -176,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     learn.add_argument("--runs-dir", metavar="DIR",
                        help="keep each run's directory and record here; the same command run again reads the runs "
                             "already recorded instead of repeating them (a long bench can be stopped and go on)")
-    bench.set_defaults(handler=_bench)
+    bench.set_defaults(handler=cmd.bench)
 
     learner = commands.add_parser("learner", help="run the learner (binds ports P, P+1, P+2)",
                                   description="Run the learner: it binds its ports and trains from what actors send.")
@@ -195,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "(for a container or service manager that restarts the learner)")
     # apex run passes its own command for the closing line's "resume with".
     learner.add_argument("--resume-command", help=argparse.SUPPRESS)
-    learner.set_defaults(handler=_learner)
+    learner.set_defaults(handler=cmd.learner)
 
     actor = commands.add_parser("actor", help="run one actor process against a learner",
                                 description="Run an actor: it gets the environment and model from the learner.")
@@ -206,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
                        help=f"environments in this process (default: the learner's actor.num_envs; env {ENV['num_envs']})")
     _add_config_flags(actor, actor=True)
-    actor.set_defaults(handler=_actor)
+    actor.set_defaults(handler=cmd.actor)
 
     serve = commands.add_parser(
         "serve", help="serve the policy to simulators apex does not step (HTTP/JSON, ZeroMQ)",
@@ -231,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Ape-X: rungs of the ladder its episodes take in turn; IMPALA: unrolls per batch "
                             "(default: the learner's actor.num_envs)")
     _add_config_flags(serve, actor=True)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=cmd.serve)
 
     run = commands.add_parser("run", help="run a learner and N actors on this machine",
                               description="Run a learner and N actor processes here, restarting actors that die.")
@@ -245,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_resume(run)
     run.add_argument("--learner-restarts", type=int, default=10, metavar="N",
                      help="times a learner that dies is restarted from its newest checkpoint (default: 10; 0: never)")
-    run.set_defaults(handler=_run)
+    run.set_defaults(handler=cmd.run)
 
     evaluate = commands.add_parser("eval", help="play a checkpoint's policy and report its returns",
                                    description="Play a learner checkpoint greedily (Ape-X: epsilon 0 by default).")
@@ -259,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
     evaluate.add_argument("--video", metavar="DIR", help="also record every episode to DIR (needs moviepy)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the result to FILE")
-    evaluate.set_defaults(handler=_eval)
+    evaluate.set_defaults(handler=cmd.evaluate)
 
     plot = commands.add_parser("plot", help="draw learning curves and throughput of runs",
                                description="Draw return vs env steps and wall time, and throughput, from metrics.jsonl.")
@@ -268,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--smooth", type=float, default=0.0, metavar="W",
                       help="smooth the curves: an exponential moving average of weight W in [0, 1), as in "
                            "TensorBoard (default: 0, off; the raw curve stays behind, faint)")
-    plot.set_defaults(handler=_plot)
+    plot.set_defaults(handler=cmd.plot)
 
     config_cmd = commands.add_parser("config", help="list the shipped presets, or show a config with every setting explained",
                                      description="List the shipped presets, or show a config as YAML with each "
@@ -282,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("name", nargs="?", metavar="NAME|FILE", help="preset name or YAML file (default: the embedded default)")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override one config value first (repeatable)")
-    config_cmd.set_defaults(handler=_config)
+    config_cmd.set_defaults(handler=cmd.config_command)
 
     keygen = commands.add_parser(
         "keygen",
@@ -296,251 +267,5 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     keygen.add_argument("dir", metavar="DIR", help="directory to create the keys in (must not hold keys yet)")
-    keygen.set_defaults(handler=_keygen)
+    keygen.set_defaults(handler=cmd.keygen)
     return parser
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from apex import bench
-
-    if args.seconds is not None and args.seconds <= 0:
-        raise ApexError(f"--seconds must be positive, got {args.seconds}")
-    try:
-        actors = tuple(int(n) for n in args.actors.split(",")) if args.actors else None
-    except ValueError:
-        raise ApexError(f"--actors takes a comma-separated list of counts, e.g. 1,2,4; got {args.actors!r}") from None
-    if actors is not None and (not actors or min(actors) < 1):
-        raise ApexError(f"--actors counts must be >= 1, got {args.actors!r}")
-    names = args.names or ["all"]
-    if "soak" in names and actors is not None and len(actors) != 1:
-        raise ApexError(f"bench soak takes one actor count, e.g. --actors 3; got {args.actors!r}")
-    if args.churn_seconds <= 0 or args.checkpoint_seconds <= 0:
-        raise ApexError("--churn-seconds and --checkpoint-seconds must be positive")
-    e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
-    soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
-                    "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
-    serve_options = {"seeds": args.seeds}
-    learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
-                     "plot": args.plot, "runs_dir": args.runs_dir}
-    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
-              learn_options=learn_options, serve_options=serve_options)
-    return 0
-
-
-def _load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
-    """The config of --config (or the embedded default) with --set; when resuming without
-    --config, the checkpoint's with --set. An actor's --num-envs is its own, not a shorthand
-    (``shorthands=False``)."""
-    from apex import config
-
-    overrides = [*(_shorthand_overrides(args) if shorthands else []), *args.overrides]
-    if args.curve_dir:
-        overrides.append(f"transport.curve_dir={json.dumps(args.curve_dir)}")
-    if resume is not None and not args.config:
-        return config.load_dict(resume.config, overrides)
-    return config.load(args.config, overrides)
-
-
-def _resume(args: argparse.Namespace):
-    """The newest valid checkpoint of --resume DIR (None without --resume)."""
-    from apex.checkpoint import find_latest
-
-    return find_latest(Path(args.resume)) if args.resume else None
-
-
-def _stop(args: argparse.Namespace):
-    from apex.config import StopConditions
-
-    stop = StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
-    stop.validate()
-    return stop
-
-
-def _logdir(args: argparse.Namespace, config) -> Path:
-    from apex.launch import default_logdir
-
-    return Path(args.logdir) if args.logdir else default_logdir(config)
-
-
-def _learner(args: argparse.Namespace) -> int:
-    from apex.checkpoint import has_checkpoint
-    from apex.envs import env_spec
-
-    if args.auto_resume:
-        if args.resume or not args.logdir:
-            raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
-        if has_checkpoint(Path(args.logdir)):
-            args.resume = args.logdir
-    resume = _resume(args)
-    config = _load_config(args, resume)
-    stop = _stop(args)
-    logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else _logdir(args, config)
-    env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
-    from apex.learner import LearnerProcess
-
-    from apex.launch import stop_args
-
-    # The closing line's "resume with": this command's own addresses, keys and stops.
-    resume_command = args.resume_command or shlex.join([
-        "apex", "learner", "--resume", str(logdir),
-        *(["--port", str(args.port)] if args.port is not None else []),
-        *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
-        *(["--curve-dir", args.curve_dir] if args.curve_dir else []), *stop_args(stop)])
-    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
-                             resume_command=resume_command)
-    code = process.run()
-    # Everything is written and closed by now; tearing down torch's interpreter state takes
-    # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _learner_link(args: argparse.Namespace, who: str):
-    """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
-    (--learner HOST[:PORT]), --num-envs, and transport options (only transport.* may be set).
-    Returns (host, port, TransportConfig)."""
-
-    if not args.learner:
-        raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
-    host, _, port_text = args.learner.rpartition(":") if ":" in args.learner else (args.learner, "", "")
-    try:
-        port = int(port_text) if port_text else DEFAULT_PORT
-    except ValueError:
-        raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:{DEFAULT_PORT}") from None
-    if args.num_envs is not None and args.num_envs < 1:
-        raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
-    for override in args.overrides:
-        if not override.startswith("transport."):
-            raise ApexError(f"--set {override}: {who} takes only transport.* settings; the environment, model and "
-                            "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
-    return host, port, _load_config(args, shorthands=False).transport
-
-
-def _actor(args: argparse.Namespace) -> int:
-    from apex.actor import run_actor
-
-    host, port, options = _learner_link(args, "an actor")
-    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
-
-
-def _address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
-    host, _, port_text = text.rpartition(":")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ApexError(f"{flag} {text!r}: give HOST:PORT, e.g. 0.0.0.0:8000") from None
-    if not 0 <= port <= 65535:
-        raise ApexError(f"{flag} {text!r}: the port must be in 0..65535")
-    return host or default_host, port
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from apex.serve import ServeOptions, read_token, run_serve
-
-    learner_host, port, transport = _learner_link(args, "apex serve")
-    http = None if args.http in ("off", "none", "") else _address("--http", args.http)
-    zmq_address = None if args.zmq is None else _address("--zmq", args.zmq if ":" in args.zmq else f":{args.zmq}")
-    if http is None and zmq_address is None:
-        raise ApexError("--http off and no --zmq: give clients at least one address")
-    if args.max_episodes < 1:
-        raise ApexError(f"--max-episodes must be >= 1, got {args.max_episodes}")
-    if not args.episode_timeout > 0:
-        raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
-    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
-                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
-                           curve_dir=transport.curve_dir)
-    return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
-                     transport=transport)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from apex import launch
-
-    if args.actors < 1:
-        raise ApexError(f"--actors must be >= 1, got {args.actors}")
-    if args.learner_restarts < 0:
-        raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
-    resume = _resume(args)
-    config = _load_config(args, resume)
-    stop = _stop(args)
-    if resume is not None and args.logdir and Path(args.logdir).resolve() != resume.logdir.resolve():
-        raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
-    logdir = resume.logdir if resume else _logdir(args, config)
-    port = args.port if args.port is not None else config.transport.port
-    # A wrong env id fails here, in a second, not in every child process after its imports.
-    from apex.envs import env_spec
-
-    env_spec(config.env, config.algo)
-    return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
-                      learner_restarts=args.learner_restarts)
-
-
-def _eval(args: argparse.Namespace) -> int:
-    import json
-
-    from apex.evaluation import evaluate
-
-    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which)
-    print(f"{result['checkpoint']} ({result['which']})")
-    print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
-          f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
-          f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-def _plot(args: argparse.Namespace) -> int:
-    from apex.plot import plot
-
-    print(f"wrote {plot(args.logdirs, args.output, smooth=args.smooth)}")
-    return 0
-
-
-def _config(args: argparse.Namespace) -> int:
-    from apex import config
-
-    if args.action == "list":
-        for name, preset in config.presets().items():
-            print(f"{name:20s} {config.describe_preset(preset)}")
-        return 0
-    print(config.annotated_yaml(config.load(args.name, args.overrides)), end="")
-    return 0
-
-
-def _keygen(args: argparse.Namespace) -> int:
-    from apex.transport import generate_keys
-
-    paths = generate_keys(args.dir)
-    print(f"learner secret key (keep on the learner host): {paths['learner_secret']}")
-    print(f"actor secret key (copy to every actor host):   {paths['actor_secret']}")
-    print(f"learner public key (copy to every actor host): {paths['learner_public']}")
-    print(f"authorised actor public keys:                  {paths['authorized']}/")
-    print(f"apex serve's ZeroMQ secret key (its host):     {paths['serve_secret']}")
-    print(f"its clients' secret key (copy to client hosts, with serve.key): {paths['client_secret']}")
-    print(f"authorised client public keys:                 {paths['serve_clients']}/")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    # Every apex process is one worker of a machine shared with others (actors, servers, the
-    # learner): NumPy's BLAS threads only contend. An actor's or `apex serve`'s forward pass
-    # of a 128x128 MLP on 32 observations spun two OpenBLAS threads to 65% of two cores, and
-    # `apex serve` went from 7k to 15k CartPole steps/s with one. Set before NumPy is imported
-    # (here, it is not yet); children inherit it; a user's own setting wins.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        return args.handler(args)
-    except ApexError as e:
-        print(f"apex {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The `apex` subcommands: each checks its flags, then calls into the modules that do the work
+(heavy imports inside, so that `apex --help` stays fast)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from apex.cli.environment import ENV
+from apex.config import DEFAULT_PORT
+from apex.errors import ApexError
+
+
+def shorthand_overrides(args: argparse.Namespace) -> list[str]:
+    """The --set equivalents of --env, --algo, --seed and --num-envs (put before the --set
+    flags, which win where both are given)."""
+    overrides = []
+    for flag, key in (("env", "env.id"), ("algo", "algo"), ("seed", "seed"), ("num_envs", "actor.num_envs")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: an id is read back as the string it is
+    return overrides
+
+
+def bench(args: argparse.Namespace) -> int:
+    from apex import bench
+
+    if args.seconds is not None and args.seconds <= 0:
+        raise ApexError(f"--seconds must be positive, got {args.seconds}")
+    try:
+        actors = tuple(int(n) for n in args.actors.split(",")) if args.actors else None
+    except ValueError:
+        raise ApexError(f"--actors takes a comma-separated list of counts, e.g. 1,2,4; got {args.actors!r}") from None
+    if actors is not None and (not actors or min(actors) < 1):
+        raise ApexError(f"--actors counts must be >= 1, got {args.actors!r}")
+    names = args.names or ["all"]
+    if "soak" in names and actors is not None and len(actors) != 1:
+        raise ApexError(f"bench soak takes one actor count, e.g. --actors 3; got {args.actors!r}")
+    if args.churn_seconds <= 0 or args.checkpoint_seconds <= 0:
+        raise ApexError("--churn-seconds and --checkpoint-seconds must be positive")
+    e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
+    soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
+                    "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
+    serve_options = {"seeds": args.seeds}
+    learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
+                     "plot": args.plot, "runs_dir": args.runs_dir}
+    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
+              learn_options=learn_options, serve_options=serve_options)
+    return 0
+
+
+def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
+    """The config of --config (or the embedded default) with --set; when resuming without
+    --config, the checkpoint's with --set. An actor's --num-envs is its own, not a shorthand
+    (``shorthands=False``)."""
+    from apex import config
+
+    overrides = [*(shorthand_overrides(args) if shorthands else []), *args.overrides]
+    if args.curve_dir:
+        overrides.append(f"transport.curve_dir={json.dumps(args.curve_dir)}")
+    if resume is not None and not args.config:
+        return config.load_dict(resume.config, overrides)
+    return config.load(args.config, overrides)
+
+
+def resume_checkpoint(args: argparse.Namespace):
+    """The newest valid checkpoint of --resume DIR (None without --resume)."""
+    from apex.checkpoint import find_latest
+
+    return find_latest(Path(args.resume)) if args.resume else None
+
+
+def stop_conditions(args: argparse.Namespace):
+    from apex.config import StopConditions
+
+    stop = StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
+    stop.validate()
+    return stop
+
+
+def run_logdir(args: argparse.Namespace, config) -> Path:
+    from apex.launch import default_logdir
+
+    return Path(args.logdir) if args.logdir else default_logdir(config)
+
+
+def learner(args: argparse.Namespace) -> int:
+    from apex.checkpoint import has_checkpoint
+    from apex.envs import env_spec
+
+    if args.auto_resume:
+        if args.resume or not args.logdir:
+            raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
+        if has_checkpoint(Path(args.logdir)):
+            args.resume = args.logdir
+    resume = resume_checkpoint(args)
+    config = load_config(args, resume)
+    stop = stop_conditions(args)
+    logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
+    env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
+    from apex.learner import LearnerProcess
+
+    from apex.launch import stop_args
+
+    # The closing line's "resume with": this command's own addresses, keys and stops.
+    resume_command = args.resume_command or shlex.join([
+        "apex", "learner", "--resume", str(logdir),
+        *(["--port", str(args.port)] if args.port is not None else []),
+        *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
+        *(["--curve-dir", args.curve_dir] if args.curve_dir else []), *stop_args(stop)])
+    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
+                             resume_command=resume_command)
+    code = process.run()
+    # Everything is written and closed by now; tearing down torch's interpreter state takes
+    # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def learner_link(args: argparse.Namespace, who: str):
+    """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
+    (--learner HOST[:PORT]), --num-envs, and transport options (only transport.* may be set).
+    Returns (host, port, TransportConfig)."""
+
+    if not args.learner:
+        raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
+    host, _, port_text = args.learner.rpartition(":") if ":" in args.learner else (args.learner, "", "")
+    try:
+        port = int(port_text) if port_text else DEFAULT_PORT
+    except ValueError:
+        raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:{DEFAULT_PORT}") from None
+    if args.num_envs is not None and args.num_envs < 1:
+        raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
+    for override in args.overrides:
+        if not override.startswith("transport."):
+            raise ApexError(f"--set {override}: {who} takes only transport.* settings; the environment, model and "
+                            "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
+    return host, port, load_config(args, shorthands=False).transport
+
+
+def actor(args: argparse.Namespace) -> int:
+    from apex.actor import run_actor
+
+    host, port, options = learner_link(args, "an actor")
+    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
+
+
+def parse_address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    host, _, port_text = text.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ApexError(f"{flag} {text!r}: give HOST:PORT, e.g. 0.0.0.0:8000") from None
+    if not 0 <= port <= 65535:
+        raise ApexError(f"{flag} {text!r}: the port must be in 0..65535")
+    return host or default_host, port
+
+
+def serve(args: argparse.Namespace) -> int:
+    from apex.serve import ServeOptions, read_token, run_serve
+
+    learner_host, port, transport = learner_link(args, "apex serve")
+    http = None if args.http in ("off", "none", "") else parse_address("--http", args.http)
+    zmq_address = None if args.zmq is None else parse_address("--zmq", args.zmq if ":" in args.zmq else f":{args.zmq}")
+    if http is None and zmq_address is None:
+        raise ApexError("--http off and no --zmq: give clients at least one address")
+    if args.max_episodes < 1:
+        raise ApexError(f"--max-episodes must be >= 1, got {args.max_episodes}")
+    if not args.episode_timeout > 0:
+        raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
+    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
+                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
+                           curve_dir=transport.curve_dir)
+    return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
+                     transport=transport)
+
+
+def run(args: argparse.Namespace) -> int:
+    from apex import launch
+
+    if args.actors < 1:
+        raise ApexError(f"--actors must be >= 1, got {args.actors}")
+    if args.learner_restarts < 0:
+        raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
+    resume = resume_checkpoint(args)
+    config = load_config(args, resume)
+    stop = stop_conditions(args)
+    if resume is not None and args.logdir and Path(args.logdir).resolve() != resume.logdir.resolve():
+        raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
+    logdir = resume.logdir if resume else run_logdir(args, config)
+    port = args.port if args.port is not None else config.transport.port
+    # A wrong env id fails here, in a second, not in every child process after its imports.
+    from apex.envs import env_spec
+
+    env_spec(config.env, config.algo)
+    return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
+                      learner_restarts=args.learner_restarts)
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from apex.evaluation import evaluate
+
+    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which)
+    print(f"{result['checkpoint']} ({result['which']})")
+    print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
+          f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
+          f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from apex.plot import plot
+
+    print(f"wrote {plot(args.logdirs, args.output, smooth=args.smooth)}")
+    return 0
+
+
+def config_command(args: argparse.Namespace) -> int:
+    from apex import config
+
+    if args.action == "list":
+        for name, preset in config.presets().items():
+            print(f"{name:20s} {config.describe_preset(preset)}")
+        return 0
+    print(config.annotated_yaml(config.load(args.name, args.overrides)), end="")
+    return 0
+
+
+def keygen(args: argparse.Namespace) -> int:
+    from apex.transport import generate_keys
+
+    paths = generate_keys(args.dir)
+    print(f"learner secret key (keep on the learner host): {paths['learner_secret']}")
+    print(f"actor secret key (copy to every actor host):   {paths['actor_secret']}")
+    print(f"learner public key (copy to every actor host): {paths['learner_public']}")
+    print(f"authorised actor public keys:                  {paths['authorized']}/")
+    print(f"apex serve's ZeroMQ secret key (its host):     {paths['serve_secret']}")
+    print(f"its clients' secret key (copy to client hosts, with serve.key): {paths['client_secret']}")
+    print(f"authorised client public keys:                 {paths['serve_clients']}/")
+    return 0
