@@ -35,6 +35,11 @@ _PR_SET_PDEATHSIG = 1
 # fail again), interrupted by the user (130).
 _FINAL_EXITS = (0, 2, 130)
 _HEALTHY_S = 300.0  # a learner that ran this long before dying starts a fresh count of restarts
+_SUPERVISE_S = 0.2  # how often `apex run` looks at its processes
+# Restarts wait FIRST * 2**n seconds (the n-th restart), at most _RESTART_MAX_S.
+_LEARNER_RESTART_FIRST_S = 2.0
+_ACTOR_RESTART_FIRST_S = 0.5
+_RESTART_MAX_S = 30.0
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -143,7 +148,7 @@ def run(
                         learner_restarted = 0  # a crash hours into a run is not a crash loop
                     if code in _FINAL_EXITS or forwarded or learner_restarted >= learner_restarts:
                         return code
-                    delay = min(30.0, 2.0 * 2 ** learner_restarted)
+                    delay = min(_RESTART_MAX_S, _LEARNER_RESTART_FIRST_S * 2 ** learner_restarted)
                     log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
                                 code, " from its newest checkpoint" if resumable() else "",
                                 delay, learner_restarted + 1, learner_restarts)
@@ -159,7 +164,7 @@ def run(
                     if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
                         continue
                     if restart_at[i] == 0.0:
-                        delay = min(30.0, 0.5 * 2 ** restarts[i])
+                        delay = min(_RESTART_MAX_S, _ACTOR_RESTART_FIRST_S * 2 ** restarts[i])
                         log.warning("actor %d exited with %s; restarting in %.1fs", i, proc.returncode, delay)
                         restart_at[i] = now + delay
                     elif now >= restart_at[i]:
@@ -168,7 +173,7 @@ def run(
                         restart_at[i] = 0.0
                 if on_tick is not None:
                     on_tick()
-                time.sleep(0.2)
+                time.sleep(_SUPERVISE_S)
         finally:
             for proc in [learner, *procs]:
                 if proc.poll() is None:

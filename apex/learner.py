@@ -34,6 +34,16 @@ INGEST_GROUP = 8  # batches already waiting that are inserted together
 # Longest the main loop sleeps when it cannot train: its clocks (metrics, checkpoints, stop
 # conditions, silent actors) and signals are looked at no later than this.
 IDLE_WAIT_S = 0.05
+INGEST_WAIT_S = 0.05  # longest the ingest thread waits (for room, for a batch) before looking at its stop flag
+STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
+# An actor's seed from the run's and its index: far apart for neighbouring indices and runs
+# (two primes), so that no two actors' environments share a seed sequence.
+SEED_RUN_FACTOR = 1_000_003
+SEED_ACTOR_FACTOR = 10_007
+
+
+def actor_seed(run_seed: int, actor_index: int) -> int:
+    return (run_seed * SEED_RUN_FACTOR + SEED_ACTOR_FACTOR * (actor_index + 1)) % 2**63
 
 
 class Wakeup:
@@ -212,7 +222,7 @@ class LearnerProcess:
         return {
             "config": self.config.to_dict(),
             "num_envs": num_envs,
-            "seed": (self.config.seed * 1_000_003 + 10_007 * (index + 1)) % 2**63,
+            "seed": actor_seed(self.config.seed, index),
             **core,
         }
 
@@ -240,9 +250,9 @@ class LearnerProcess:
     def _ingest_some(self) -> None:
         receiver = self.endpoint.receiver
         while not self._stop_ingest.is_set():
-            if not self.learner.wait_to_insert(timeout=0.05):
+            if not self.learner.wait_to_insert(timeout=INGEST_WAIT_S):
                 continue
-            msg = receiver.recv(timeout_ms=50)
+            msg = receiver.recv(timeout_ms=int(INGEST_WAIT_S * 1000))
             if msg is None:
                 continue
             # Whatever else is already waiting goes in with it: one insert for several
@@ -427,11 +437,11 @@ class LearnerProcess:
         self._version = version
         self.endpoint.publish_weights(version, weights)
 
-    def _linger_for_stops(self, seconds: float = 0.5) -> None:
+    def _linger_for_stops(self, seconds: float = STOP_LINGER_S) -> None:
         """Answers heartbeats with stop for a moment, so that every actor hears it."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and self.endpoint.actors_connected:
-            self.endpoint.poll(20)
+            self.endpoint.poll(int(IDLE_WAIT_S * 1000))
 
     def _stop_reason(self, elapsed: float) -> str | None:
         s = self.stop

@@ -36,6 +36,8 @@ FLUSH_S = 0.2  # data held back for a fuller batch goes to the learner after thi
 EXPIRE_EVERY_S = 1.0
 MAX_BACKLOG = 16  # batches waiting for the learner before requests that make data wait
 BACKLOG_WAIT_S = 30.0  # then such a request is answered 503
+BACKLOG_POLL_S = 0.002  # how often such a request looks for room (it holds no thread meanwhile)
+STOP_POLL_S = 0.05  # how often the frontends' loop looks for a stop
 TOKEN_ENV = "APEX_SERVE_TOKEN"
 
 
@@ -121,7 +123,7 @@ class Server:
         while len(self.backlog) >= MAX_BACKLOG and self.stop_reason is None:
             if time.monotonic() > deadline:
                 raise RequestError(503, "busy", "the learner is not taking data; try again later")
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(BACKLOG_POLL_S)
 
     def call(self, method: str, *args, **kwargs):
         """One request's work on the episodes, under the lock; RequestError as it comes."""
@@ -258,7 +260,7 @@ async def _serve(server: Server, stopping: threading.Event) -> None:
              server.client.ports.control)
     try:
         while not stopping.is_set() and server.stop_reason is None:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(STOP_POLL_S)
     finally:
         for frontend in frontends:
             await frontend.close()
