@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 
 from apex import algos
@@ -85,16 +86,13 @@ def all_finite(arrays: dict[str, np.ndarray]) -> bool:
 
 
 def rss_bytes() -> int:
-    """Resident memory of this process now (Linux; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+    """Resident memory of this process now."""
+    return psutil.Process().memory_info().rss
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    # psutil has no peak resident size on Linux; getrusage has (in KiB there).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def pick_device(name: str) -> torch.device:

@@ -9,12 +9,13 @@ per process kind from /proc. The table shows how throughput scales with actors.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from apex import config as config_module
 from apex.bench.timing import print_table
@@ -23,21 +24,23 @@ from apex.bench.transport import free_base_port
 DEFAULT_ACTORS = (1, 2, 4)
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def memory_mb(pid: int, key: str = "VmHWM") -> float | None:
-    """A memory figure of a process from /proc/PID/status (VmHWM: peak RSS; VmRSS: now), or
-    None once it is gone."""
+    """A memory figure of a process (VmHWM: peak RSS; VmRSS: now), or None once it is gone.
+    The peak comes from /proc/PID/status: psutil has no peak resident size on Linux."""
     try:
+        if key == "VmRSS":
+            return psutil.Process(pid).memory_info().rss / 2**20
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) / 1024
-    except OSError:
+    except (OSError, psutil.NoSuchProcess):
         return None
     return None
 
@@ -82,10 +85,10 @@ def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: 
     procs = [spawn_apex(["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]) for _ in range(actors)]
     try:
         time.sleep(seconds / 2)
-        cpu0 = [_cpu_seconds(p.pid) for p in [learner, *procs]]
+        cpu0 = [cpu_seconds(p.pid) for p in [learner, *procs]]
         t0 = time.monotonic()
         time.sleep(max(seconds / 2 - 1, 1.0))
-        cpu1 = [_cpu_seconds(p.pid) for p in [learner, *procs]]
+        cpu1 = [cpu_seconds(p.pid) for p in [learner, *procs]]
         peaks = [memory_mb(p.pid) or 0.0 for p in [learner, *procs]]
         elapsed = time.monotonic() - t0
         learner.wait(timeout=120)

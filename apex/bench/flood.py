@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 from apex import config as config_module
-from apex.bench.e2e import _cpu_seconds, memory_mb
+from apex.bench.e2e import cpu_seconds, memory_mb
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 
@@ -104,12 +104,12 @@ def run(seconds: float = 15.0) -> dict:
                 flooder = _start_flooder(port, kinds, flood_cpu, workdir) if kinds else None
                 before = _last_row(logdir)
                 pids = [learner.pid, actor.pid] + ([flooder.pid] if flooder else [])
-                cpu0, t0 = [_cpu_seconds(p) for p in pids], time.monotonic()
+                cpu0, t0 = [cpu_seconds(p) for p in pids], time.monotonic()
                 time.sleep(SKIP_S)
                 first = _last_row(logdir)
                 time.sleep(seconds - SKIP_S)
                 last = _last_row(logdir)
-                cpu = [100 * (_cpu_seconds(p) - c) / (time.monotonic() - t0) for p, c in zip(pids, cpu0)]
+                cpu = [100 * (cpu_seconds(p) - c) / (time.monotonic() - t0) for p, c in zip(pids, cpu0)]
                 rss = memory_mb(learner.pid, "VmRSS")
                 if name == PHASES[-1][0]:  # under the full flood: how long from SIGTERM to exit
                     sigterm = _sigterm(learner, actor, logdir)
