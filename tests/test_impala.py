@@ -175,6 +175,32 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
 
 
 
+def test_a_forged_stack_start_past_the_last_whole_stack_never_reaches_the_queue():
+    """Each unroll's frames are sliced from where its stacks start to the last one's end: a
+    start within stack - 1 of the batch's end (a stack that would run past its frames) is
+    refused by the schema, counted by reason, before any slice is taken."""
+    from apex.errors import RejectedMessage
+
+    config = config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0", "impala.unroll_length=6"])
+    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
+    learner = impala.Learner(config, actor.spec, torch.device("cpu"))
+    batch = None
+    while batch is None:
+        batch, _ = actor.act()
+    actor.close()
+    stack, n = actor.spec.stack, len(batch["frames"])
+    last_whole = dict(batch, obs_frame=batch["obs_frame"].copy())
+    last_whole["obs_frame"][-1, -1] = n - stack  # the last stack ends at the last frame: fine
+    arrays, _ = learner.schema.validate(last_whole, learner.batch_limits(2))
+    learner.insert(arrays)
+    assert learner._stacks(learner.queue.take(2)).shape[2] == stack
+    forged = dict(batch, obs_frame=batch["obs_frame"].copy())
+    forged["obs_frame"][-1, -1] = n - stack + 1
+    with pytest.raises(RejectedMessage) as refused:
+        learner.schema.validate(forged, learner.batch_limits(2))
+    assert refused.value.reason == "out_of_range" and len(learner.queue) == 0
+
+
 def test_actor_scales_training_rewards_but_reports_returns_as_they_are():
     config = config_module.load(None, ["algo=impala", "env.reward_scale=0.01", "impala.unroll_length=5"])
     actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)

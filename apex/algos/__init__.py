@@ -8,6 +8,7 @@ imports a side only when it is asked for (an actor never imports its learner's t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -107,24 +108,28 @@ class Algorithm:
     state_keys: tuple[str, ...]  # the state dicts its learner's checkpoints hold (checked before loading)
 
 
+@functools.cache  # once a process: evaluation asks for a policy every batch
 def _apex_dqn_learner() -> LearnerSide:
     from apex.algos import apex_dqn
 
     return LearnerSide(apex_dqn.Learner, apex_dqn.POLICY)
 
 
+@functools.cache
 def _apex_dqn_actor() -> ActorSide:
     from apex.algos import apex_dqn_actor
 
     return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor)
 
 
+@functools.cache
 def _impala_learner() -> LearnerSide:
     from apex.algos import impala
 
     return LearnerSide(impala.Learner, impala.POLICY)
 
 
+@functools.cache
 def _impala_actor() -> ActorSide:
     from apex.algos import impala_actor
 

@@ -175,16 +175,16 @@ class Learner:
         return self.queue.wait_for_room(timeout)
 
     def insert(self, arrays: dict) -> int:
-        """Queues the unrolls of a batch validated by ``self.schema``, each with the frames
-        its stacks use, stored once (``step`` builds the stacks): for Atari about T + stack
-        frames an unroll instead of (T + 1) * stack."""
+        """Queues the unrolls of a batch validated by ``self.schema``, each with a view of the
+        frames its stacks use (one decoded array per batch, nothing copied here; ``step``
+        gathers the stacks): for Atari about T + stack frames an unroll instead of (T + 1) * stack."""
         unrolls = len(arrays["obs_frame"])
         frames = arrays["frames"]
         frames = frames.decompress() if isinstance(frames, Compressed) else frames
         obs_frame = arrays["obs_frame"]
         first, end = obs_frame.min(axis=1), obs_frame.max(axis=1) + self.spec.stack
         self.queue.put([
-            {"frames": frames[first[k] : end[k]].copy(), "obs_frame": obs_frame[k] - first[k],
+            {"frames": frames[first[k] : end[k]], "obs_frame": obs_frame[k] - first[k],
              "action": arrays["action"][k], "reward": arrays["reward"][k],
              "discount": arrays["discount"][k], "behaviour_logp": arrays["behaviour_logp"][k]}
             for k in range(unrolls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+
 class UnrollQueue:
     """A bounded FIFO of unrolls between the ingest thread and the train loop (IMPALA).
 
