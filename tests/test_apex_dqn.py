@@ -12,46 +12,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 from apex.algos import apex_dqn, apex_dqn_actor
-from apex.config import ActorConfig
-
-
-def test_epsilon_ladder_matches_the_paper():
-    n = 8
-    expected = [0.4 ** (1 + 7 * i / (n - 1)) for i in range(n)]
-    assert [apex_dqn_actor.epsilon_ladder(i, n) for i in range(n)] == pytest.approx(expected)
-    assert apex_dqn_actor.epsilon_ladder(0, n) == pytest.approx(0.4)
-    assert apex_dqn_actor.epsilon_ladder(7, n) == pytest.approx(0.4**8)
-    assert apex_dqn_actor.epsilon_ladder(0, 1) == 0.4
-
-
-def test_actor_epsilons_cover_the_ladder_across_actors():
-    config = ActorConfig(num_envs=4, eval_envs=1, eval_epsilon=0.01)
-    eps0, eval0 = apex_dqn_actor.actor_epsilons(0, 4, config)
-    eps1, eval1 = apex_dqn_actor.actor_epsilons(1, 4, config)
-    # two actors of 3 exploring envs: the rungs u = 0, 1/6, ..., 5/6 of the ladder, each once
-    ladder = [apex_dqn_actor.ladder_epsilon(i / 6) for i in range(6)]
-    assert sorted(eps0[:3] + eps1[:3]) == pytest.approx(sorted(ladder))
-    assert eps0[3] == eps1[3] == 0.01
-    # evaluation: the set-aside env and every rung at or below eval_epsilon
-    assert eval0 == [e <= 0.01 for e in eps0] and eval0[3]
-    assert not any(e for e, eps in zip(eval0 + eval1, eps0 + eps1) if eps > 0.01)
-
-
-@pytest.mark.parametrize("actors", [3, 5, 8, 13])
-def test_the_ladder_follows_the_actors_that_join(actors):
-    """However many actors join, every exploring environment has its own epsilon."""
-    config = ActorConfig(num_envs=6, eval_envs=1)
-    epsilons = [apex_dqn_actor.actor_epsilons(i, 6, config)[0][:5] for i in range(actors)]
-    flat = [e for eps in epsilons for e in eps]
-    assert len(set(flat)) == len(flat) == actors * 5
-    assert max(flat) == pytest.approx(0.4) and min(flat) < 0.4 ** 7
-    # spread: the positions on the ladder leave no gap wider than two even steps
-    positions = sorted(math.log(e / 0.4, 0.4) / 7 for e in flat)
-    assert max(b - a for a, b in zip(positions, positions[1:])) <= 2 / len(flat) + 1e-9
-
-
-def test_actor_offsets_are_van_der_corput():
-    assert [apex_dqn_actor.actor_offset(i) for i in range(8)] == [0, 0.5, 0.25, 0.75, 0.125, 0.625, 0.375, 0.875]
 
 
 def reference_transitions(frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack):

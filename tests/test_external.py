@@ -10,7 +10,7 @@ import pytest
 from apex import config as config_module
 from apex.algos import apex_dqn, impala
 from apex.algos.apex_dqn_actor import EpisodeActor as ApexEpisodeActor
-from apex.algos.apex_dqn_actor import actor_epsilons
+from apex.algos.exploration import actor_epsilons
 from apex.algos.impala_actor import EpisodeActor as ImpalaEpisodeActor
 from apex.envs import env_spaces
 from apex.external import ExternalEpisodes, RequestError
@@ -277,3 +277,24 @@ def test_an_episode_is_stopped_at_the_envs_time_limit_so_that_the_learner_takes_
 
     check_episodes({"episodes": records}, max_episodes=len(batch["action"]), step_limit=5, max_abs_reward=1e6,
                    step_budget=len(batch["action"]))
+
+
+def test_apex_external_episodes_hold_ez_greedy_actions_each_on_its_own():
+    """With actor.eps_repeat_mu, each external episode holds its own random action: two
+    episodes acting in one request do not share a hold, and an episode's hold survives
+    between requests."""
+    episodes = make("apex_dqn", **{"actor.eps_base": 1.0, "actor.eps_alpha": 0, "actor.eval_envs": 0,
+                                   "actor.eps_repeat_mu": 1.1})
+    ids = episodes.start(2)
+    episodes.act(ids, [obs(0), obs(0)])
+    states = [episodes.episodes[i].state for i in ids]
+    held_steps = 0
+    for t in range(1, 300):
+        t %= 40  # CartPole's x stays within its space
+        holding = [(s.left, s.held) for s in states]
+        actions = episodes.act(ids, [obs(t), obs(t)], [0.0, 0.0])
+        for (left, held), action in zip(holding, actions.tolist()):
+            if left > 0:  # a hold from an earlier request decides this one's action
+                assert action == held
+                held_steps += 1
+    assert held_steps > 150

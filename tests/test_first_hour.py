@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from apex import config as config_module
-from apex.algos import apex_dqn_actor
+from apex.algos import exploration
 from apex.bench.transport import free_base_port
 from apex.cli import build_parser, load_config
 from apex.transport import LearnerClient, LearnerEndpoint, TransportConfig
@@ -152,7 +152,7 @@ class Endpoint:
         actor = config_module.ActorConfig(num_envs=4, eval_envs=1)
         self.endpoint = LearnerEndpoint(
             "127.0.0.1", port,
-            lambda hello, index: {"epsilons": apex_dqn_actor.actor_epsilons(index, 4, actor)[0]}, options)
+            lambda hello, index: {"epsilons": exploration.actor_epsilons(index, 4, actor)[0]}, options)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()

@@ -24,7 +24,8 @@ from torch import nn
 
 from apex import optim
 from apex.algos import Policy
-from apex.algos.apex_dqn_actor import actor_epsilons, merge_chunks
+from apex.algos.apex_dqn_actor import merge_chunks
+from apex.algos.exploration import actor_epsilons
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError

@@ -1,6 +1,6 @@
 """The Ape-X actor core (Horgan et al. 2018): K environments on the epsilon ladder (Sec. 4.1:
 eps_i = eps ** (1 + alpha * i / (N - 1)), eps=0.4, alpha=7; here spread over the actors that
-join, see ``actor_epsilons``), and ``NStepChunker``, which turns one environment's steps into
+join: ``apex.algos.exploration``), and ``NStepChunker``, which turns one environment's steps into
 n-step transitions (Sec. 3, Alg. 1) with initial priorities from the actor's own Q-values:
 
     G_t = sum_{k<n} gamma^k r_{t+k},   target_t = G_t + gamma^n max_a Q(s_{t+n}, a)
@@ -16,57 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from apex.config import ActorConfig, Config
+from apex.algos.exploration import Explorer, choose_actions
+from apex.config import Config
 from apex.envs import FrameStacker, VectorEnv
 from apex.inference import q_network
 from apex.protocol import Message
-
-
-def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> float:
-    """Exploration rate of the i-th of n exploring environments (the paper's ladder)."""
-    if n <= 1:
-        return base
-    return ladder_epsilon(i / (n - 1), base, alpha)
-
-
-def ladder_epsilon(u: float, base: float = 0.4, alpha: float = 7.0) -> float:
-    """Exploration rate at position u in [0, 1] of the ladder: base at 0, base ** (1 + alpha) at 1."""
-    return base ** (1 + alpha * u)
-
-
-def actor_offset(actor_index: int) -> float:
-    """Where in [0, 1) an actor's environments sit between rungs: the base-2 van der Corput
-    sequence (0, 1/2, 1/4, 3/4, 1/8, ...), so that actors 0..M-1 together always spread
-    evenly, whatever M is, without an actor's epsilons changing as others join."""
-    offset, scale = 0.0, 0.5
-    while actor_index:
-        offset += scale * (actor_index & 1)
-        actor_index >>= 1
-        scale /= 2
-    return offset
-
-
-def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tuple[list[float], list[bool]]:
-    """Per-environment epsilons for one actor, and which of its environments evaluate.
-
-    The ladder follows the actors actually in the run, however many join: the K exploring
-    environments of actor i sit at positions u = (j + offset_i) / K, j = 0..K-1, on
-    eps = eps_base ** (1 + eps_alpha * u), with offset_i = ``actor_offset(i)``. Every actor
-    covers the whole range; actors with distinct indices (the learner hands out the lowest
-    free one, so a newcomer takes the place of one that left) get distinct epsilons, and
-    actors 0..M-1 fill the ladder evenly (exactly so for M a power of two; with M actors of
-    K environments it is the paper's ladder over M*K rungs, its greediest rung at u < 1).
-    The last ``eval_envs`` of each actor play with ``eval_epsilon``. Evaluation episodes
-    (return_mean_100) are those of every environment whose epsilon is at most
-    ``eval_epsilon``: the set-aside ones and the near-greedy end of the ladder, never the
-    exploring ones that would drag the mean down.
-    """
-    eval_envs = min(config.eval_envs, num_envs)
-    exploring = num_envs - eval_envs
-    offset = actor_offset(actor_index)
-    epsilons = [ladder_epsilon((j + offset) / exploring, config.eps_base, config.eps_alpha) for j in range(exploring)]
-    epsilons += [config.eval_epsilon] * eval_envs
-    return epsilons, [eps <= config.eval_epsilon for eps in epsilons]
 
 
 class NStepChunker:
@@ -185,7 +139,8 @@ class Actor:
         self.net = q_network(self.spec, config.model)
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.chunkers = [make_chunker(config, self.spec.stack) for _ in range(self.num_envs)]
-        self.rng = np.random.default_rng(seed)
+        self.explorer = Explorer(self.epsilons, self.spec.num_actions, np.random.default_rng(seed),
+                                 config.actor.eps_repeat_mu, plain=self.eval_mask)
         self.steps = 0  # vector steps taken
         self.weights_version = -1
         self._pending: list[dict] = []
@@ -208,8 +163,7 @@ class Actor:
         """One step of every environment: (a batch to send, or None; finished episodes as
         [return, length, is_eval])."""
         q = self._q_values(self.stacker.obs)
-        explore = self.rng.random(self.num_envs) < self.epsilons
-        actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, self.num_envs), q.argmax(axis=1))
+        actions = self.explorer.actions(q.argmax(axis=1))
         q_taken = q[np.arange(self.num_envs), actions]
         values = q.max(axis=1)
         for i, chunker in enumerate(self.chunkers):
@@ -233,6 +187,7 @@ class Actor:
                 episodes.append([chunker.episode_return, chunker.t, self.eval_mask[i]])
                 chunker.start(frames[i])
                 self.stacker.reset(i, frames[i])
+                self.explorer.reset(i)
             else:
                 self.stacker.push(i, frames[i])
         if sum(len(c["action"]) for c in self._pending) < self.config.actor.chunk_transitions:
@@ -249,6 +204,7 @@ class _ExternalEpisode:
 
     def __init__(self, chunker: NStepChunker, epsilon: float, is_eval: bool) -> None:
         self.chunker, self.epsilon, self.is_eval = chunker, epsilon, is_eval
+        self.held, self.left = 0, 0  # ez-greedy's hold (actor.eps_repeat_mu)
 
 
 class EpisodeActor:
@@ -285,9 +241,7 @@ class EpisodeActor:
         q = self.net(obs)
         count = len(episodes)
         if chosen is None:
-            epsilons = np.fromiter((e.state.epsilon for e in episodes), np.float64, count)
-            explore = self.rng.random(count) < epsilons
-            actions = np.where(explore, self.rng.integers(0, self.spec.num_actions, count), q.argmax(axis=1))
+            actions = self._explore(episodes, q.argmax(axis=1))
         else:
             actions = chosen
         q_taken = q[np.arange(count), actions].tolist()
@@ -301,6 +255,20 @@ class EpisodeActor:
             chunk = chunker.record_action(action, q_taken[i], values[i])
             if chunk is not None:
                 self._pending.append((chunk, []))
+        return actions
+
+    def _explore(self, episodes: list, greedy: np.ndarray) -> np.ndarray:
+        states = [e.state for e in episodes]
+        epsilons = np.fromiter((s.epsilon for s in states), np.float64, len(states))
+        repeat_mu = self.config.actor.eps_repeat_mu
+        if repeat_mu is None:
+            return choose_actions(self.rng, greedy, epsilons, self.spec.num_actions)
+        held = np.fromiter((s.held for s in states), np.int64, len(states))
+        left = np.fromiter((s.left for s in states), np.int64, len(states))
+        may_repeat = np.fromiter((not s.is_eval for s in states), bool, len(states))
+        actions = choose_actions(self.rng, greedy, epsilons, self.spec.num_actions, repeat_mu, held, left, may_repeat)
+        for state, h, n in zip(states, held.tolist(), left.tolist()):
+            state.held, state.left = h, n
         return actions
 
     def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:

@@ -155,6 +155,12 @@ class ActorConfig:
     exploring environment of the actors that join (however many; see README "Exploration")."""
     eps_alpha: float = 7.0
     """Ape-X ladder exponent."""
+    eps_repeat_mu: float | None = None
+    """Temporally extended exploration (ez-greedy, Dabney et al. 2021): where an exploring
+    environment takes a random action, it repeats it for n ~ zeta(mu) steps (at most 100),
+    so that random play travels instead of dithering (hard exploration such as MinAtar
+    Freeway). null: plain epsilon-greedy (n = 1); 2.0 is the paper's choice. Evaluation
+    environments always play plain epsilon-greedy."""
     eval_envs: int = 2
     """Environments per actor set aside to play near-greedily for return_mean_100."""
     eval_epsilon: float = 0.01
@@ -322,6 +328,8 @@ class Config:
         check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
         check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
         check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
+        check(a.eps_repeat_mu is None or 1 < a.eps_repeat_mu < math.inf,
+              f"actor.eps_repeat_mu must be > 1 (a zeta exponent; 2.0 is the paper's) or null, got {a.eps_repeat_mu}")
         check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}"
               + (f": with {a.num_envs} environments per actor also set actor.eval_envs (e.g. --set actor.eval_envs=0)"
                  if a.eval_envs > a.num_envs else ""))
