@@ -83,6 +83,16 @@ def test_bench_learn_runs_dir_reruns_a_retuned_preset_and_names_a_broken_record(
     record.write_text(json.dumps(saved))
     learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
     assert len(calls) == 2
+    # a key added to the config since (here: dropped from the record) at its default: the same run
+    saved = json.loads(record.read_text())
+    del saved["config"]["actor"]["eps_repeat_mu"]
+    record.write_text(json.dumps(saved))
+    learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    assert len(calls) == 2
+    saved["config"]["actor"]["eps_repeat_mu"] = 2.0  # but not at another value
+    record.write_text(json.dumps(saved))
+    learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    assert len(calls) == 3
     record.write_text("{not json")
     with pytest.raises(ApexError, match="cannot read .*cartpole-apex_dqn-0.json.*delete it"):
         learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))

@@ -119,7 +119,8 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
 
 def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict:
     """A run's record from ``base`` when kept there with the same time limit and the same
-    resolved preset (a retuned preset runs again), else a new run (recorded there when
+    resolved preset (a retuned preset runs again; a config key added since, at its default,
+    does not count), else a new run (recorded there when
     ``keep``). The record is written whole, then renamed, so a stop mid-write leaves no half
     record to be read back."""
     from apex import config as config_module
@@ -132,7 +133,7 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
             run = json.loads(record.read_text())
         except (OSError, ValueError) as exc:
             raise ApexError(f"bench learn: cannot read {record} ({exc}); delete it to run that seed again") from None
-        if run.get("limit_s") == limit_s and run.get("config") == config:
+        if run.get("limit_s") == limit_s and _resolved(run.get("config")) == config:
             print(f"  {task} {algo} seed {seed}: {_describe(run)} (recorded in {record})", flush=True)
             return run
     logdir = base / name
@@ -146,6 +147,19 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
         partial.write_text(json.dumps(run) + "\n")
         partial.replace(record)
     return run
+
+
+def _resolved(recorded: object) -> dict | None:
+    """A record's config with every key the record predates at its default (a key added
+    since, at its default, leaves a run as it was), or None if it no longer loads."""
+    from apex import config as config_module
+
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        return config_module.from_dict(recorded).to_dict()
+    except ApexError:
+        return None
 
 
 def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> dict:
