@@ -1,14 +1,12 @@
-"""The learner process: ingest thread, control loop, weight broadcasts, metrics,
-checkpoints and stop conditions around the algorithm's learner core
-(``apex.algos.<algo>.Learner``), which trains and knows nothing of sockets."""
+"""The learner process: control loop, weight broadcasts, metrics, checkpoints and stop
+conditions around the algorithm's learner core (``apex.algos.<algo>.Learner``), which trains
+and knows nothing of sockets, fed by the ingest thread (``apex.ingest``)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import shlex
-import threading
 import time
 from pathlib import Path
 
@@ -20,22 +18,21 @@ from apex import algos
 from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_and_newest, first_loadable
 from apex.config import Config, StopConditions
 from apex.envs import env_spec
-from apex.errors import ApexError, ProtocolError
-from apex.malloc import keep_large_blocks
-from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_json_atomic
+from apex.errors import ApexError
+from apex.ingest import Ingest, RunCounters, Wakeup
 from apex.logs import RateLimitedLog
+from apex.malloc import keep_large_blocks
+from apex.metrics import MetricsWriter, Rate, closing_line, write_json_atomic
 from apex.protocol import Message
-from apex.schema import UNKNOWN_STEP_LIMIT, check_episodes
+from apex.schema import UNKNOWN_STEP_LIMIT
 from apex.signals import StopSignals
-from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, Session, is_loopback
+from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, is_loopback
 
 log = logging.getLogger(__name__)
 
-INGEST_GROUP = 8  # batches already waiting that are inserted together
 # Longest the main loop sleeps when it cannot train: its clocks (metrics, checkpoints, stop
 # conditions, silent actors) and signals are looked at no later than this.
 IDLE_WAIT_S = 0.05
-INGEST_WAIT_S = 0.05  # longest the ingest thread waits (for room, for a batch) before looking at its stop flag
 STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
 # An actor's seed from the run's and its index: far apart for neighbouring indices and runs
 # (two primes), so that no two actors' environments share a seed sequence.
@@ -45,39 +42,6 @@ SEED_ACTOR_FACTOR = 10_007
 
 def actor_seed(run_seed: int, actor_index: int) -> int:
     return (run_seed * SEED_RUN_FACTOR + SEED_ACTOR_FACTOR * (actor_index + 1)) % 2**63
-
-
-class Wakeup:
-    """A pipe that the ingest thread writes a byte to when data lands while the main loop
-    waits, so that the loop blocks on one ZeroMQ poller for control messages and data alike
-    (instead of polling both in turn every few milliseconds)."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self.waiting = False  # set by the main loop around its wait; the ingest thread writes only then
-
-    def fileno(self) -> int:
-        return self._read
-
-    def notify(self) -> None:
-        if self.waiting:
-            try:
-                os.write(self._write, b"\0")
-            except BlockingIOError:  # the pipe is full of wake-ups already
-                pass
-
-    def drain(self) -> None:
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        os.close(self._read)
-        os.close(self._write)
 
 
 def all_finite(arrays: dict[str, np.ndarray]) -> bool:
@@ -144,21 +108,15 @@ class LearnerProcess:
             raise
         # The cores decompress frames themselves, straight into their storage.
         self.endpoint.receiver.lazy = True
-        self.stats = EpisodeStats()
-        self._stats_lock = threading.Lock()
-        self.env_steps = 0
-        self.env_steps_by_host: dict[str, int] = {}  # by the sending actor's address
+        self.counters = RunCounters()
         self._metrics: MetricsWriter | None = None
-        self.internal_errors = 0  # our own bugs met while ingesting: logged with a traceback
         self.nonfinite_weights = 0  # publishes and checkpoints refused for non-finite weights
-        self._step_limit = self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT
-        self._lags: list[int] = []
         self._bad_log = RateLimitedLog(log)
-        self._bug_log = RateLimitedLog(log, interval_s=10.0)
-        self._stop_ingest = threading.Event()
-        self._ingest_thread: threading.Thread | None = None
         self._wakeup = Wakeup()
         self._version = 0  # of the weights last published
+        self.ingest = Ingest(self.endpoint.receiver, self.learner, config,
+                             self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters, self._wakeup,
+                             lambda: self._version)
         self._signals = StopSignals()
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
         self.resumed_from = None
@@ -192,14 +150,12 @@ class LearnerProcess:
         except (KeyError, RuntimeError, ValueError) as e:
             raise ApexError(f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
                             f"({str(e).splitlines()[0]}): resume without changing algo, env or model") from None
-        self.env_steps = state["env_steps"]
-        self.env_steps_by_host = dict(state.get("env_steps_by_host", {}))
-        self.stats.load_state_dict(state["episode_stats"])
+        self.counters.load_state_dict(state)
         self._elapsed_before = state["time"]
         self._version = self.learner.updates
         self.resumed_from = checkpoint.name
         log.info("resumed from %s in %.1fs: %d updates, %d env steps, replay of %d",
-                 checkpoint.name, time.monotonic() - start, self.learner.updates, self.env_steps,
+                 checkpoint.name, time.monotonic() - start, self.learner.updates, self.counters.env_steps,
                  len(replay) if replay is not None else 0)
 
     # -- actors
@@ -224,82 +180,6 @@ class LearnerProcess:
             **core,
         }
 
-    def start_ingest(self) -> None:
-        """Starts the ingest thread: batches from the trajectory stream into the learner core.
-        (One thread: a second one that decoded while this one inserted measured slower,
-        the two fighting over the GIL.)"""
-        self._stop_ingest.clear()
-        self._ingest_thread = threading.Thread(target=self._ingest, name="ingest", daemon=True)
-        self._ingest_thread.start()
-
-    def stop_ingest(self) -> None:
-        self._stop_ingest.set()
-        if self._ingest_thread is not None:
-            self._ingest_thread.join(timeout=5)
-
-    def _ingest(self) -> None:
-        while not self._stop_ingest.is_set():
-            try:
-                self._ingest_some()
-            except Exception:  # our own bug, not the sender's: loud, counted apart, and ingest goes on
-                self.internal_errors += 1
-                self._bug_log.exception("ingest failed (a bug in apex, please report it); continuing")
-
-    def _ingest_some(self) -> None:
-        receiver = self.endpoint.receiver
-        while not self._stop_ingest.is_set():
-            if not self.learner.wait_to_insert(timeout=INGEST_WAIT_S):
-                continue
-            msg = receiver.recv(timeout_ms=int(INGEST_WAIT_S * 1000))
-            if msg is None:
-                continue
-            # Whatever else is already waiting goes in with it: one insert for several
-            # small batches pays the bookkeeping once.
-            group = [msg]
-            while len(group) < INGEST_GROUP and (more := receiver.recv(timeout_ms=0)) is not None:
-                group.append(more)
-            accepted = []
-            for m in group:
-                try:
-                    accepted.append((m, *self._validate(m)))
-                except ProtocolError as e:
-                    receiver.reject(e)
-            errors = self.learner.insert_many([arrays for _, arrays, *_ in accepted])
-            self._wakeup.notify()
-            with self._stats_lock:
-                for (m, _, env_steps, episodes, used), error in zip(accepted, errors):
-                    session: Session = m.session
-                    if error is not None:
-                        session.step_budget -= env_steps - used  # what _validate granted it
-                        receiver.reject(error)
-                        continue
-                    session.env_steps += env_steps
-                    session.episodes += len(episodes)
-                    self.env_steps += env_steps
-                    host = m.peer or "unknown"
-                    self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + env_steps
-                    for episode_return, _length, is_eval in episodes:
-                        self.stats.add(episode_return, is_eval)
-                    if 0 <= m.fields["weights_version"] <= self._version:  # an older learner's versions say nothing
-                        self._lags.append(self._version - m.fields["weights_version"])
-
-    def _validate(self, msg: Message) -> tuple[dict, int, list, int]:
-        """A batch checked against the algorithm's schema and its session's limits: (arrays
-        as stored, env steps it stands for, its episode records, their steps). Raises
-        ProtocolError."""
-        session: Session = msg.session
-        if not session.limits:
-            session.limits = self.learner.batch_limits(session.num_envs)
-            # Episodes under way when the session began were partly played before it.
-            session.step_budget = session.num_envs * self._step_limit
-        arrays, sizes = self.learner.schema.validate(msg.arrays, session.limits, msg.layout)
-        env_steps = self.learner.env_steps(sizes)
-        episodes, used = check_episodes(msg.fields["info"], max_episodes=env_steps, step_limit=self._step_limit,
-                                        max_abs_reward=self.config.transport.max_abs_reward,
-                                        step_budget=session.step_budget + env_steps)
-        session.step_budget += env_steps - used
-        return arrays, env_steps, episodes, used
-
     # -- main loop
 
     def run(self) -> int:
@@ -315,14 +195,14 @@ class LearnerProcess:
             self.endpoint.close()
             raise
         self._publish(self._version)
-        self.start_ingest()
+        self.ingest.start()
         # The run's clock goes on from the checkpoint's: metrics, stop conditions, summary.
         start = time.monotonic() - self._elapsed_before
         every_updates = self.config.learner.checkpoint_interval_updates
         next_metrics = time.monotonic() + self.config.learner.metrics_interval_s
         next_checkpoint = time.monotonic() + self.config.learner.checkpoint_interval_s
         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
-        step_rate, update_rate = Rate(self.env_steps), Rate(self.learner.updates)
+        step_rate, update_rate = Rate(self.counters.env_steps), Rate(self.learner.updates)
         last: dict[str, float] = {}
         log.info("starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
                  self.config.algo, self.config.env.id, self.device, self.endpoint.ports.control,
@@ -372,24 +252,25 @@ class LearnerProcess:
         finally:
             stopped_unix_s = time.time()
             self.endpoint.stop_actors(stop_reason or "learner error")
-            self.stop_ingest()
+            self.ingest.stop()
             wall = time.monotonic() - start
             metrics.write(self._metrics_row(wall, step_rate, update_rate, last))
             metrics.close()
             self.checkpoints.wait()
             self.save_checkpoint(wall)
+            stats = self.counters.stats
             summary = {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
                 "data_nbytes_mb": round(self.learner.memory_nbytes / 2**20, 1),
-                "env_steps": self.env_steps,
+                "env_steps": self.counters.env_steps,
                 "learner_updates": self.learner.updates,
                 "wall_seconds": round(wall, 2),
-                "return_mean_100": self.stats.return_mean,
-                "best_return_mean_100": self.stats.best_return_mean if self.stats.full_window else None,
+                "return_mean_100": stats.return_mean,
+                "best_return_mean_100": stats.best_return_mean if stats.full_window else None,
                 "stop_reason": stop_reason or "error",
                 "resumed_from": self.resumed_from,
                 "checkpoints_written": self.checkpoints.written,
-                "env_steps_by_host": dict(self.env_steps_by_host),
+                "env_steps_by_host": dict(self.counters.env_steps_by_host),
                 "first_update_unix_s": first_update_unix_s,
                 "stopped_unix_s": stopped_unix_s,
             }
@@ -443,29 +324,30 @@ class LearnerProcess:
 
     def _stop_reason(self, elapsed: float) -> str | None:
         s = self.stop
-        with self._stats_lock:
-            mean, full = self.stats.return_mean, self.stats.full_window
+        with self.counters.lock:
+            mean, full = self.counters.stats.return_mean, self.counters.stats.full_window
         if s.return_mean is not None and full and mean >= s.return_mean:
             return f"return_mean_100 {mean:.1f} >= {s.return_mean}"
         if s.seconds is not None and elapsed >= s.seconds:
             return f"{s.seconds} seconds"
-        if s.env_steps is not None and self.env_steps >= s.env_steps:
+        if s.env_steps is not None and self.counters.env_steps >= s.env_steps:
             return f"{s.env_steps} env steps"
         return None
 
     def _metrics_row(self, elapsed: float, step_rate: Rate, update_rate: Rate, last: dict) -> dict:
-        with self._stats_lock:
-            lags, self._lags = self._lags, []
+        counters = self.counters
+        with counters.lock:
+            lags, stats = counters.take_lags(), counters.stats
             row = {
                 "time": round(elapsed, 2),
-                "env_steps": self.env_steps,
+                "env_steps": counters.env_steps,
                 "learner_updates": self.learner.updates,
-                "env_steps_per_s": round(step_rate(self.env_steps), 1),
+                "env_steps_per_s": round(step_rate(counters.env_steps), 1),
                 "updates_per_s": round(update_rate(self.learner.updates), 1),
-                "episodes": self.stats.episodes,
-                "return_mean_100": self.stats.return_mean,
-                "eval_episodes_in_window": len(self.stats.eval_returns),
-                "train_return_mean_100": self.stats.train_return_mean,
+                "episodes": stats.episodes,
+                "return_mean_100": stats.return_mean,
+                "eval_episodes_in_window": len(stats.eval_returns),
+                "train_return_mean_100": stats.train_return_mean,
             }
         row["samples_per_s"] = round(row["updates_per_s"] * self.learner.samples_per_update, 1)
         row.update(self.learner.metrics())
@@ -477,7 +359,7 @@ class LearnerProcess:
             "rejected_messages": self.endpoint.rejected_messages,
             "metrics_write_failures": self._metrics.write_failures if self._metrics is not None else 0,
             "rejected_by_reason": self.endpoint.rejected.by_reason(),
-            "internal_errors": self.internal_errors,
+            "internal_errors": self.ingest.internal_errors,
             "nonfinite_weights": self.nonfinite_weights,
             "checkpoints_written": self.checkpoints.written,
             "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
@@ -491,8 +373,9 @@ class LearnerProcess:
     def _score(self) -> float | None:
         """return_mean_100 once it is over a full window of evaluation episodes (a mean of a
         few lucky episodes is no measure of a policy), else None."""
-        with self._stats_lock:
-            return self.stats.return_mean if self.stats.full_window else None
+        with self.counters.lock:
+            stats = self.counters.stats
+            return stats.return_mean if stats.full_window else None
 
     def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
         """Writes a checkpoint (in the background: the replay is copied piece by piece while
@@ -505,15 +388,14 @@ class LearnerProcess:
             self._bad_log.warning("weights hold NaN or infinity: checkpoint not written (%d refused so far)",
                                   self.nonfinite_weights)
             return True
-        with self._stats_lock:
+        with self.counters.lock:
             state = {
                 **self.learner.state_dict(),
-                "env_steps": self.env_steps,
-                "env_steps_by_host": dict(self.env_steps_by_host),
-                "episode_stats": self.stats.state_dict(),
+                **self.counters.state_dict(),
                 "time": elapsed,
                 "config": self.config.to_dict(),
             }
-            score = self.stats.return_mean if self.stats.full_window else None  # as _score, with the same stats
+            stats = self.counters.stats
+            score = stats.return_mean if stats.full_window else None  # as _score, with the same stats
         name = f"ckpt-{self.learner.updates:09d}"
         return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background, score=score)

@@ -14,7 +14,8 @@ from apex import config as config_module
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.learner import Wakeup, pick_device
+from apex.ingest import Wakeup
+from apex.learner import pick_device
 from apex.replay import RateLimiter
 
 

@@ -87,7 +87,7 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
         spawn = mp.get_context("spawn")
         senders = [spawn.Process(target=session_sender, args=(address, frames, send_options, token, index), daemon=True)
                    for index, token in enumerate(_open_sessions(process, SENDERS))]
-        process.start_ingest()
+        process.ingest.start()
         for p in senders:
             p.start()
         try:
@@ -113,7 +113,7 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
                 p.terminate()
             for p in senders:
                 p.join()
-            process.stop_ingest()
+            process.ingest.stop()
             process.endpoint.close()
     return {
         "transitions_per_s": round(inserted / elapsed),
