@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from apex.compression import Compressed
 from apex.errors import RejectedMessage
-from apex.protocol import Compressed
+
 
 @dataclass(frozen=True)
 class Range:

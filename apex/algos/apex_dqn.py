@@ -26,11 +26,11 @@ from apex import optim
 from apex.algos import Policy
 from apex.algos.apex_dqn_actor import merge_chunks
 from apex.algos.exploration import actor_epsilons
+from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 from apex.models import QNetwork, numpy_weights, to_device
-from apex.protocol import Compressed
 from apex.replay import RateLimiter, StackedReplay
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
 from apex.spaces import check_algo_actions

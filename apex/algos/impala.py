@@ -27,11 +27,11 @@ import torch
 
 from apex import optim
 from apex.algos import Policy
+from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
 from apex.models import PolicyValueNetwork, action_log_prob, entropy, log_probs, numpy_weights, to_device
-from apex.protocol import Compressed
 from apex.replay import UnrollQueue
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 

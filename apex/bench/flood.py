@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -48,11 +47,10 @@ from pathlib import Path
 
 from apex import config as config_module
 from apex.bench.e2e import cpu_seconds, memory_mb
+from apex.bench.flooder import CONTROL_GARBAGE, CONTROL_PEERS, HELLO, TRAJECTORY_GARBAGE, TRAJECTORY_PEERS
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 
-CONTROL_PEERS = 2
-TRAJECTORY_PEERS = 10
 MIN_RATIO = 0.5
 SIGTERM_LIMIT_S = 2.0  # "the learner acts on SIGTERM within 2 s under any flood"
 SKIP_S = 2.0  # start of each phase left out of its rates (flooders connecting, queues filling or draining)
@@ -63,7 +61,6 @@ METRICS_INTERVAL_S = 0.5
 # from ~20 to 500 steps (fewer resets) and shrank again, more than any flood moved them.
 OVERRIDES = (f"learner.metrics_interval_s={METRICS_INTERVAL_S}", "actor.eps_base=1.0", "actor.eval_envs=0")
 
-HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE = "hello", "control_garbage", "trajectory_garbage"
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unloaded", ()),
     ("hello flood", (HELLO,)),
@@ -197,7 +194,7 @@ def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacit
 def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
     """The flooders of a phase, one process; returns once it has called connect() on every
     socket (ZeroMQ connects in the background)."""
-    proc = _spawn(["-m", "apex.bench.flood", str(port), *kinds], workdir / "flooder.log", cpu,
+    proc = _spawn(["-m", "apex.bench.flooder", str(port), *kinds], workdir / "flooder.log", cpu,
                   stdout=subprocess.PIPE)
     line = proc.stdout.readline()
     if not line.startswith(b"ready"):
@@ -377,117 +374,3 @@ def _percent(ratio: float | None) -> str:
 
 
 # -- the flooder process: `python -m apex.bench.flood PORT KIND...`
-
-
-def _control_garbage(rng: random.Random) -> list[list[bytes]]:
-    """Random frames, frames that start like a header, and hellos whose fields are out of
-    range or of the wrong type: all under the control port's frame size limit."""
-    import msgpack
-
-    from apex import protocol
-
-    def header(fields: dict) -> bytes:
-        return msgpack.packb({"v": protocol.PROTOCOL, "type": "hello", **fields, "layout": msgpack.packb([])},
-                             use_bin_type=True)
-
-    messages = []
-    for _ in range(48):
-        frames = [rng.randbytes(rng.randint(1, 2048)) for _ in range(rng.choice((1, 1, 2, 3)))]
-        if rng.random() < 0.4:
-            frames[0] = b"\x85\xa1v\x02\xa4type\xa5hello" + frames[0]  # a header's start, then noise
-        messages.append(frames)
-    good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
-    for bad in ({"actor_index": 2**40}, {"actor_index": -1}, {"num_envs": -1}, {"num_envs": 10**6},
-                {"host": "x" * 1000}, {"pid": -5}, {"pid": 2**40}, {"actor_index": "zero"}, {"num_envs": 1.5},
-                {"host": b"\xff"}, {"extra": 1}):
-        messages.append([header({**good, **bad})])
-    return messages
-
-
-def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
-    """Random frames, and well-formed CartPole-sized batches (64 transitions) of made-up sessions."""
-    import numpy as np
-
-    from apex import protocol
-
-    n = 64
-    arrays = {
-        "frames": np.zeros((n + 6, 4), np.float32), "obs_frame": np.arange(n, dtype=np.int32),
-        "next_obs_frame": np.arange(n, dtype=np.int32) + 3, "action": np.zeros(n, np.int64),
-        "reward": np.ones(n, np.float32), "discount": np.full(n, 0.97, np.float32), "priority": np.ones(n, np.float32),
-    }
-    messages = []
-    for _ in range(32):
-        frames = [rng.randbytes(rng.randint(1, 4096)) for _ in range(rng.choice((1, 2, 3)))]
-        if rng.random() < 0.4:
-            frames[0] = b"\x86\xa1v\x02\xa4type\xa5batch" + frames[0]
-        messages.append(frames)
-        fields = {"actor_index": 0, "weights_version": 0, "info": {}, "session": rng.randbytes(16),
-                  "seq": rng.randrange(2**31)}
-        messages.append([bytes(f) for f in protocol.encode("batch", fields, arrays)])
-    return messages
-
-
-def _flooder_main(argv: list[str]) -> int:
-    """Floods the learner at port ``argv[0]`` with the kinds that follow, until SIGTERM;
-    prints ``ready`` once connected and, at the end, what it sent as one JSON line."""
-    import zmq
-
-    from apex import protocol
-
-    port, kinds = int(argv[0]), argv[1:]
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    rng = random.Random(12)
-    context = zmq.Context()
-    peers: list[tuple[zmq.Socket, list[list[bytes]], bool]] = []  # socket, its messages, whether it reads replies
-
-    def dealer(name: bytes) -> zmq.Socket:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, name)
-        sock.setsockopt(zmq.SNDHWM, 1000)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{port}")
-        return sock
-
-    if HELLO in kinds:
-        hello = [bytes(f) for f in protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood",
-                                                             "pid": 1})]
-        peers += [(dealer(b"flood-hello-%d" % i), [hello], True) for i in range(CONTROL_PEERS)]
-    if CONTROL_GARBAGE in kinds:
-        garbage = _control_garbage(rng)
-        peers += [(dealer(b"flood-garbage-%d" % i), garbage, True) for i in range(CONTROL_PEERS)]
-    if TRAJECTORY_GARBAGE in kinds:
-        garbage = _trajectory_garbage(rng)
-        for _ in range(TRAJECTORY_PEERS):
-            sock = context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{port + 1}")
-            peers.append((sock, garbage, False))
-    print("ready", flush=True)
-    sent = blocked = replies = i = 0
-    start = time.monotonic()
-    while not stopping:
-        for k, (sock, messages, reads) in enumerate(peers):
-            try:
-                sock.send_multipart(messages[(i + k) % len(messages)], flags=zmq.NOBLOCK)
-                sent += 1
-            except zmq.Again:
-                blocked += 1
-            while reads:
-                try:
-                    sock.recv_multipart(flags=zmq.NOBLOCK)
-                    replies += 1
-                except zmq.Again:
-                    break
-        i += 1
-    print(json.dumps({"sent": sent, "blocked": blocked, "replies": replies,
-                      "seconds": round(time.monotonic() - start, 2)}), flush=True)
-    for sock, _, _ in peers:
-        sock.close(linger=0)
-    context.term()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_flooder_main(sys.argv[1:]))

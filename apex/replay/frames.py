@@ -9,7 +9,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from apex.protocol import Compressed
+from apex.compression import Compressed
 from apex.replay import snapshot
 from apex.replay.ring import LockedRing, PriorityRing, committed, importance_weights
 
