@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from apex.algos.chunks import FrameTrack, frame_offsets
 from apex.algos.exploration import Explorer, choose_actions
 from apex.config import Config
 from apex.envs import FrameStacker, VectorEnv
@@ -26,10 +27,9 @@ from apex.protocol import Message
 class NStepChunker:
     """Builds one environment's n-step transitions and hands them out in chunks.
 
-    Frames are stored once: the observation at step t is the stack of frames
-    ``F[t .. t+stack-1]`` where ``F`` holds ``stack`` copies of the episode's first frame,
-    then one frame per step. A chunk carries the frames its transitions need plus, per
-    transition, where its observation stack and its bootstrap stack start.
+    Frames are stored once (``apex.algos.chunks.FrameTrack``): a chunk carries the frames its
+    transitions need plus, per transition, where its observation stack and its bootstrap
+    stack start.
 
     Call order per step: ``record_action`` (when acting on s_t, with Q(s_t, a_t) and
     max_a Q(s_t, a)), then ``record_step`` (reward r_t and the next frame), then, if the
@@ -46,7 +46,8 @@ class NStepChunker:
 
     def start(self, frame: np.ndarray) -> None:
         """Begins an episode whose first frame is ``frame``."""
-        self.frames = [frame] * self.stack  # F[c .. ]: from the first frame of the chunk's first stack
+        self.track = FrameTrack(self.stack)  # from the stack of step c on
+        self.track.begin(frame)
         self.actions: list[int] = []
         self.q_taken: list[float] = []
         self.values: list[float] = []  # max_a Q(s_t, a) for t = c, c+1, ...
@@ -68,7 +69,7 @@ class NStepChunker:
     def record_step(self, reward: float, next_frame: np.ndarray) -> None:
         self.episode_return += reward
         self.rewards.append((float(np.sign(reward)) if self.clip_rewards else float(reward)) * self.reward_scale)
-        self.frames.append(next_frame)
+        self.track.push(next_frame)
         self.t += 1
 
     def end_episode(self, terminated: bool, final_value: float) -> dict | None:
@@ -91,18 +92,18 @@ class NStepChunker:
         if terminated:
             discount = np.where(horizon == end, 0.0, discount)
         priority = np.abs(returns + discount * values[horizon - c] - np.asarray(self.q_taken[:count]))
-        last_frame = int(horizon.max()) - c + self.stack  # exclusive end of the frames needed
+        frames, starts = self.track.take(int(horizon.max()) - c)
         chunk = {
-            "frames": np.stack(self.frames[:last_frame]),
-            "obs_frame": (steps - c).astype(np.int32),
-            "next_obs_frame": (horizon - c).astype(np.int32),
+            "frames": frames,
+            "obs_frame": starts[steps - c],
+            "next_obs_frame": starts[horizon - c],
             "action": np.asarray(self.actions[:count], np.int64),
             "reward": returns.astype(np.float32),
             "discount": discount.astype(np.float32),
             "priority": priority.astype(np.float32),
         }
-        del self.frames[:count], self.actions[:count], self.q_taken[:count]
-        del self.values[:count], self.rewards[:count]
+        self.track.drop(count)
+        del self.actions[:count], self.q_taken[:count], self.values[:count], self.rewards[:count]
         self.c += count
         return chunk
 
@@ -117,7 +118,7 @@ def merge_chunks(chunks: list[dict]) -> dict:
     """Concatenates chunks into one batch, offsetting frame indices."""
     if len(chunks) == 1:
         return chunks[0]
-    offsets = np.cumsum([0] + [len(c["frames"]) for c in chunks[:-1]], dtype=np.int32)
+    offsets = frame_offsets(chunks)
     indices = ("obs_frame", "next_obs_frame")
     merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0] if name not in indices}
     for name in indices:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from apex.algos.chunks import FrameTrack, frame_offsets
 from apex.config import Config
 from apex.envs import FrameStacker, VectorEnv
 from apex.inference import log_probs, policy_value_network
@@ -51,13 +52,10 @@ class Actor:
         self.weights_version = -1
         self._returns = np.zeros(K)
         self._lengths = np.zeros(K, np.int64)
-        frames = self.envs.reset()
-        self._frames: list[list[np.ndarray]] = []  # per env, from the first stack of the unroll
-        self._obs_frame: list[list[int]] = []  # per env: where each step's stack starts
-        for i, frame in enumerate(frames):
+        self._tracks = [FrameTrack(self.spec.stack) for _ in range(K)]  # per env, from the unroll's first step
+        for i, frame in enumerate(self.envs.reset()):
             self.stacker.reset(i, frame)
-            self._frames.append([frame] * self.spec.stack)
-            self._obs_frame.append([0])
+            self._tracks[i].begin(frame)
 
     @property
     def num_envs(self) -> int:
@@ -97,32 +95,28 @@ class Actor:
                 episodes.append([float(self._returns[i]), int(self._lengths[i]), True])
                 self._returns[i], self._lengths[i] = 0.0, 0
                 self.stacker.reset(i, frames[i])
-                self._frames[i] += [frames[i]] * self.spec.stack
-                self._obs_frame[i].append(len(self._frames[i]) - self.spec.stack)
+                self._tracks[i].begin(frames[i])
             else:
                 self.stacker.push(i, frames[i])
-                self._frames[i].append(frames[i])
-                self._obs_frame[i].append(self._obs_frame[i][-1] + 1)
+                self._tracks[i].push(frames[i])
         self.t += 1
         if self.t < self.config.impala.unroll_length:
             return None, episodes
         return self._emit(), episodes
 
     def _emit(self) -> dict:
-        offsets = np.cumsum([0] + [len(f) for f in self._frames[:-1]])
+        T = self.config.impala.unroll_length
+        unrolls = [dict(zip(("frames", "obs_frame"), track.take(T))) for track in self._tracks]
         batch = {
-            "frames": np.stack([frame for env_frames in self._frames for frame in env_frames]),
-            "obs_frame": (np.asarray(self._obs_frame) + offsets[:, None]).astype(np.int32),
+            "frames": np.concatenate([u["frames"] for u in unrolls]),
+            "obs_frame": np.stack([u["obs_frame"] + offset for u, offset in zip(unrolls, frame_offsets(unrolls))]),
             "action": self.action.copy(),
             "reward": self.reward.copy(),
             "discount": self.discount.copy(),
             "behaviour_logp": self.behaviour_logp.copy(),
         }
-        stack = self.spec.stack
-        for i in range(self.num_envs):  # the next unroll starts at this one's bootstrap step
-            start = self._obs_frame[i][-1]
-            self._frames[i] = self._frames[i][start : start + stack]
-            self._obs_frame[i] = [0]
+        for track in self._tracks:  # the next unroll starts at this one's bootstrap step
+            track.drop(T)
         self.t = 0
         return batch
 
@@ -133,16 +127,15 @@ class Actor:
 class _Row:
     """One row of unrolls (T steps) for the external episodes that play, in turn, on one slot.
 
-    While an episode is under way ``len(obs_frame) == t + 1``: the observation it acts on is
-    at step t. Between a step's outcome and the next observation ``len(obs_frame) == t``."""
+    While an episode is under way ``len(track.starts) == t + 1``: the observation it acts on
+    is at step t. Between a step's outcome and the next observation ``len(track.starts) == t``."""
 
-    def __init__(self, T: int, action_shape: tuple[int, ...]) -> None:
+    def __init__(self, T: int, action_shape: tuple[int, ...], stack: int) -> None:
         self.action = np.zeros((T, *action_shape), np.int64)
         self.reward = np.zeros(T, np.float32)
         self.discount = np.zeros(T, np.float32)
         self.behaviour_logp = np.zeros(T, np.float32)
-        self.frames: list[np.ndarray] = []
-        self.obs_frame: list[int] = []
+        self.track = FrameTrack(stack)
         self.records: list[list] = []  # of the episodes that ended in this row
         self.t = 0
 
@@ -175,24 +168,21 @@ class EpisodeActor:
     def begin(self, episode) -> None:
         episode.state = {"value": 0.0}
         if episode.slot not in self._rows:
-            self._rows[episode.slot] = _Row(self.T, self.spec.action_shape)
+            self._rows[episode.slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
 
     def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         if chosen is not None:
             raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
         logits, values = self.net(obs)
         actions, logp = sample(self.rng, log_probs(logits, self.spec.action_nvec), self.spec.action_nvec)
-        stack = self.spec.stack
         for i, episode in enumerate(episodes):
             row = self._rows[episode.slot]
             frame = obs[i, -1]
             if episode.acted:  # the outcome of its step t, then its next observation
                 self._finish_step(row, float(train_reward(episode.reward, self.config)), self.gamma)
-                row.frames.append(frame)
-                row.obs_frame.append(row.obs_frame[-1] + 1)
+                row.track.push(frame)
             else:  # a new episode's first observation (a full stack of it)
-                row.frames += [frame] * stack
-                row.obs_frame.append(len(row.frames) - stack)
+                row.track.begin(frame)
             if row.t == self.T:
                 self._emit(row)
             row.action[row.t] = actions[i]
@@ -212,8 +202,7 @@ class EpisodeActor:
             self._finish_step(row, reward, 0.0)
             row.records.append(episode_record(episode, True))
             if row.t == self.T:  # complete but for its bootstrap step, which discount 0 ignores
-                row.frames += [obs[i, -1]] * self.spec.stack
-                row.obs_frame.append(len(row.frames) - self.spec.stack)
+                row.track.begin(obs[i, -1])
                 self._emit(row, keep=False)
 
     def abandon(self, episode) -> None:
@@ -222,11 +211,10 @@ class EpisodeActor:
         if not episode.acted:
             return
         row = self._rows[episode.slot]
-        row.obs_frame.pop()
+        row.track.pop()
         if episode.length > 0 and row.t > 0:  # its previous step is in this row: make it the last
             row.reward[row.t - 1] += self.gamma * episode.state["value"]
             row.discount[row.t - 1] = 0.0
-        del row.frames[(row.obs_frame[-1] + self.spec.stack) if row.obs_frame else 0:]
 
     def _finish_step(self, row: _Row, reward: float, discount: float) -> None:
         row.reward[row.t] = reward
@@ -236,18 +224,20 @@ class EpisodeActor:
     def _emit(self, row: _Row, keep: bool = True) -> None:
         """Hands out a complete unroll; the row goes on from its bootstrap step (``keep``)
         or empty (an episode ended on its last step)."""
+        frames, starts = row.track.take(self.T)
         unroll = {
-            "frames": np.stack(row.frames),
-            "obs_frame": np.asarray(row.obs_frame, np.int32),
+            "frames": frames,
+            "obs_frame": starts,
             "action": row.action.copy(),
             "reward": row.reward.copy(),
             "discount": row.discount.copy(),
             "behaviour_logp": row.behaviour_logp.copy(),
         }
         self._ready.append((unroll, row.records))
-        start, stack = row.obs_frame[-1], self.spec.stack
-        row.frames = row.frames[start : start + stack] if keep else []
-        row.obs_frame = [0] if keep else []
+        if keep:
+            row.track.drop(self.T)
+        else:
+            row.track = FrameTrack(self.spec.stack)
         row.records = []
         row.t = 0
 
@@ -256,9 +246,9 @@ class EpisodeActor:
         batches = []
         while len(self._ready) >= self.max_unrolls or (flush and self._ready):
             group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
-            offsets = np.cumsum([0] + [len(u["frames"]) for u, _ in group[:-1]])
-            batch = {"frames": np.concatenate([u["frames"] for u, _ in group]),
-                     "obs_frame": np.stack([u["obs_frame"] + off for (u, _), off in zip(group, offsets)]).astype(np.int32)}
+            unrolls = [u for u, _ in group]
+            batch = {"frames": np.concatenate([u["frames"] for u in unrolls]),
+                     "obs_frame": np.stack([u["obs_frame"] + off for u, off in zip(unrolls, frame_offsets(unrolls))])}
             for name in ("action", "reward", "discount", "behaviour_logp"):
                 batch[name] = np.stack([u[name] for u, _ in group])
             batches.append((batch, [record for _, records in group for record in records]))
