@@ -59,11 +59,11 @@ def run_actor(
 
 def _act(client: LearnerClient, signals: StopSignals) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
-    spec = client.handshake().fields["spec"]
-    config = config_module.from_dict(spec["config"])
+    setup = client.handshake().fields["setup"]
+    config = config_module.from_dict(setup["config"])
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"], tick=client.tick)
+    core = algos.get(config.algo).actor().Actor(config, setup, setup["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)

@@ -98,7 +98,7 @@ class LearnerProcess:
         # Bind before building the core: a taken port fails at once, not after the replay
         # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
         self.endpoint = LearnerEndpoint(
-            bind_host, port if port is not None else config.transport.port, self._welcome,
+            bind_host, port if port is not None else config.transport.port, self._actor_setup,
             config.transport,
         )
         try:
@@ -160,7 +160,9 @@ class LearnerProcess:
 
     # -- actors
 
-    def _welcome(self, hello: Message, index: int) -> dict:
+    def _actor_setup(self, hello: Message, index: int) -> dict:
+        """What a joining actor is told in its welcome: the run's config, its environments
+        and seed, and the algorithm's part (``LearnerCore.actor_setup``)."""
         num_envs = hello.fields["num_envs"] or self.config.actor.num_envs
         if not 1 <= num_envs <= MAX_ENVS_PER_ACTOR:
             raise Rejected(f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {num_envs}")
@@ -170,7 +172,7 @@ class LearnerProcess:
                            f"transport.max_message_bytes ({self.config.transport.max_message_bytes / 2**20:.0f} MiB): "
                            "use fewer environments per actor or raise transport.max_message_bytes")
         try:
-            core = self.learner.welcome(index, num_envs)
+            core = self.learner.actor_setup(index, num_envs)
         except ApexError as e:
             raise Rejected(str(e)) from None
         return {

@@ -42,7 +42,7 @@ import numpy as np
 from apex.compression import Compressed
 from apex.errors import ProtocolError
 
-PROTOCOL = 2  # 2: sessions (token and sequence number on every batch), learner incarnations
+PROTOCOL = 3  # 2: sessions (token and sequence number on every batch), learner incarnations; 3: the welcome's "setup"
 
 # Header fields of each message type: name -> accepted Python types. Every field is
 # required; a header may not carry fields its type does not list.
@@ -57,7 +57,7 @@ MESSAGE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
     "hello": {"actor_index": _OPT_INT, "num_envs": _INT, "host": _STR, "pid": _INT},
     "heartbeat": {"actor_index": _OPT_INT},
     # learner -> actor, control channel
-    "welcome": {"actor_index": _INT, "spec": _MAP, "session": _BYTES, "incarnation": _BYTES},
+    "welcome": {"actor_index": _INT, "setup": _MAP, "session": _BYTES, "incarnation": _BYTES},
     "reject": {"reason": _STR, "retry": _BOOL},
     "stop": {"reason": _STR},
     "heartbeat_ack": {"weights_version": _INT},

@@ -87,12 +87,12 @@ class Server:
     def __init__(self, client: LearnerClient, options: ServeOptions) -> None:
         self.client = client
         self.options = options
-        welcome = client.welcome.fields["spec"]
-        self.config = config_module.from_dict(welcome["config"])
+        setup = client.welcome.fields["setup"]
+        self.config = config_module.from_dict(setup["config"])
         from apex.envs import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
-        actor = algos.get(self.config.algo).actor().EpisodeActor(self.config, welcome, spec, welcome["seed"])
+        actor = algos.get(self.config.algo).actor().EpisodeActor(self.config, setup, spec, setup["seed"])
         self.episodes = ExternalEpisodes(self.config, spec, low, high, actor, max_episodes=options.max_episodes,
                                          episode_timeout_s=options.episode_timeout_s)
         self.lock = threading.Lock()

@@ -202,7 +202,7 @@ def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
     clients = [LearnerClient("127.0.0.1", port, options=FAST) for _ in range(6)]
     try:
         welcomes = [c.handshake(timeout_s=10) for c in clients]
-        epsilons = {w.fields["actor_index"]: w.fields["spec"]["epsilons"][:3] for w in welcomes}
+        epsilons = {w.fields["actor_index"]: w.fields["setup"]["epsilons"][:3] for w in welcomes}
         assert sorted(epsilons) == list(range(6))
         flat = [e for eps in epsilons.values() for e in eps]
         assert len(set(flat)) == len(flat) == 18
@@ -217,7 +217,7 @@ def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
         clients[2] = LearnerClient("127.0.0.1", port, options=FAST)
         newcomer = clients[2].handshake(timeout_s=10)
         assert newcomer.fields["actor_index"] == gone
-        assert newcomer.fields["spec"]["epsilons"][:3] == epsilons[gone]
+        assert newcomer.fields["setup"]["epsilons"][:3] == epsilons[gone]
     finally:
         endpoint.close()
         for c in clients:

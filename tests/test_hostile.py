@@ -109,7 +109,7 @@ class Run:
 
 def honest_batch(client: LearnerClient) -> dict:
     """The first batch an actor of this run would send (the run's own config and spec)."""
-    spec = client.welcome.fields["spec"]
+    spec = client.welcome.fields["setup"]
     config = config_module.from_dict(spec["config"])
     core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"])
     batch = None
@@ -545,7 +545,7 @@ def test_10_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(a
 def test_12_ten_garbage_senders_do_not_stop_an_honest_actor(apex_run):
     script = ("import os, sys, zmq\ns = zmq.Context().socket(zmq.PUSH)\n"
               "s.connect(f'tcp://127.0.0.1:{int(sys.argv[1]) + 1}')\n"
-              "while True: s.send_multipart([b'\\x81\\xa1v\\x02' + os.urandom(64), os.urandom(512)])\n")
+              "while True: s.send_multipart([b'\\x81\\xa1v\\x03' + os.urandom(64), os.urandom(512)])\n")
     garbage = [subprocess.Popen([sys.executable, "-c", script, str(apex_run.port)]) for _ in range(10)]
     try:
         malformed = apex_run.rejected("malformed")

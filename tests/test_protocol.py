@@ -21,7 +21,7 @@ FUZZ_EXAMPLES = 2500  # per fuzz test; five of them: 12,500 malformed inputs a r
 FIELDS = {
     "hello": {"actor_index": None, "num_envs": 16, "host": "node-3", "pid": 4242},
     "heartbeat": {"actor_index": 2},
-    "welcome": {"actor_index": 2, "spec": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]},
+    "welcome": {"actor_index": 2, "setup": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]},
                 "session": b"s" * 16, "incarnation": b"i" * 8},
     "reject": {"reason": "protocol mismatch", "retry": False},
     "stop": {"reason": "stop-return reached"},

@@ -129,7 +129,7 @@ def test_nbytes_is_fixed_and_covers_storage_and_tree():
 
 def test_field_spec_forms():
     replay = PrioritizedReplay({"x": Field((2,), np.dtype("float32")), "y": ([], "int16")}, 4)
-    assert replay.spec["y"] == Field((), np.dtype(np.int16))
+    assert replay.fields["y"] == Field((), np.dtype(np.int16))
 
 
 def test_concurrent_add_and_sample():

@@ -94,7 +94,7 @@ def test_handshake_assigns_indices_and_sends_the_spec(learner, port):
     try:
         welcomes = [c.handshake(timeout_s=5) for c in clients]
         assert [w.fields["actor_index"] for w in welcomes] == [0, 1, 7]
-        assert welcomes[0].fields["spec"] == {**SPEC, "epsilon": 0.4}
+        assert welcomes[0].fields["setup"] == {**SPEC, "epsilon": 0.4}
         assert wait_for(lambda: learner.endpoint.actors_connected == 3)
     finally:
         for c in clients:
@@ -282,7 +282,7 @@ def test_curve_admits_only_authorised_actors(tmp_path, port):
     bad = make_client(port, options=TransportConfig(curve_dir=str(intruder)))
     plain = make_client(port, options=TransportConfig())
     try:
-        assert good.handshake(timeout_s=5).fields["spec"]["env"] == SPEC["env"]
+        assert good.handshake(timeout_s=5).fields["setup"]["env"] == SPEC["env"]
         assert good.send_batch({"x": np.arange(3)}, weights_version=0, timeout_s=5)
         for client in (bad, plain):
             with pytest.raises(TimeoutError):

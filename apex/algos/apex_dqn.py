@@ -135,7 +135,7 @@ class Learner:
         """Env steps a validated batch stands for: one transition per step."""
         return sizes["transitions"]
 
-    def welcome(self, actor_index: int, num_envs: int) -> dict:
+    def actor_setup(self, actor_index: int, num_envs: int) -> dict:
         epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.actor)
         return {"epsilons": epsilons, "eval_envs": eval_mask}
 

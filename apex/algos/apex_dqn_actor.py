@@ -130,11 +130,11 @@ def merge_chunks(chunks: list[dict]) -> dict:
 class Actor:
     """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
 
-    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
         """``tick`` keeps the connection alive while the environments are made."""
         self.config = config
-        self.epsilons = np.asarray(welcome["epsilons"])
-        self.eval_mask = list(welcome["eval_envs"])
+        self.epsilons = np.asarray(setup["epsilons"])
+        self.eval_mask = list(setup["eval_envs"])
         self.envs = VectorEnv(config.env, len(self.epsilons), seed, tick)
         self.spec = self.envs.spec
         self.net = q_network(self.spec, config.model)
@@ -217,11 +217,11 @@ class EpisodeActor:
     learns_logged_actions = True
     reuse_freed_slots = False  # slots in turn: every rung of the ladder plays
 
-    def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
+    def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
         self.config = config
         self.spec = spec
-        self.epsilons = np.asarray(welcome["epsilons"])
-        self.eval_mask = list(welcome["eval_envs"])
+        self.epsilons = np.asarray(setup["epsilons"])
+        self.eval_mask = list(setup["eval_envs"])
         self.net = q_network(spec, config.model)
         self.rng = np.random.default_rng(seed)
         self.weights_version = -1

@@ -164,7 +164,7 @@ class Learner:
         """Env steps a validated batch stands for: T per unroll."""
         return sizes["unrolls"] * self.config.impala.unroll_length
 
-    def welcome(self, actor_index: int, num_envs: int) -> dict:
+    def actor_setup(self, actor_index: int, num_envs: int) -> dict:
         if num_envs > self.config.impala.queue_size:
             # one batch holds an unroll per environment: it must fit the queue
             raise ApexError(f"num_envs {num_envs} exceeds impala.queue_size ({self.config.impala.queue_size}): "

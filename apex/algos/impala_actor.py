@@ -33,10 +33,10 @@ def train_reward(reward, config: Config):
 
 
 class Actor:
-    def __init__(self, config: Config, welcome: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
         """``tick`` keeps the connection alive while the environments are made."""
         self.config = config
-        self.envs = VectorEnv(config.env, welcome["num_envs"], seed, tick)
+        self.envs = VectorEnv(config.env, setup["num_envs"], seed, tick)
         self.spec = self.envs.spec
         self.net = policy_value_network(self.spec, config.model)
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
@@ -149,14 +149,14 @@ class EpisodeActor:
     learns_logged_actions = False
     reuse_freed_slots = True  # a new episode continues the row an episode just left: no stale half rows
 
-    def __init__(self, config: Config, welcome: dict, spec, seed: int) -> None:
+    def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
         self.config = config
         self.spec = spec
         self.net = policy_value_network(spec, config.model)
         self.rng = np.random.default_rng(seed)
         self.gamma = config.learner.gamma
         self.T = config.impala.unroll_length
-        self.max_unrolls = welcome["num_envs"]  # per batch: the learner's limit for this session
+        self.max_unrolls = setup["num_envs"]  # per batch: the learner's limit for this session
         self.weights_version = -1
         self._rows: dict[int, _Row] = {}
         self._ready: list[tuple[dict, list]] = []  # one unroll each, with the episodes it ends

@@ -30,7 +30,7 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
     for _ in range(48):
         frames = [rng.randbytes(rng.randint(1, 2048)) for _ in range(rng.choice((1, 1, 2, 3)))]
         if rng.random() < 0.4:
-            frames[0] = b"\x85\xa1v\x02\xa4type\xa5hello" + frames[0]  # a header's start, then noise
+            frames[0] = b"\x85\xa1v\x03\xa4type\xa5hello" + frames[0]  # a header's start, then noise
         messages.append(frames)
     good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
     for bad in ({"actor_index": 2**40}, {"actor_index": -1}, {"num_envs": -1}, {"num_envs": 10**6},
@@ -56,7 +56,7 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
     for _ in range(32):
         frames = [rng.randbytes(rng.randint(1, 4096)) for _ in range(rng.choice((1, 2, 3)))]
         if rng.random() < 0.4:
-            frames[0] = b"\x86\xa1v\x02\xa4type\xa5batch" + frames[0]
+            frames[0] = b"\x86\xa1v\x03\xa4type\xa5batch" + frames[0]
         messages.append(frames)
         fields = {"actor_index": 0, "weights_version": 0, "info": {}, "session": rng.randbytes(16),
                   "seq": rng.randrange(2**31)}

@@ -42,7 +42,7 @@ SPECS = {
 def _fill(replay: PrioritizedReplay, rng: np.random.Generator) -> None:
     chunk = {
         name: rng.integers(0, 255, (FILL_CHUNK, *field.shape)).astype(field.dtype)
-        for name, field in replay.spec.items()
+        for name, field in replay.fields.items()
     }
     while replay.total_added < replay.capacity:
         replay.add(chunk, rng.random(FILL_CHUNK))

@@ -1,7 +1,7 @@
 """Replay for the learner: prioritized transitions (Ape-X) and the unroll queue (IMPALA).
 
 - ``ring``: the prioritized ring of named fields over the native sum tree (not thread-safe);
-- ``prioritized``: ``PrioritizedReplay``, that ring behind a lock, for any spec of fields;
+- ``prioritized``: ``PrioritizedReplay``, that ring behind a lock, for any named fields;
 - ``frames``: ``StackedReplay``, Ape-X's replay, whose observation stacks are frames stored once;
 - ``snapshot``: a StackedReplay into a checkpoint while ingest goes on, and back;
 - ``rate_limit``: ``RateLimiter``, the sample-to-insert ratio;

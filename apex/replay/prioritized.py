@@ -7,22 +7,22 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from apex.replay.ring import Field, LockedRing, PriorityRing, Spec, importance_weights
+from apex.replay.ring import Field, Fields, LockedRing, PriorityRing, importance_weights
 
 
 class PrioritizedReplay(LockedRing):
-    """A bounded, prioritized FIFO of transitions described by a spec of named fields.
+    """A bounded, prioritized FIFO of transitions described by named fields.
 
     Thread-safe: the learner's ingest thread may ``add`` while its train loop samples.
     """
 
-    def __init__(self, spec: Spec, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
+    def __init__(self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
                  seed: int | None = None) -> None:
-        super().__init__(PriorityRing(spec, capacity, alpha=alpha, eps=eps, seed=seed))
+        super().__init__(PriorityRing(fields, capacity, alpha=alpha, eps=eps, seed=seed))
 
     @property
-    def spec(self) -> dict[str, Field]:
-        return self.ring.spec
+    def fields(self) -> dict[str, Field]:
+        return self.ring.fields
 
     @property
     def storage(self) -> dict[str, np.ndarray]:
@@ -35,7 +35,7 @@ class PrioritizedReplay(LockedRing):
         return self.ring.nbytes
 
     def add(self, batch: Mapping[str, np.ndarray], priorities: np.ndarray) -> np.ndarray:
-        """Appends a batch (one array per spec field, leading dimension n) with raw priorities.
+        """Appends a batch (one array per field, leading dimension n) with raw priorities.
 
         Returns the items' insertion indices; the oldest items are evicted when full.
         """

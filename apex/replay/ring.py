@@ -53,7 +53,7 @@ class Field:
         return cls(tuple(int(d) for d in shape), np.dtype(dtype))
 
 
-Spec = Mapping[str, "Field | tuple"]
+Fields = Mapping[str, "Field | tuple"]  # a replay's named fields, each a Field or (shape, dtype)
 
 
 def importance_weights(priorities: np.ndarray, min_priority: float, beta: float) -> np.ndarray:
@@ -70,7 +70,7 @@ class PriorityRing:
     code, which copies and restores them under that lock.
     """
 
-    def __init__(self, spec: Spec, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
+    def __init__(self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
                  seed: int | None = None) -> None:
         if not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"replay capacity must be a positive integer, got {capacity!r}")
@@ -78,13 +78,13 @@ class PriorityRing:
             raise ValueError(f"replay alpha must be >= 0, got {alpha!r}")
         if not eps > 0:
             raise ValueError(f"replay eps must be > 0 (it keeps every item sampleable), got {eps!r}")
-        if not spec:
-            raise ValueError("replay spec must name at least one field")
-        self.spec = {name: Field.of(field) for name, field in spec.items()}
+        if not fields:
+            raise ValueError("a replay needs at least one field")
+        self.fields = {name: Field.of(field) for name, field in fields.items()}
         self.capacity = int(capacity)
         self.alpha = float(alpha)
         self.eps = float(eps)
-        self.storage = {name: committed((self.capacity, *field.shape), field.dtype) for name, field in self.spec.items()}
+        self.storage = {name: committed((self.capacity, *field.shape), field.dtype) for name, field in self.fields.items()}
         self.tree = SumTree(self.capacity)
         self.rng = np.random.default_rng(seed)
         self.added = 0  # insertion index of the next item
@@ -121,19 +121,19 @@ class PriorityRing:
         return (priorities + self.eps) ** self.alpha
 
     def check_batch(self, batch: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
-        """The batch's arrays, after checking that they match the spec with ``n`` items."""
-        missing = self.spec.keys() - batch.keys()
-        extra = batch.keys() - self.spec.keys()
+        """The batch's arrays, after checking that they match the fields with ``n`` items."""
+        missing = self.fields.keys() - batch.keys()
+        extra = batch.keys() - self.fields.keys()
         if missing or extra:
             raise ValueError(
-                f"batch fields must match the replay spec {sorted(self.spec)}: "
+                f"batch fields must match the replay's fields {sorted(self.fields)}: "
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
         if n > self.capacity:
             raise ValueError(f"cannot add {n} items to a replay of capacity {self.capacity}: "
                              "add smaller batches or raise replay.capacity")
         arrays = {}
-        for name, field in self.spec.items():
+        for name, field in self.fields.items():
             array = np.asarray(batch[name])
             if array.shape != (n, *field.shape):
                 raise ValueError(f"field {name!r} must have shape {(n, *field.shape)} "

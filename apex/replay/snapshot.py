@@ -86,7 +86,7 @@ def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
         chunks = [list(c) for c in replay.chunks]
     # Items first: they are small (one piece), and the frames copy that follows is what a
     # fast ingest could overtake; items whose frames it did are dropped on load.
-    fields = ring.spec
+    fields = ring.fields
     item_bytes = sum(int(np.prod(fd.shape, dtype=np.int64)) * fd.dtype.itemsize for fd in fields.values()) + 8
     items_step = max(1, lock_bytes // item_bytes)
     item_copier = RingCopier(f, replay.lock, lambda: ring.added - ring.capacity, items_start)
@@ -135,7 +135,7 @@ def load(replay: StackedReplay, f: BinaryIO, header: dict) -> None:
     step = header["chunk_items"]
     for first in range(items_start, items_end, step):
         runs = slot_runs(first, min(items_end, first + step), ring.capacity)
-        for name in ring.spec:
+        for name in ring.fields:
             for a, b in runs:
                 _read_into(f, ring.storage[name][a:b])
         for a, b in runs:

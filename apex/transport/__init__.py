@@ -9,11 +9,11 @@ The learner binds three sockets on consecutive ports; actors connect to them:
                                                 registered their session here (CONFLATE on
                                                 the actor, a send queue of one per actor)
 
-An actor says hello and gets a welcome with the run's spec, its actor index, a random
-session token and the learner's incarnation id (or a reject with a reason), then the current
-weights at once over the control channel, then newer ones as they are published. Every batch
-carries the session token and a sequence number: the learner accepts batches only from a live
-session, in order, each once. Both sides send heartbeats; an actor that stops hearing
+An actor says hello and gets a welcome with its setup (the run's config, its seed, the
+algorithm's part), its actor index, a random session token and the learner's incarnation id
+(or a reject with a reason), then the current weights at once over the control channel, then
+newer ones as they are published. Every batch carries the session token and a sequence
+number: the learner accepts batches only from a live session, in order, each once. Both sides send heartbeats; an actor that stops hearing
 from the learner drops its control socket and says hello again until a learner answers
 (the lazy-pirate pattern), so a restarted learner gets its actors back by itself.
 

@@ -125,7 +125,7 @@ class LearnerClient:
                 if msg is None:
                     continue
                 if msg.type == "welcome":
-                    self._welcomed(msg)
+                    self._join(msg)
                     return msg
                 if msg.type == "reject" and msg.fields["retry"]:
                     if not retry_logged:
@@ -226,7 +226,7 @@ class LearnerClient:
 
     # -- internals
 
-    def _welcomed(self, msg: Message) -> None:
+    def _join(self, msg: Message) -> None:
         self.welcome = msg
         self.actor_index = msg.fields["actor_index"]
         self._session = msg.fields["session"]

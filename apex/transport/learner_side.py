@@ -41,8 +41,9 @@ class LearnerEndpoint:
 
     ``poll``, ``publish_weights`` and ``stop_actors`` belong to one thread (the learner's
     main loop); ``receiver`` is handed to the ingest thread, which is its only user.
-    ``welcome`` is called for each hello with the message and the actor index to be
-    assigned; it returns the spec sent back, or raises ``Rejected(reason)``.
+    ``setup_for`` is called for each hello with the message and the actor index to be
+    assigned; it returns the actor's setup, sent back in the welcome, or raises
+    ``Rejected(reason)``.
 
     Weights go out over a ROUTER socket to the actors that registered their session on it,
     rather than over PUB/SUB: a PUB socket keeps every topic a subscriber sends, so any
@@ -53,12 +54,12 @@ class LearnerEndpoint:
         self,
         host: str,
         port: int,
-        welcome: Callable[[Message, int], Mapping[str, Any]],
+        setup_for: Callable[[Message, int], Mapping[str, Any]],
         options: TransportConfig = TransportConfig(),
     ) -> None:
         self.ports = Ports.from_base(port)
         self.options = options
-        self._welcome = welcome
+        self._setup_for = setup_for
         self.context = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self.sessions = Sessions()
@@ -265,7 +266,7 @@ class LearnerEndpoint:
                 f"retrying until it has been silent for {self.options.heartbeat_timeout_s:g}s")})
             return
         try:
-            spec = dict(self._welcome(msg, index))
+            setup = dict(self._setup_for(msg, index))
         except Rejected as e:
             self._send(identity, "reject", {"reason": str(e), "retry": False})
             log.info("rejected actor %s (pid %s): %s", fields["host"], fields["pid"], e)
@@ -277,9 +278,9 @@ class LearnerEndpoint:
             if previous is not None:
                 self.sessions.close(previous)
             session = Session(index, identity, os.urandom(TOKEN_BYTES), fields["host"], fields["pid"],
-                              spec.get("num_envs", fields["num_envs"]), time.monotonic())
+                              setup.get("num_envs", fields["num_envs"]), time.monotonic())
             self.sessions.open(session)
-        if not self._send(identity, "welcome", {"actor_index": index, "spec": spec, "session": session.token,
+        if not self._send(identity, "welcome", {"actor_index": index, "setup": setup, "session": session.token,
                                                 "incarnation": self.incarnation}):
             self.sessions.close(session)
             return
