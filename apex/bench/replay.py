@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from apex.bench.timing import print_table, summarize, time_calls
+from apex.bench.timing import print_records, summarize, time_calls
 from apex.replay import PrioritizedReplay
 
 BATCH = 512
@@ -97,20 +97,10 @@ def run(seconds: float = 1.0) -> dict:
     rows = []
     for name, (capacity, spec) in SPECS.items():
         rows += _measure(name, capacity, spec, seconds)
-    print_table(
+    print_records(
         "replay: PrioritizedReplay.sample(512) with the data gather (median per call)",
-        ["transition", "op", "bytes/transition", "µs", "transitions/s", "MB/s", "uniform gather µs"],
-        [
-            [
-                r["transition"],
-                r["op"],
-                r["bytes_per_transition"],
-                r["p50_us"],
-                r["transitions_per_s"],
-                r["mb_per_s"],
-                r["uniform_gather_p50_us"],
-            ]
-            for r in rows
-        ],
+        [("transition", "transition"), ("op", "op"), ("bytes/transition", "bytes_per_transition"), ("µs", "p50_us"),
+         ("transitions/s", "transitions_per_s"), ("MB/s", "mb_per_s"), ("uniform gather µs", "uniform_gather_p50_us")],
+        rows,
     )
     return {"baseline": "uniform NumPy gather of the same rows (no priorities)", "results": rows}

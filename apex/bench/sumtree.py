@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from apex.bench.numpy_sumtree import NumpySumTree
-from apex.bench.timing import print_table, summarize, time_calls
+from apex.bench.timing import print_records, summarize, time_calls
 from apex.native import SumTree
 
 CAPACITIES = (2**20, 2**16)
@@ -85,20 +85,10 @@ def run(seconds: float = 1.0, capacities: tuple[int, ...] = CAPACITIES) -> dict:
                     ),
                 }
             )
-    print_table(
+    print_records(
         "sumtree: native vs vectorised NumPy (median per call)",
-        ["capacity", "op", "batch", "native µs", "native ops/s", "numpy µs", "speedup"],
-        [
-            [
-                r["capacity"],
-                r["op"],
-                r["batch"],
-                r["native_p50_us"],
-                r["native_ops_per_s"],
-                r["numpy_p50_us"],
-                r["speedup_vs_numpy"],
-            ]
-            for r in rows
-        ],
+        [("capacity", "capacity"), ("op", "op"), ("batch", "batch"), ("native µs", "native_p50_us"),
+         ("native ops/s", "native_ops_per_s"), ("numpy µs", "numpy_p50_us"), ("speedup", "speedup_vs_numpy")],
+        rows,
     )
     return {"baseline": "vectorised NumPy sum tree (apex.bench.numpy_sumtree)", "results": rows}

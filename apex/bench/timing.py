@@ -73,6 +73,11 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> None
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
+def print_records(title: str, columns: list[tuple[str, str]], records: list[dict]) -> None:
+    """``print_table`` of dict rows: ``columns`` are (header, key) pairs."""
+    print_table(title, [header for header, _ in columns], [[r[key] for _, key in columns] for r in records])
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.2f}"
