@@ -94,7 +94,7 @@ class NStepChunker:
         priority = np.abs(returns + discount * values[horizon - c] - np.asarray(self.q_taken[:count]))
         frames, starts = self.track.take(int(horizon.max()) - c)
         chunk = {
-            "frames": frames,
+            "frames": np.stack(frames),
             "obs_frame": starts[steps - c],
             "next_obs_frame": starts[horizon - c],
             "action": np.asarray(self.actions[:count], np.int64),
@@ -118,7 +118,7 @@ def merge_chunks(chunks: list[dict]) -> dict:
     """Concatenates chunks into one batch, offsetting frame indices."""
     if len(chunks) == 1:
         return chunks[0]
-    offsets = frame_offsets(chunks)
+    offsets = frame_offsets([c["frames"] for c in chunks])
     indices = ("obs_frame", "next_obs_frame")
     merged = {name: np.concatenate([c[name] for c in chunks]) for name in chunks[0] if name not in indices}
     for name in indices:

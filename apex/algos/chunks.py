@@ -37,9 +37,10 @@ class FrameTrack:
         self.starts.pop()
         del self.frames[(self.starts[-1] + self.stack) if self.starts else 0 :]
 
-    def take(self, last: int) -> tuple[np.ndarray, np.ndarray]:
-        """The frames the stacks of steps 0..``last`` use, and where each of those stacks starts."""
-        return np.stack(self.frames[: self.starts[last] + self.stack]), np.asarray(self.starts[: last + 1], np.int32)
+    def take(self, last: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The frames the stacks of steps 0..``last`` use (a list: the caller stacks them once,
+        with other tracks' where it sends several), and where each of those stacks starts."""
+        return self.frames[: self.starts[last] + self.stack], np.asarray(self.starts[: last + 1], np.int32)
 
     def drop(self, steps: int) -> None:
         """Forgets steps 0..``steps - 1``: step ``steps`` becomes step 0."""
@@ -48,7 +49,7 @@ class FrameTrack:
         self.starts = [start - shift for start in self.starts[steps:]]
 
 
-def frame_offsets(chunks: Sequence[dict]) -> np.ndarray:
+def frame_offsets(frame_lists: Sequence[Sequence]) -> np.ndarray:
     """Where each chunk's frames begin once the chunks' frames are concatenated (what to add
-    to its frame indices)."""
-    return np.cumsum([0] + [len(chunk["frames"]) for chunk in chunks[:-1]]).astype(np.int32)
+    to its frame indices), from each chunk's frames."""
+    return np.cumsum([0] + [len(frames) for frames in frame_lists[:-1]]).astype(np.int32)

@@ -106,10 +106,10 @@ class Actor:
 
     def _emit(self) -> dict:
         T = self.config.impala.unroll_length
-        unrolls = [dict(zip(("frames", "obs_frame"), track.take(T))) for track in self._tracks]
-        batch = {
-            "frames": np.concatenate([u["frames"] for u in unrolls]),
-            "obs_frame": np.stack([u["obs_frame"] + offset for u, offset in zip(unrolls, frame_offsets(unrolls))]),
+        frames, starts = zip(*(track.take(T) for track in self._tracks))
+        batch = {  # every environment's frames stacked in one copy
+            "frames": np.stack([frame for env_frames in frames for frame in env_frames]),
+            "obs_frame": np.stack(starts) + frame_offsets(frames)[:, None],
             "action": self.action.copy(),
             "reward": self.reward.copy(),
             "discount": self.discount.copy(),
@@ -226,7 +226,7 @@ class EpisodeActor:
         or empty (an episode ended on its last step)."""
         frames, starts = row.track.take(self.T)
         unroll = {
-            "frames": frames,
+            "frames": np.stack(frames),
             "obs_frame": starts,
             "action": row.action.copy(),
             "reward": row.reward.copy(),
@@ -246,9 +246,9 @@ class EpisodeActor:
         batches = []
         while len(self._ready) >= self.max_unrolls or (flush and self._ready):
             group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
-            unrolls = [u for u, _ in group]
-            batch = {"frames": np.concatenate([u["frames"] for u in unrolls]),
-                     "obs_frame": np.stack([u["obs_frame"] + off for u, off in zip(unrolls, frame_offsets(unrolls))])}
+            frames = [u["frames"] for u, _ in group]
+            batch = {"frames": np.concatenate(frames),
+                     "obs_frame": np.stack([u["obs_frame"] for u, _ in group]) + frame_offsets(frames)[:, None]}
             for name in ("action", "reward", "discount", "behaviour_logp"):
                 batch[name] = np.stack([u[name] for u, _ in group])
             batches.append((batch, [record for _, records in group for record in records]))
