@@ -1,23 +1,29 @@
 """The wire protocol: message types and the one codec pair, ``encode`` / ``decode``.
 
-A message is a list of ZeroMQ frames. Frame 0 is a msgpack map::
+A message is a list of ZeroMQ frames. Frame 0 holds the header and every ``raw`` array::
 
-    {"v": PROTOCOL, "type": "batch", <the type's fields>,
-     "layout": msgpack([[name, dtype, shape, codec], ...])}
+    MAGIC (4 bytes) | header length H (uint32 LE) | header (H bytes) | padding to 8 | raw arrays
 
-followed by the arrays' data: first one frame holding every ``raw`` array back to back
-(each starting on an 8-byte boundary), then one frame per ``lz4`` array. Sizes are not
-sent: each array's size follows from its dtype and shape, and the decoder checks every
-frame against it. ``decode`` checks everything before it allocates anything: the protocol
-version, the type and its fields, a whitelist of little-endian dtypes, sizes under the
-caps, frame lengths, and the exact decompressed length of every lz4 payload. Anything
-wrong raises ``ProtocolError``, never another exception. There is no pickle anywhere.
+The header is a msgpack map ``{"v": PROTOCOL, "type": "batch", <the type's fields>,
+"layout": msgpack([[name, dtype, shape, codec], ...])}``; the raw arrays follow it back to
+back, each starting on an 8-byte boundary of the frame. Then one frame per ``lz4`` array.
+Sizes are not sent: each array's size follows from its dtype and shape, and the decoder
+checks every frame against it. ``decode`` checks everything before it allocates anything:
+the protocol version, the type and its fields, a whitelist of little-endian dtypes, sizes
+under the caps, frame lengths, and the exact decompressed length of every lz4 payload.
+Anything wrong raises ``ProtocolError``, never another exception. There is no pickle
+anywhere.
 
-Why the layout is a blob of its own, and why raw arrays share a frame: a CartPole batch is
-six small arrays, and per-array work dominated its cost (measured: 7 frames took 10-13 µs
-to receive against 2 µs for one, and validating six descriptors 25 µs). Senders repeat the
-same layout message after message, so the decoder validates each distinct layout blob
-once and looks it up afterwards.
+Why one frame for the header and the raw arrays, and a layout blob of its own: a CartPole
+batch is six small arrays, and per-frame and per-array work dominated its cost. Measured
+(pyzmq, inproc): a send and receive costs 3.6 us a frame, so two frames cost twice one; over
+TCP, on the same socket settings, the header's own frame held a CartPole batch stream at
+0.77-0.81x the rate of pickled column arrays (one frame), and the same bytes in one frame
+reached 1.03-1.04x (`apex bench transport`'s senders, 2 cores). Validating six array
+descriptors took 25 us, so senders repeat the same layout blob message after message and
+the decoder validates each distinct blob once and looks it up afterwards. The magic (whose
+first byte msgpack never uses) tells a protocol-3 peer, whose frame 0 was a bare msgpack
+map, from a garbled message, so that it hears which version to run.
 
 Decoded arrays are read-only: a ``raw`` array is a view into its received frame (no copy),
 an ``lz4`` array a view over its freshly decompressed bytes. ``encode`` always copies or
@@ -42,7 +48,10 @@ import numpy as np
 from apex.compression import Compressed
 from apex.errors import ProtocolError
 
-PROTOCOL = 3  # 2: sessions (token and sequence number on every batch), learner incarnations; 3: the welcome's "setup"
+# 2: sessions (token and sequence number on every batch), learner incarnations; 3: the
+# welcome's "setup"; 4: the header and the raw arrays share frame 0
+PROTOCOL = 4
+MAGIC = b"\xc1apx"  # 0xc1: the one byte msgpack never writes, so no header of protocol <= 3 starts so
 
 # Header fields of each message type: name -> accepted Python types. Every field is
 # required; a header may not carry fields its type does not list.
@@ -129,21 +138,22 @@ def encode(
         if codec == "raw":
             raw.append(array)
         layout.append([name, array.dtype.str, list(array.shape), codec])
-    frames: list[bytes | bytearray] = [
-        msgpack.packb(
-            {"v": PROTOCOL, "type": msg_type, **fields, "layout": msgpack.packb(layout)},
-            use_bin_type=True,
-        )
-    ]
+    header = msgpack.packb({"v": PROTOCOL, "type": msg_type, **fields, "layout": msgpack.packb(layout)},
+                           use_bin_type=True)
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    # One copy of every raw array into a buffer of our own: later changes to the caller's
+    # arrays cannot reach a frame that is still queued for sending.
+    raw_at = _align(_PREFIX.size + len(header))
+    offsets = _raw_offsets([a.nbytes for a in raw])
+    head = bytearray(raw_at + offsets[-1])
+    _PREFIX.pack_into(head, 0, MAGIC, len(header))
+    head[_PREFIX.size : _PREFIX.size + len(header)] = header
     if raw:
-        # One copy of every raw array into a buffer of our own: later changes to the
-        # caller's arrays cannot reach a frame that is still queued for sending.
-        offsets = _raw_offsets([a.nbytes for a in raw])
-        buffer = bytearray(offsets[-1])
-        target = np.frombuffer(buffer, np.uint8)
+        target = np.frombuffer(head, np.uint8)
         for array, offset in zip(raw, offsets):
-            target[offset : offset + array.nbytes] = array.reshape(-1).view(np.uint8)
-        frames.append(buffer)
+            target[raw_at + offset : raw_at + offset + array.nbytes] = array.reshape(-1).view(np.uint8)
+    frames: list[bytes | bytearray] = [head]
     frames.extend(compressed)
     return frames
 
@@ -171,7 +181,11 @@ def decode(
 def peek_version(frame: Any) -> int | None:
     """The protocol version a header claims, or None: to reject a peer with a clear reason."""
     try:
-        header = msgpack.unpackb(_buffer(frame), raw=False)
+        view = memoryview(_buffer(frame)).cast("B")
+        if len(view) >= _PREFIX.size and view[: len(MAGIC)] == MAGIC:
+            _, length = _PREFIX.unpack_from(view)
+            view = view[_PREFIX.size : _PREFIX.size + length]
+        header = msgpack.unpackb(view, raw=False)  # up to protocol 3 frame 0 was the header alone
         version = header.get("v") if isinstance(header, dict) else None
         return version if isinstance(version, int) else None
     except _MALFORMED:
@@ -182,6 +196,8 @@ def peek_version(frame: Any) -> int | None:
 # unhashable map key; NumPy ValueError for a buffer of the wrong size.
 _MALFORMED = (ValueError, TypeError, OverflowError, msgpack.UnpackException, struct.error)
 
+_PREFIX = struct.Struct("<4sI")  # MAGIC, header length
+PREFIX_BYTES = _PREFIX.size  # where the header starts in frame 0
 _PACK_COUNT = struct.Struct("<I")
 _PACK_SIZE = struct.Struct("<Q")
 
@@ -218,8 +234,7 @@ class _Layout:
     """A validated layout: per array (name, dtype, shape, codec, nbytes, raw offset)."""
 
     arrays: tuple[tuple[str, np.dtype, tuple[int, ...], str, int, int], ...]
-    raw_frame_bytes: int  # length of the shared raw frame, padding included
-    has_raw_frame: bool
+    raw_frame_bytes: int  # length of frame 0's raw region, padding included
     lz4_frames: int
     largest_array: int
     total_bytes: int
@@ -244,12 +259,42 @@ def _raw_offsets(sizes: Sequence[int]) -> list[int]:
     return [*offsets, end]
 
 
+def split_head(frame: Any) -> tuple[Any, Any]:
+    """Frame 0's header bytes and, after it, its raw arrays' region (zero-copy views);
+    raises ProtocolError."""
+    head = memoryview(_buffer(frame)).cast("B").toreadonly()
+    if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
+        version = peek_version(frame)
+        if version is not None and version != PROTOCOL:
+            raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides")
+        raise ProtocolError("frame 0 does not start with an apex header")
+    _, length = _PREFIX.unpack_from(head)
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}")
+    end = _PREFIX.size + length
+    if end > len(head):
+        raise ProtocolError(f"header claims {length} bytes, frame 0 holds {len(head) - _PREFIX.size}")
+    return head[_PREFIX.size : end], head[min(_align(end), len(head)) :]
+
+
+def header_of(frames: Sequence[Any]) -> dict:
+    """The header map of a message's frames (for tools that inspect or forge messages)."""
+    header, _ = split_head(frames[0])
+    return msgpack.unpackb(header, raw=False)
+
+
+def with_header(frames: Sequence[Any], header: Mapping[str, Any]) -> list[bytes]:
+    """The same message with another header map (not checked): for tests and floods."""
+    _, raw = split_head(frames[0])
+    packed = msgpack.packb(dict(header), use_bin_type=True)
+    padding = bytes(_align(_PREFIX.size + len(packed)) - _PREFIX.size - len(packed)) if len(raw) else b""
+    return [_PREFIX.pack(MAGIC, len(packed)) + packed + padding + bytes(raw), *(bytes(_buffer(f)) for f in frames[1:])]
+
+
 def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, lazy: bool) -> Message:
     if not frames:
         raise ProtocolError("empty message: no header frame")
-    header_bytes = _buffer(frames[0])
-    if len(header_bytes) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(header_bytes)} bytes exceeds {MAX_HEADER_BYTES}")
+    header_bytes, raw_region = split_head(frames[0])
     header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=_reject_ext)
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
@@ -275,29 +320,33 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
         raise ProtocolError(f"an array of {layout.largest_array} bytes exceeds the cap of {max_array_bytes}")
     if layout.total_bytes > max_message_bytes:
         raise ProtocolError(f"arrays total {layout.total_bytes} bytes, over the cap of {max_message_bytes}")
-    expected_frames = 1 + layout.has_raw_frame + layout.lz4_frames
+    expected_frames = 1 + layout.lz4_frames
     if len(frames) != expected_frames:
         raise ProtocolError(f"layout needs {expected_frames} frames, message has {len(frames)}")
-    if layout.has_raw_frame:
-        raw_frame = _buffer(frames[1])
-        if len(raw_frame) != layout.raw_frame_bytes:
-            raise ProtocolError(f"raw frame has {len(raw_frame)} bytes, layout needs {layout.raw_frame_bytes}")
+    if len(raw_region) != layout.raw_frame_bytes:
+        raise ProtocolError(f"raw arrays take {len(raw_region)} bytes of frame 0, layout needs {layout.raw_frame_bytes}")
     arrays = {}
-    next_lz4 = 1 + layout.has_raw_frame
+    next_lz4 = 1
     for name, dtype, shape, codec, nbytes, offset in layout.arrays:
         if codec == "raw":
-            array = np.frombuffer(raw_frame, dtype, nbytes // dtype.itemsize, offset) if nbytes else np.empty(shape, dtype)
-        else:
-            compressed = Compressed(name, dtype, shape, _buffer(frames[next_lz4]))
-            next_lz4 += 1
-            if lazy:
-                arrays[name] = compressed
-                continue
-            array = compressed.decompress()
-        array = array.reshape(shape)
+            # a view of the read-only frame: read-only itself
+            arrays[name] = np.ndarray(shape, dtype, raw_region, offset) if nbytes else _empty(shape, dtype)
+            continue
+        compressed = Compressed(name, dtype, shape, _buffer(frames[next_lz4]))
+        next_lz4 += 1
+        if lazy:
+            arrays[name] = compressed
+            continue
+        array = compressed.decompress().reshape(shape)
         array.flags.writeable = False
         arrays[name] = array
     return Message(msg_type, header, arrays, layout=blob)
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    array = np.empty(shape, dtype)
+    array.flags.writeable = False
+    return array
 
 
 def _parse_layout(blob: bytes) -> _Layout:
@@ -333,7 +382,6 @@ def _parse_layout(blob: bytes) -> _Layout:
     return _Layout(
         arrays=arrays,
         raw_frame_bytes=_raw_offsets(raw_sizes)[-1],
-        has_raw_frame=bool(raw_sizes),
         lz4_frames=len(parsed) - len(raw_sizes),
         largest_array=max((p[4] for p in parsed), default=0),
         total_bytes=sum(p[4] for p in parsed),

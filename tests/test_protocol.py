@@ -71,7 +71,12 @@ def test_round_trip_every_dtype_and_shape(dtype, shape):
 
 
 def layout_of(frames):
-    return msgpack.unpackb(msgpack.unpackb(frames[0])["layout"])
+    return msgpack.unpackb(protocol.header_of(frames)["layout"])
+
+
+def raw_region(frames):
+    """Frame 0's raw arrays, after the prefix, the header and its padding."""
+    return np.frombuffer(protocol.split_head(frames[0])[1], np.uint8)
 
 
 def test_large_compressible_arrays_go_lz4_and_small_ones_share_the_raw_frame():
@@ -80,9 +85,18 @@ def test_large_compressible_arrays_go_lz4_and_small_ones_share_the_raw_frame():
         {"frames": np.zeros((10, 84, 84), np.uint8), "a": np.arange(3, dtype=np.int16), "b": np.ones(5)},
     )
     assert [entry[3] for entry in layout_of(frames)] == ["lz4", "raw", "raw"]
-    assert len(frames) == 3  # header, the raw arrays together, the lz4 array
-    assert len(frames[1]) == 8 + 40  # int16[3] padded to 8 bytes, then float64[5]
-    assert len(frames[2]) < 10 * 84 * 84 // 10
+    assert len(frames) == 2  # the header with the raw arrays after it, the lz4 array
+    assert len(raw_region(frames)) == 8 + 40  # int16[3] padded to 8 bytes, then float64[5]
+    assert len(frames[1]) < 10 * 84 * 84 // 10
+
+
+def test_cartpole_batch_is_one_frame_and_protocol_3_peers_hear_the_version():
+    frames = encode("batch", FIELDS["batch"], cartpole_arrays())
+    assert len(frames) == 1 and bytes(frames[0][:4]) == protocol.MAGIC
+    old = msgpack.packb({"v": 3, "type": "hello", **FIELDS["hello"], "layout": msgpack.packb([])})
+    assert protocol.peek_version(old) == 3
+    with pytest.raises(ProtocolError, match="protocol version 3, expected 4"):
+        decode([old])
 
 
 def test_decoded_arrays_are_read_only_views():
@@ -91,7 +105,7 @@ def test_decoded_arrays_are_read_only_views():
     for array in msg.arrays.values():
         assert not array.flags.writeable
         assert array.ctypes.data % array.dtype.itemsize == 0  # aligned
-    raw_frame = np.frombuffer(frames[1], np.uint8)
+    raw_frame = np.frombuffer(frames[0], np.uint8)
     assert all(np.shares_memory(msg.arrays[name], raw_frame) for name in ("action", "reward", "priority"))
 
 
@@ -133,11 +147,11 @@ def test_encode_refuses_what_decode_would_refuse(msg_type, fields, arrays, messa
 
 
 def _header(frames):
-    return msgpack.unpackb(frames[0])
+    return protocol.header_of(frames)
 
 
 def _with_header(frames, header):
-    return [msgpack.packb(header), *frames[1:]]
+    return protocol.with_header(frames, header)
 
 
 def _with_layout(frames, layout):
@@ -177,13 +191,14 @@ def test_decode_rejects_malformed_headers(mutate, message):
         (lambda l: l[0].__setitem__(1, "<c8"), "dtype"),
         (lambda l: l[0].__setitem__(3, "zstd"), "codec"),
         (lambda l: l[0].__setitem__(2, [64, 84, 85]), "lz4 payload holds"),
-        (lambda l: l[1].__setitem__(2, [65]), "raw frame has"),
+        (lambda l: l[1].__setitem__(2, [65]), "raw arrays take"),
         (lambda l: l[0].__setitem__(2, [2**40, 2**40]), "exceeds the cap"),
         (lambda l: l[0].__setitem__(2, [-1, 84, 84]), "non-negative"),
         (lambda l: l[0].__setitem__(2, [1] * 9), "at most 8"),
         (lambda l: l[1].__setitem__(0, "obs"), "appears twice"),
-        (lambda l: l.pop(), "layout needs 2 frames, message has 3"),
-        (lambda l: l.append(["c", "<f4", [2], "raw"]), "raw frame has"),
+        (lambda l: l.pop(), "raw arrays take"),
+        (lambda l: l.insert(0, ["c", "|u1", [2], "lz4"]), "layout needs 3 frames, message has 2"),
+        (lambda l: l.append(["c", "<f4", [2], "raw"]), "raw arrays take"),
         (lambda l: l[0].pop(), "must be \\[name, dtype, shape, codec\\]"),
         (lambda l: l[1].__setitem__(0, ""), "non-empty string"),
     ],
@@ -199,7 +214,7 @@ def test_decode_rejects_malformed_layouts(mutate, message):
 def test_decode_rejects_missing_or_extra_frames():
     frames = _valid_batch()
     with pytest.raises(ProtocolError, match="frames"):
-        decode(frames[:2])
+        decode(frames[:1])
     with pytest.raises(ProtocolError, match="frames"):
         decode([*frames, b"extra"])
 
@@ -208,14 +223,14 @@ def test_decode_rejects_lz4_payload_of_the_wrong_size():
     frames = _valid_batch()
     short = lz4.block.compress(np.zeros(1000, np.uint8).tobytes(), store_size=False)
     with pytest.raises(ProtocolError, match="lz4"):
-        decode([frames[0], frames[1], short])
+        decode([frames[0], short])
 
 
 def test_a_cached_layout_is_still_checked_against_the_frames():
     frames = _valid_batch()
     decode(frames)  # the layout is cached now
-    with pytest.raises(ProtocolError, match="raw frame has"):
-        decode([frames[0], frames[1][:-8], frames[2]])
+    with pytest.raises(ProtocolError, match="raw arrays take"):
+        decode([frames[0][:-8], frames[1]])
 
 
 def test_decode_caps_are_applied():
@@ -232,6 +247,7 @@ def test_peek_version():
     assert protocol.peek_version(frames[0]) == protocol.PROTOCOL
     assert protocol.peek_version(msgpack.packb({"v": 7})) == 7
     assert protocol.peek_version(b"\xc1garbage") is None
+    assert protocol.peek_version(protocol.MAGIC + b"\xff\xff\xff\x7f") is None  # a header longer than the frame
 
 
 # --- fuzzing: anything malformed raises ProtocolError and nothing else
@@ -304,7 +320,9 @@ def test_fuzz_huge_declared_sizes_never_allocate(shape, dtype, codec, payload):
     header = {"v": PROTOCOL, "type": "batch", **FIELDS["batch"], "layout": layout}
     tracemalloc.start()
     try:
-        _decode_only_protocol_errors([msgpack.packb(header), payload], max_array_bytes=1 << 20, max_message_bytes=1 << 20)
+        head = protocol.with_header(encode("batch", FIELDS["batch"]), header)[0]
+        frames = [head + payload] if codec == "raw" else [head, payload]
+        _decode_only_protocol_errors(frames, max_array_bytes=1 << 20, max_message_bytes=1 << 20)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -315,13 +333,13 @@ def test_fuzz_huge_declared_sizes_never_allocate(shape, dtype, codec, payload):
 @given(st.data())
 def test_fuzz_corrupt_lz4(data):
     frames = _valid_batch()
-    payload = bytearray(frames[2])  # the lz4 frame
+    payload = bytearray(frames[1])  # the lz4 frame
     for _ in range(data.draw(st.integers(1, 6))):
         payload[data.draw(st.integers(0, len(payload) - 1))] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         payload = payload[: data.draw(st.integers(0, len(payload)))]
     try:
-        msg = decode([frames[0], frames[1], bytes(payload)])
+        msg = decode([frames[0], bytes(payload)])
     except ProtocolError:
         return
     assert msg.arrays["obs"].shape == (64, 84, 84)  # a flip lz4 cannot see still decodes to the declared size

@@ -15,6 +15,19 @@ TRAJECTORY_PEERS = 10
 HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE = "hello", "control_garbage", "trajectory_garbage"
 
 
+def header_start(msg_type: str, noise: bytes) -> bytes:
+    """A frame 0 whose prefix and header begin like apex's (a map's first two entries: this
+    version, the type), then noise."""
+    import struct
+
+    import msgpack
+
+    from apex import protocol
+
+    start = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, "x": 0})[:-3]  # without the entry "x"
+    return protocol.MAGIC + struct.pack("<I", len(start) + len(noise)) + start + noise
+
+
 def _control_garbage(rng: random.Random) -> list[list[bytes]]:
     """Random frames, frames that start like a header, and hellos whose fields are out of
     range or of the wrong type: all under the control port's frame size limit."""
@@ -22,17 +35,19 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
 
     from apex import protocol
 
+    good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
+    hello = protocol.encode("hello", good)
+
     def header(fields: dict) -> bytes:
-        return msgpack.packb({"v": protocol.PROTOCOL, "type": "hello", **fields, "layout": msgpack.packb([])},
-                             use_bin_type=True)
+        header = {"v": protocol.PROTOCOL, "type": "hello", **fields, "layout": msgpack.packb([])}
+        return protocol.with_header(hello, header)[0]
 
     messages = []
     for _ in range(48):
         frames = [rng.randbytes(rng.randint(1, 2048)) for _ in range(rng.choice((1, 1, 2, 3)))]
         if rng.random() < 0.4:
-            frames[0] = b"\x85\xa1v\x03\xa4type\xa5hello" + frames[0]  # a header's start, then noise
+            frames[0] = header_start("hello", frames[0])
         messages.append(frames)
-    good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
     for bad in ({"actor_index": 2**40}, {"actor_index": -1}, {"num_envs": -1}, {"num_envs": 10**6},
                 {"host": "x" * 1000}, {"pid": -5}, {"pid": 2**40}, {"actor_index": "zero"}, {"num_envs": 1.5},
                 {"host": b"\xff"}, {"extra": 1}):
@@ -56,7 +71,7 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
     for _ in range(32):
         frames = [rng.randbytes(rng.randint(1, 4096)) for _ in range(rng.choice((1, 2, 3)))]
         if rng.random() < 0.4:
-            frames[0] = b"\x86\xa1v\x03\xa4type\xa5batch" + frames[0]
+            frames[0] = header_start("batch", frames[0])
         messages.append(frames)
         fields = {"actor_index": 0, "weights_version": 0, "info": {}, "session": rng.randbytes(16),
                   "seq": rng.randrange(2**31)}

@@ -17,7 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgpack
 import zmq
 
 from apex import config as config_module
@@ -51,17 +50,16 @@ def session_sender(address: str, frames: list[bytes], options: dict[int, int], s
     for option, value in options.items():
         push.setsockopt(option, value)
     push.connect(address)
-    header = {k: v for k, v in msgpack.unpackb(frames[0], raw=False).items() if k != "seq"}
+    header = {k: v for k, v in protocol.header_of(frames).items() if k != "seq"}
     # The sequence number last, as a uint64 (from 2**32 up msgpack always writes 8 bytes):
-    # each send patches it in place instead of packing the header again, so that what the
+    # each send patches it in place instead of encoding the batch again, so that what the
     # senders spend per message is what they spent before sessions existed.
-    packed = bytearray(msgpack.packb({**header, "session": session, "actor_index": index, "seq": 2**32},
-                                     use_bin_type=True))
-    seq, at = 2**32, len(packed) - 8
+    head = protocol.with_header(frames, {**header, "session": session, "actor_index": index, "seq": 2**32})
+    packed = bytearray(head[0])
+    seq, at = 2**32, protocol.PREFIX_BYTES + len(protocol.split_head(packed)[0]) - 8
     while True:
         struct.pack_into(">Q", packed, at, seq)
-        push.send(packed, flags=zmq.SNDMORE)  # copied: the buffer changes for the next one
-        push.send_multipart(frames[1:], copy=False)
+        push.send_multipart([packed, *head[1:]], copy=False)  # frame 0 (under 64 KiB) is copied
         seq += 1
 
 
@@ -82,7 +80,7 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
     with tempfile.TemporaryDirectory(prefix="apex-ingest-") as logdir:
         process = LearnerProcess(config, Path(logdir), "127.0.0.1", port, StopConditions())
         core = process.learner
-        send_options, _ = socket_options("apex")
+        send_options, _ = socket_options("run")
         address = f"tcp://127.0.0.1:{process.endpoint.ports.trajectories}"
         spawn = mp.get_context("spawn")
         senders = [spawn.Process(target=session_sender, args=(address, frames, send_options, token, index), daemon=True)

@@ -2,10 +2,13 @@
 
 Senders are real processes that replay one pre-encoded batch as fast as the socket takes
 it (encoding is `apex bench codec`'s business); the receiver decodes every batch fully into
-NumPy arrays, as the learner's ingest does. apex's stream runs with its own socket settings
-(high-water mark and small kernel buffers, apex.transport.TransportConfig); the baselines
-pickle the naive forms of the same batch (see apex.bench.batches) over a plain PUSH/PULL
-socket with ZeroMQ's defaults.
+NumPy arrays, as the learner's ingest does. The codecs are compared on the same plain
+PUSH/PULL socket with ZeroMQ's defaults: apex's frames against pickles of the naive forms of
+the same batch (see apex.bench.batches). A last column runs apex's frames with the settings
+of a run's trajectory stream (apex.transport.TransportConfig: a high-water mark of 4
+batches and 32 KB kernel buffers, which keep a throttled learner's batches fresh): the price
+of that freshness, not of the codec (each batch read costs ZeroMQ a credit command to its
+sender for every HWM / 2 messages read).
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ def sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
         push.send_multipart(frames, copy=False)
 
 
-def socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
-    """(sender, receiver) options: apex's own for apex, ZeroMQ's defaults for the baselines."""
-    if method != "apex":
+def socket_options(settings: str) -> tuple[dict[int, int], dict[int, int]]:
+    """(sender, receiver) options: ZeroMQ's defaults, or those of a run's trajectory stream ("run")."""
+    if settings != "run":
         return {}, {}
     options = TransportConfig()
     return (
@@ -49,8 +52,8 @@ def socket_options(method: str) -> tuple[dict[int, int], dict[int, int]]:
     )
 
 
-def _receive(address: str, method: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
-    send_options, receive_options = socket_options(method)
+def _receive(address: str, settings: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
+    send_options, receive_options = socket_options(settings)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
     for option, value in receive_options.items():
@@ -103,15 +106,20 @@ def _decode_pickle_columns(frames) -> int:
     return len(pickle.loads(frames[0].buffer)["priority"])
 
 
+METHODS = ("apex", "pickle", "pickle_columns", "apex_run_settings")
+
+
 def run(seconds: float = 2.0) -> dict:
     cartpole, cartpole_naive = batches.cartpole()
     atari, atari_naive, source = batches.atari()
     payloads = {}
     for batch, (arrays, columns) in {"cartpole": (cartpole, cartpole_naive), "atari": (atari, atari_naive)}.items():
-        payloads[batch] = {
-            "apex": (protocol.encode("batch", batches.BATCH_FIELDS, arrays), _decode_apex),
-            "pickle": ([pickle.dumps(batches.naive_transitions(columns), protocol=5)], _decode_pickle),
-            "pickle_columns": ([pickle.dumps(columns, protocol=5)], _decode_pickle_columns),
+        apex_frames = protocol.encode("batch", batches.BATCH_FIELDS, arrays)
+        payloads[batch] = {  # method: (frames, decode, socket settings)
+            "apex": (apex_frames, _decode_apex, "defaults"),
+            "pickle": ([pickle.dumps(batches.naive_transitions(columns), protocol=5)], _decode_pickle, "defaults"),
+            "pickle_columns": ([pickle.dumps(columns, protocol=5)], _decode_pickle_columns, "defaults"),
+            "apex_run_settings": (apex_frames, _decode_apex, "run"),
         }
     rows = []
     with tempfile.TemporaryDirectory(prefix="apex-bench-") as tmp:
@@ -119,12 +127,12 @@ def run(seconds: float = 2.0) -> dict:
             for senders in SENDERS:
                 for batch, methods in payloads.items():
                     row = {"transport": transport, "senders": senders, "batch": batch}
-                    for method, (frames, decode) in methods.items():
+                    for method, (frames, decode, settings) in methods.items():
                         address = (
                             f"tcp://127.0.0.1:{free_port()}" if transport == "tcp"
                             else f"ipc://{os.path.join(tmp, f'{batch}-{method}-{senders}')}"
                         )
-                        figures = _receive(address, method, decode, senders, frames, seconds)
+                        figures = _receive(address, settings, decode, senders, frames, seconds)
                         prefix = "" if method == "apex" else method + "_"
                         row.update({prefix + k: v for k, v in figures.items()})
                     row["speedup_vs_pickle"] = round(row["transitions_per_s"] / row["pickle_transitions_per_s"], 2)
@@ -132,17 +140,19 @@ def run(seconds: float = 2.0) -> dict:
                     rows.append(row)
     print_table(
         f"transport: senders -> 1 receiver, every batch decoded; transitions/s (Atari: {source})",
-        ["transport", "senders", "batch", "apex", "pickle", "speedup", "pickle columns", "speedup", "apex MB/s"],
+        ["transport", "senders", "batch", "apex", "pickle", "speedup", "pickle columns", "speedup", "apex MB/s",
+         "apex, run's HWM"],
         [
             [r["transport"], r["senders"], r["batch"], r["transitions_per_s"], r["pickle_transitions_per_s"],
              r["speedup_vs_pickle"], r["pickle_columns_transitions_per_s"], r["speedup_vs_pickle_columns"],
-             r["wire_mb_per_s"]]
+             r["wire_mb_per_s"], r["apex_run_settings_transitions_per_s"]]
             for r in rows
         ],
     )
     return {
         "baseline": "pickle of the batch as a list of transitions with full frame stacks (pickle_*), "
-        "and as a dict of stacked arrays (pickle_columns_*), over a plain PUSH/PULL socket",
+        "and as a dict of stacked arrays (pickle_columns_*), over the same plain PUSH/PULL socket with ZeroMQ's "
+        "defaults as apex; apex_run_settings_*: apex with a run's trajectory socket settings",
         "atari_frames": source,
         "results": rows,
     }
