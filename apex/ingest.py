@@ -1,12 +1,11 @@
 """The learner's ingest thread: batches from the trajectory stream, checked against the
 algorithm's schema and their session's limits, inserted into the learner core, and counted
 (``RunCounters``, which the main loop reads for metrics, stop conditions and checkpoints).
-A ``Wakeup`` lets the main loop block on one poller for control messages and data alike."""
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 
@@ -22,39 +21,6 @@ log = logging.getLogger(__name__)
 
 INGEST_GROUP = 8  # batches already waiting that are inserted together
 INGEST_WAIT_S = 0.05  # longest the thread waits (for room, for a batch) before looking at its stop flag
-
-
-class Wakeup:
-    """A pipe that the ingest thread writes a byte to when data lands while the main loop
-    waits, so that the loop blocks on one ZeroMQ poller for control messages and data alike
-    (instead of polling both in turn every few milliseconds)."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self.waiting = False  # set by the main loop around its wait; the ingest thread writes only then
-
-    def fileno(self) -> int:
-        return self._read
-
-    def notify(self) -> None:
-        if self.waiting:
-            try:
-                os.write(self._write, b"\0")
-            except BlockingIOError:  # the pipe is full of wake-ups already
-                pass
-
-    def drain(self) -> None:
-        try:
-            while os.read(self._read, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        os.close(self._read)
-        os.close(self._write)
 
 
 class RunCounters:
@@ -90,14 +56,13 @@ class Ingest:
     this one inserted measured slower, the two fighting over the GIL.)"""
 
     def __init__(self, receiver: TrajectoryReceiver, core, config: Config, step_limit: int, counters: RunCounters,
-                 wakeup: Wakeup, published_version: Callable[[], int]) -> None:
+                 published_version: Callable[[], int]) -> None:
         """``core``: the algorithm's learner core; ``step_limit``: the longest episode a
         batch's records may claim; ``published_version``: the version of the weights last
         published (for the policy lag of each batch)."""
         self.receiver, self.core, self.config = receiver, core, config
         self.step_limit = step_limit
         self.counters = counters
-        self.wakeup = wakeup
         self.published_version = published_version
         self.internal_errors = 0  # our own bugs met while ingesting: logged with a traceback
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
@@ -142,7 +107,6 @@ class Ingest:
                 except ProtocolError as e:
                     receiver.reject(e)
             errors = self.core.insert_many([arrays for _, arrays, *_ in accepted])
-            self.wakeup.notify()
             version = self.published_version()
             with counters.lock:
                 for (m, _, env_steps, episodes, used), error in zip(accepted, errors):

@@ -19,10 +19,11 @@ from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_a
 from apex.config import Config, StopConditions
 from apex.envs import env_spec
 from apex.errors import ApexError
-from apex.ingest import Ingest, RunCounters, Wakeup
+from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
 from apex.malloc import keep_large_blocks
 from apex.metrics import MetricsWriter, Rate, closing_line, write_json_atomic
+from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT
 from apex.signals import StopSignals
@@ -111,12 +112,16 @@ class LearnerProcess:
         self.counters = RunCounters()
         self._metrics: MetricsWriter | None = None
         self.nonfinite_weights = 0  # publishes and checkpoints refused for non-finite weights
+        self.prefetch_errors = 0  # our own bugs met while sampling: logged with a traceback
         self._bad_log = RateLimitedLog(log)
+        self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._wakeup = Wakeup()
         self._version = 0  # of the weights last published
         self.ingest = Ingest(self.endpoint.receiver, self.learner, config,
-                             self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters, self._wakeup,
+                             self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters,
                              lambda: self._version)
+        self.times = SectionTimes()
+        self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify, on_error=self._prefetch_failed)
         self._signals = StopSignals()
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
         self.resumed_from = None
@@ -198,6 +203,7 @@ class LearnerProcess:
             raise
         self._publish(self._version)
         self.ingest.start()
+        self.pipeline.start()
         # The run's clock goes on from the checkpoint's: metrics, stop conditions, summary.
         start = time.monotonic() - self._elapsed_before
         every_updates = self.config.learner.checkpoint_interval_updates
@@ -220,18 +226,29 @@ class LearnerProcess:
         first_update_unix_s = stopped_unix_s = None
         best_every = self.config.learner.best_checkpoint_interval_s
         last_checkpoint = time.monotonic()
+        interval = self.config.learner.publish_interval
+        next_publish = (self.learner.updates // interval + 1) * interval
         try:
             while stop_reason is None:
                 self.endpoint.poll(0)
-                if not self.learner.wait_to_step(timeout=0):
+                staged = self.pipeline.take()
+                started = time.perf_counter()
+                if staged is None:
                     self._wait_for_work()
+                    self.times.add("idle", time.perf_counter() - started)
                 else:
-                    updates = self.learner.updates
-                    last = self.learner.step() or last  # {}: the update was skipped as non-finite
-                    if first_update_unix_s is None and self.learner.updates != updates:
-                        first_update_unix_s = time.time()
-                    if self.learner.updates != updates and self.learner.updates % self.config.learner.publish_interval == 0:
-                        self._publish(self.learner.updates)
+                    self.pipeline.submit(self.learner.train(staged))  # written back by the prefetch thread
+                    self.times.add("train", time.perf_counter() - started)
+                    self.times.steps += 1
+                for step_metrics in self.pipeline.results():
+                    last = step_metrics or last  # {}: the update was skipped as non-finite
+                if first_update_unix_s is None and self.learner.updates:
+                    first_update_unix_s = time.time()
+                if self.learner.updates >= next_publish:
+                    next_publish = (self.learner.updates // interval + 1) * interval
+                    started = time.perf_counter()
+                    self._publish(self.learner.updates)
+                    self.times.add("publish", time.perf_counter() - started)
                 now = time.monotonic()
                 new_best = False
                 if now >= next_metrics:
@@ -254,6 +271,9 @@ class LearnerProcess:
         finally:
             stopped_unix_s = time.time()
             self.endpoint.stop_actors(stop_reason or "learner error")
+            self.pipeline.stop()
+            for step_metrics in self.pipeline.results():
+                last = step_metrics or last
             self.ingest.stop()
             wall = time.monotonic() - start
             metrics.write(self._metrics_row(wall, step_rate, update_rate, last))
@@ -283,12 +303,17 @@ class LearnerProcess:
             self._say_goodbye(summary)
         return self._signals.exit_code()
 
+    def _prefetch_failed(self, error: BaseException) -> None:
+        """Called by the prefetch thread inside its ``except``: our own bug, loud and counted."""
+        self.prefetch_errors += 1
+        self._bug_log.exception("sampling a batch failed (a bug in apex, please report it); continuing")
+
     def _wait_for_work(self) -> None:
-        """Sleeps until data lands (the ingest thread's wake-up), a control message comes,
-        or IDLE_WAIT_S passes."""
+        """Sleeps until a batch is staged (the prefetch thread's wake-up), a control message
+        comes, or IDLE_WAIT_S passes."""
         self._wakeup.waiting = True
         try:
-            if not self.learner.wait_to_step(timeout=0):  # data that landed before `waiting` was set
+            if not self.pipeline.ready():  # staged before `waiting` was set
                 self.endpoint.wait(int(IDLE_WAIT_S * 1000), self._wakeup.fileno())
         finally:
             self._wakeup.waiting = False
@@ -353,6 +378,7 @@ class LearnerProcess:
             }
         row["samples_per_s"] = round(row["updates_per_s"] * self.learner.samples_per_update, 1)
         row.update(self.learner.metrics())
+        row.update(self.times.take())
         row.update({
             "actors_connected": self.endpoint.actors_connected,
             "weights_version": self._version,
@@ -361,7 +387,7 @@ class LearnerProcess:
             "rejected_messages": self.endpoint.rejected_messages,
             "metrics_write_failures": self._metrics.write_failures if self._metrics is not None else 0,
             "rejected_by_reason": self.endpoint.rejected.by_reason(),
-            "internal_errors": self.ingest.internal_errors,
+            "internal_errors": self.ingest.internal_errors + self.prefetch_errors,
             "nonfinite_weights": self.nonfinite_weights,
             "checkpoints_written": self.checkpoints.written,
             "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),

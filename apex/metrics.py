@@ -72,6 +72,7 @@ _TB_GROUPS = (
     ("lag", ("policy_lag_mean", "policy_lag_max", "weights_version")),
     ("replay", ("replay_", "queue_", "inserted", "priority_")),
     ("loss", ("loss", "q_mean", "td_abs_mean", "pg_loss", "baseline_loss", "entropy", "grad_norm")),
+    ("sections", ("time_",)),  # the learner's ms per step by section (apex.pipeline)
 )
 
 

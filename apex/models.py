@@ -157,14 +157,6 @@ class QNetwork(nn.Module):
         return self.value(features) + advantage - advantage.mean(dim=1, keepdim=True)
 
 
-def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on the device: through pinned memory and without blocking on CUDA."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
-
-
 def numpy_weights(model: nn.Module) -> dict:
     """The model's parameters and buffers as NumPy arrays on the host. On a CPU learner these
     are views of the live tensors: the publisher copies them as it encodes (no torn weights),

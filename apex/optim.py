@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -46,18 +46,46 @@ def step(optimizer: torch.optim.Optimizer) -> None:
         update(optimizer)
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer skips a step on the device (fused Adam's ``found_inf``, as
+    torch's GradScaler uses it) without a host synchronisation: on CUDA. (On the CPU reading
+    a flag costs nothing, and the extra kernels would.)"""
+    return (isinstance(optimizer, torch.optim.Adam)
+            and all(group.get("fused") and all(p.is_cuda for p in group["params"]) for group in optimizer.param_groups))
+
+
 def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameters: Iterable[torch.nn.Parameter],
-                 grad_clip: float, figures: list[torch.Tensor]) -> list[float] | None:
-    """One gradient step of ``loss``, clipped to ``grad_clip``, taken only if the loss, the
-    gradient norm and ``figures`` are all finite. One host synchronisation reads them all:
-    returns ``[*figures, grad_norm]`` as floats, or None when the step was skipped (its
-    gradients cleared)."""
+                 grad_clip: float, figures: list[torch.Tensor],
+                 all_reduce: Callable[[list[torch.nn.Parameter], torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One gradient step of ``loss``, clipped to ``grad_clip``, applied only if the loss, the
+    gradient norm and ``figures`` (scalars) are all finite. Returns ``[skipped, *figures,
+    grad_norm]`` as one float32 tensor on the device (``skipped`` 1.0 where the step was not
+    applied).
+
+    ``all_reduce(parameters, bad)``, for data-parallel learners, averages the gradients over
+    every rank and returns whether any rank's ``bad`` flag (a bool tensor) was set, so that
+    every rank skips or steps alike. Fused Adam on CUDA skips on the device: no host
+    synchronisation at all; otherwise the flag is read on the host first, the one
+    synchronisation of a step.
+    """
+    parameters = list(parameters)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip)
-    values = torch.stack([*figures, grad_norm]).cpu().tolist()
-    if not all(math.isfinite(x) for x in values):
-        optimizer.zero_grad(set_to_none=True)
-        return None
-    step(optimizer)
-    return values
+    with torch.no_grad():
+        values = torch.stack(figures).float()
+        bad = None if all_reduce is None else all_reduce(parameters, ~torch.isfinite(values).all())
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip).float()[None]
+        if skips_on_device(optimizer):
+            skipped = ~torch.isfinite(grad_norm) | ~torch.isfinite(values).all()
+            if bad is not None:
+                skipped |= bad
+            optimizer.found_inf = skipped.float().reshape(())
+            step(optimizer)
+            return torch.cat([optimizer.found_inf[None], values, grad_norm])
+        packed = torch.cat([values, grad_norm])
+        skipped = (bad is not None and bool(bad)) or not all(math.isfinite(x) for x in packed.tolist())
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            step(optimizer)
+        return torch.cat([packed.new_tensor([float(skipped)]), packed])

@@ -73,6 +73,10 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     assert len(rows) >= 2 and all(CONTRACT_METRICS <= row.keys() for row in rows)
     assert max(r["actors_connected"] for r in rows) == 2
     assert rows[-1]["env_steps"] == summary["env_steps"]
+    # the pipelined learner's time per step by section, in every row that covers steps
+    stepped = [r for r in rows if "time_train_ms" in r]
+    assert stepped and all(r["time_train_ms"] > 0 and r["time_sample_ms"] > 0 and r["time_write_back_ms"] >= 0
+                           and r["time_idle_ms"] >= 0 for r in stepped)
     assert list((logdir / "checkpoints").glob("ckpt-*.pt"))
     time.sleep(0.5)
     assert processes_mentioning(str(logdir)) == []
@@ -90,6 +94,7 @@ def test_impala_run_reports_policy_lag(tmp_path):
     trained = [r for r in rows if r["learner_updates"] > 0 and r["policy_lag_mean"] is not None]
     assert trained and all(r["policy_lag_max"] >= r["policy_lag_mean"] >= 0 for r in trained)
     assert {"queue_unrolls", "queue_dropped_unrolls", "entropy"} <= rows[-1].keys()
+    assert any(r.get("time_train_ms", 0) > 0 and r["time_sample_ms"] > 0 for r in rows)  # IMPALA's pipeline too
     assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "20000 env steps"
 
 

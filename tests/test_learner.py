@@ -14,7 +14,7 @@ from apex import config as config_module
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.ingest import Wakeup
+from apex.pipeline import Wakeup
 from apex.learner import pick_device
 from apex.replay import RateLimiter
 
@@ -117,7 +117,7 @@ def readable(fd: int, timeout_s: float = 0.0) -> bool:
 
 
 def test_the_wakeup_rouses_a_waiting_loop_only():
-    """The learner's loop blocks on its poller when it cannot train; the ingest thread's
+    """The learner's loop blocks on its poller when it cannot train; the prefetch thread's
     notify makes the wake-up readable only while the loop waits (a training loop pays no
     write a batch), and drain leaves it quiet again."""
     wakeup = Wakeup()
@@ -129,7 +129,7 @@ def test_the_wakeup_rouses_a_waiting_loop_only():
         started = time.monotonic()
         assert readable(wakeup.fileno(), timeout_s=10)
         assert time.monotonic() - started < 5
-        for _ in range(100_000):  # more wake-ups than the pipe holds: never blocks the ingest thread
+        for _ in range(100_000):  # more wake-ups than the pipe holds: never blocks the prefetch thread
             wakeup.notify()
         wakeup.drain()
         assert not readable(wakeup.fileno())

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the registry itself imports nothing heavy: `apex --help` st
 
     from apex.config import Config, ModelConfig
     from apex.envs import EnvSpec
+    from apex.pipeline import Pending, Staged
     from apex.protocol import Message
     from apex.replay import StackedReplay
     from apex.schema import BatchSchema
@@ -29,6 +30,7 @@ class LearnerCore(Protocol):
 
     schema: BatchSchema  # the one check of what actors send
     updates: int
+    all_reduce: Callable | None  # set by a data-parallel group: see optim.guarded_step
     samples_per_update: int
     checkpoint_replay: StackedReplay | None  # what checkpoints hold beside state_dict()
 
@@ -38,8 +40,13 @@ class LearnerCore(Protocol):
     def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
     def wait_to_insert(self, timeout: float) -> bool: ...
     def insert_many(self, batches: list[dict]) -> list[Exception | None]: ...
-    def wait_to_step(self, timeout: float) -> bool: ...
-    def step(self) -> dict[str, float]: ...  # one update; {} when skipped as non-finite
+    # The update in three stages (apex.pipeline): prefetch thread, then main thread, then
+    # main thread a step later; step() runs all three in a row.
+    prefetch_batches: int  # batches the prefetch thread keeps staged ahead
+    def prepare(self, timeout: float, most: int = 1) -> list[Staged]: ...  # batches sampled and staged on the device
+    def train(self, staged: Staged) -> Pending: ...  # the update enqueued; no host synchronisation
+    def finish(self, pending: list[Pending]) -> list[dict[str, float]]: ...  # their metrics; {} for a skipped one
+    def step(self) -> dict[str, float]: ...
     def weights(self) -> dict[str, np.ndarray]: ...
     def metrics(self) -> dict: ...
     def state_dict(self) -> dict: ...

@@ -30,7 +30,8 @@ from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
-from apex.models import QNetwork, numpy_weights, to_device
+from apex.models import QNetwork, numpy_weights
+from apex.pipeline import DeviceStager, Pending, Staged, fetch
 from apex.replay import RateLimiter, StackedReplay
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
 from apex.spaces import check_algo_actions
@@ -101,8 +102,9 @@ def dqn_loss(
 class Learner:
     """Double dueling DQN over a prioritized replay of frame-deduplicated n-step transitions.
 
-    The generic learner process calls ``insert`` from its ingest thread and ``step`` from
-    its main loop; ``wait_to_insert`` / ``wait_to_step`` apply the sample-to-insert limit.
+    The generic learner process calls ``insert`` from its ingest thread, ``prepare`` from its
+    prefetch thread and ``train`` / ``finish`` from its main loop (``apex.pipeline``);
+    ``wait_to_insert`` and ``prepare`` apply the sample-to-insert limit.
     """
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
@@ -121,7 +123,11 @@ class Learner:
             alpha=config.replay.alpha, eps=config.replay.eps, seed=config.seed,
         )
         self.limiter = RateLimiter(config.replay.samples_per_insert, config.replay.min_size, config.replay.rate_slack)
-        self.updates = 0
+        self.stager = DeviceStager(device)
+        self.prefetch_batches = config.learner.prefetch_batches
+        self.all_reduce = None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
+        self.updates = 0  # applied (known once finished)
+        self.steps = 0  # trained, applied or skipped: the target network's clock
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.dropped_transitions = 0  # whose loss was not finite: never sampled again
         self.samples_per_update = config.learner.batch_size
@@ -171,51 +177,76 @@ class Learner:
                     errors[i] = e
         return errors
 
-    def wait_to_step(self, timeout: float) -> bool:
-        if not self.limiter.wait_to_sample(self.config.learner.batch_size, timeout):
-            return False
+    def prepare(self, timeout: float, most: int = 1) -> list[Staged]:
+        """The prefetch stage: once the sample-to-insert limit allows a batch (within
+        ``timeout``), as many batches as it allows up to ``most``, drawn together and staged
+        on the device; else []."""
+        size = self.config.learner.batch_size
+        if not self.limiter.wait_to_sample(size, timeout):
+            return []
         if not self.replay.sampleable:  # every transition dropped as poison: wait for more
             time.sleep(timeout)
-            return False
-        return True
+            return []
+        count = 1
+        while count < most and self.limiter.can_sample((count + 1) * size):
+            count += 1
+        return self.sample(count)
 
-    def step(self) -> dict[str, float]:
-        """One update: sample, move to the device, train, write the priorities back (not
-        when the update was skipped as non-finite)."""
+    def sample(self, count: int = 1) -> list[Staged]:
+        """``count`` prioritized batches drawn together, staged on the device (counted by the
+        rate limiter, not held to it)."""
         cfg = self.config
-        batch, indices, weights = self.replay.sample(cfg.learner.batch_size, cfg.replay.beta)
-        tensors = self.to_device({**batch, "weights": weights})
-        priorities, metrics = self.train_on(tensors)
-        priorities = priorities.cpu().numpy()
-        if metrics:
-            self.replay.update_priorities(indices, priorities)
-        else:  # skipped: the transitions that made it non-finite are never sampled again
-            self.dropped_transitions += self.replay.drop(indices[~np.isfinite(priorities)])
-        self.limiter.sampled(cfg.learner.batch_size)
-        return metrics
+        size = cfg.learner.batch_size
+        start = time.perf_counter()
+        batch, indices, weights = self.replay.sample(size, cfg.replay.beta, batches=count)
+        self.limiter.sampled(count * size)
+        batch["weights"] = weights
+        seconds = (time.perf_counter() - start) / count
+        return [self.stager.stage({name: array[k * size : (k + 1) * size] for name, array in batch.items()},
+                                  indices[k * size : (k + 1) * size], seconds)
+                for k in range(count)]
 
-    def to_device(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        return {name: to_device(array, self.device) for name, array in batch.items()}
-
-    def train_on(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """The gradient step on a batch already on the device: (new priorities, metrics).
-        A non-finite loss, gradient or priority skips the step (metrics empty, counted in
-        ``skipped_updates``; the priorities show the rows that were not finite): one host
-        synchronisation decides, the one the metrics need."""
+    def train(self, staged: Staged) -> Pending:
+        """Enqueues the update on a staged batch; its results come back with ``finish``.
+        A non-finite loss, gradient or priority skips it (on the device where it can: see
+        ``optim.guarded_step``)."""
+        staged.wait()
+        batch = staged.tensors
         out = dqn_loss(self.online, self.target, batch["obs"], batch["action"], batch["reward"],
                        batch["discount"], batch["next_obs"], batch["weights"])
         # The priorities' sum: finite only if every priority is.
-        figures = optim.guarded_step(self.optimizer, out.loss, self.online.parameters(), self.config.learner.grad_clip,
-                                     [out.loss.detach(), out.q_mean, out.td_abs_mean, out.priorities.sum()])
-        if figures is None:
-            self.skipped_updates += 1
-            return out.priorities, {}
-        loss, q_mean, td_abs_mean, _, grad_norm = figures
-        metrics = {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
-        self.updates += 1
-        if self.updates % self.config.learner.target_update_interval == 0:
+        results = optim.guarded_step(self.optimizer, out.loss, self.online.parameters(), self.config.learner.grad_clip,
+                                     [out.loss, out.q_mean, out.td_abs_mean, out.priorities.sum()], self.all_reduce)
+        self.steps += 1
+        if self.steps % self.config.learner.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
-        return out.priorities, metrics
+        return fetch([results, out.priorities], staged.context)
+
+    def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
+        """Reads the results of trained steps, in order: writes their new priorities back
+        (together: one update of the tree) and returns each one's metrics; a skipped step is
+        counted, the transitions whose priority was not finite are dropped (never sampled
+        again), and its metrics are {}."""
+        metrics, indices, priorities = [], [], []
+        for step in pending:
+            values = step.result()
+            skipped, loss, q_mean, td_abs_mean, _, grad_norm = values[:6].tolist()
+            if skipped:
+                self.skipped_updates += 1
+                self.dropped_transitions += self.replay.drop(step.context[~np.isfinite(values[6:])])
+                metrics.append({})
+                continue
+            indices.append(step.context)
+            priorities.append(values[6:])
+            self.updates += 1
+            metrics.append({"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm})
+        if indices:  # a repeated index: the later step's priority wins, as if written one by one
+            self.replay.update_priorities(np.concatenate(indices), np.concatenate(priorities))
+        return metrics
+
+    def step(self) -> dict[str, float]:
+        """One whole update in a row, whatever the rate limiter says (tests, benchmarks)."""
+        return self.finish([self.train(self.sample()[0])])[0]
 
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.online)
@@ -236,7 +267,7 @@ class Learner:
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.updates = state["updates"]
+        self.updates = self.steps = state["updates"]
         if len(self.replay) > 0:
             self.limiter.inserts, self.limiter.samples = state["limiter"]["inserts"], state["limiter"]["samples"]
 

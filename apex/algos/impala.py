@@ -20,6 +20,7 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -31,7 +32,8 @@ from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
-from apex.models import PolicyValueNetwork, action_log_prob, entropy, log_probs, numpy_weights, to_device
+from apex.models import PolicyValueNetwork, action_log_prob, entropy, log_probs, numpy_weights
+from apex.pipeline import DeviceStager, Pending, Staged, fetch
 from apex.replay import UnrollQueue
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 
@@ -151,6 +153,9 @@ class Learner:
         self.optimizer = optim.make(im.optimizer, self.net.parameters(), config.learner.lr,
                                     config.learner.adam_eps if adam else im.rmsprop_eps, alpha=im.rmsprop_alpha, fused=adam)
         self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
+        self.stager = DeviceStager(device)
+        self.prefetch_batches = 1  # the unrolls' age is the policy lag: none staged further ahead
+        self.all_reduce = None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
         self.updates = 0
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.samples_per_update = im.batch_unrolls * im.unroll_length
@@ -209,30 +214,57 @@ class Learner:
                 errors.append(e)
         return errors
 
-    def wait_to_step(self, timeout: float) -> bool:
-        return self.queue.wait_for(self.config.impala.batch_unrolls, timeout)
+    def prepare(self, timeout: float, most: int = 1) -> list[Staged]:
+        """The prefetch stage: once ``batch_unrolls`` unrolls are queued (within ``timeout``),
+        one batch of them staged on the device (``most`` is ignored: see
+        ``prefetch_batches``); else []."""
+        if not self.queue.wait_for(self.config.impala.batch_unrolls, timeout):
+            return []
+        return [self.sample()]
 
-    def step(self) -> dict[str, float]:
-        im = self.config.impala
-        unrolls = self.queue.take(im.batch_unrolls)
+    def sample(self) -> Staged:
+        """The oldest ``batch_unrolls`` queued unrolls (fewer if fewer are queued), their
+        time-major arrays and observation stacks staged on the device."""
+        start = time.perf_counter()
+        unrolls = self.queue.take(self.config.impala.batch_unrolls)
         batch = {name: np.stack([u[name] for u in unrolls], axis=1)  # time-major
                  for name in ("action", "reward", "discount", "behaviour_logp")}
         batch["obs"] = self._stacks(unrolls)  # [T+1, B, stack, ...]
-        to = lambda name: to_device(batch[name], self.device)  # noqa: E731
-        obs = to("obs")
+        return self.stager.stage(batch, None, time.perf_counter() - start)
+
+    def train(self, staged: Staged) -> Pending:
+        """Enqueues the V-trace update on a staged batch; its results come back with ``finish``."""
+        im = self.config.impala
+        staged.wait()
+        batch = staged.tensors
+        obs = batch["obs"]
         steps, size = obs.shape[:2]
         logits, values = self.net(obs.reshape(steps * size, *obs.shape[2:]))
         out = impala_loss(
-            logits.reshape(steps, size, -1), values.reshape(steps, size), to("action"), to("behaviour_logp"),
-            to("reward"), to("discount"), im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost, self.spec.action_nvec,
+            logits.reshape(steps, size, -1), values.reshape(steps, size), batch["action"], batch["behaviour_logp"],
+            batch["reward"], batch["discount"], im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost,
+            self.spec.action_nvec,
         )
-        figures = optim.guarded_step(self.optimizer, out.loss, self.net.parameters(), self.config.learner.grad_clip,
-                                     [out.loss.detach(), out.pg_loss, out.baseline_loss, out.entropy])
-        if figures is None:
-            self.skipped_updates += 1
-            return {}
-        self.updates += 1
-        return dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures))
+        results = optim.guarded_step(self.optimizer, out.loss, self.net.parameters(), self.config.learner.grad_clip,
+                                     [out.loss, out.pg_loss, out.baseline_loss, out.entropy], self.all_reduce)
+        return fetch([results])
+
+    def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
+        """The trained steps' metrics, in order: {} (counted) for one skipped as non-finite."""
+        metrics = []
+        for step in pending:
+            skipped, *figures = step.result().tolist()
+            if skipped:
+                self.skipped_updates += 1
+                metrics.append({})
+                continue
+            self.updates += 1
+            metrics.append(dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures)))
+        return metrics
+
+    def step(self) -> dict[str, float]:
+        """One whole update in a row (tests, benchmarks); call with unrolls queued."""
+        return self.finish([self.train(self.sample())])[0]
 
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.net)

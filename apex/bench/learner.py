@@ -1,12 +1,20 @@
 """`apex bench learner`: Ape-X train steps per second at batch 512.
 
 For the MLP (CartPole) and the Nature CNN (Atari, 4x84x84 stacks), on the CPU and on CUDA
-where present: a full learner step (prioritized sample, stack gather, host-to-device copy,
-double-DQN update, priority write-back) against the update alone on a batch already on the
-device, so the cost of the replay and the copies shows as the difference.
+where present, three ways over the same replay:
+  pipelined    as the learner process runs (apex.pipeline): a prefetch thread keeps
+               learner.prefetch_batches (4) batches staged, sampling half of them at a time and
+               writing back the priorities of the steps trained since, while the main thread
+               trains; with the time per section
+  sequential   sample, copy, train, write back, one after the other (``Learner.step``)
+  update only  the update alone on a batch already on the device, its results read back:
+               what the pipeline is measured against (``pipelined / update only``)
+Rates are steps over wall time (the CNN on one CPU core takes ~0.5 s a step: a few steps).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -14,14 +22,18 @@ import torch
 from apex import config as config_module
 from apex.algos.apex_dqn import Learner
 from apex.bench import batches
-from apex.bench.timing import print_table, summarize, time_calls
+from apex.bench.timing import print_records
 from apex.envs import EnvSpec
+from apex.pipeline import Pipeline, SectionTimes
 
 BATCH = 512
 MODELS = {
     "mlp": (EnvSpec((4,), np.dtype(np.float32), 1, 2), batches.cartpole_chunk),
     "nature_cnn": (EnvSpec((84, 84), np.dtype(np.uint8), 4, 6), lambda: batches.atari()[0]),
 }
+WARMUP_STEPS = 2
+MIN_STEPS = 3
+ROUNDS = 8  # turns of each mode, taken in turn
 
 
 def devices() -> list[str]:
@@ -40,38 +52,93 @@ def _learner(spec: EnvSpec, make_chunk, device: str) -> Learner:
     return learner
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _interleaved_rates(modes: dict, seconds: float, rounds: int) -> dict[str, float]:
+    """Steps per second of each mode (name: a function making ``run_steps(n)``, which may
+    have a ``close``), measured in ``rounds`` short turns each, taken in turn, so that the
+    machine's drift (other tenants of a VM) weighs on every mode alike."""
+    steps, elapsed = dict.fromkeys(modes, 0), dict.fromkeys(modes, 0.0)
+    for _ in range(rounds):
+        for name, make in modes.items():
+            run_steps = make()
+            try:
+                run_steps(WARMUP_STEPS)
+                start, n = time.perf_counter(), 0
+                while n < max(1, MIN_STEPS // rounds) or time.perf_counter() - start < seconds / rounds:
+                    run_steps(1)
+                    n += 1
+                elapsed[name] += time.perf_counter() - start
+                steps[name] += n
+            finally:
+                getattr(run_steps, "close", lambda: None)()
+    return {name: steps[name] / elapsed[name] for name in modes}
+
+
+def _update_only(learner: Learner):
+    staged = learner.sample()[0]
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            learner.train(staged).result()
+
+    return run
+
+
+def _sequential(learner: Learner):
+    def run(n: int) -> None:
+        for _ in range(n):
+            learner.step()
+
+    return run
+
+
+class _Pipelined:
+    """The learner process's loop without sockets (apex.pipeline.Pipeline): the prefetch
+    thread stages batches and writes results back, the main thread trains."""
+
+    def __init__(self, learner: Learner, times: SectionTimes) -> None:
+        self.learner = learner
+        self.times = times
+        self.pipeline = Pipeline(learner, times)
+        self.pipeline.start()
+        self.warm = False
+
+    def __call__(self, n: int) -> None:
+        times = self.times if self.warm else SectionTimes()  # the warm-up steps are not counted
+        self.warm = True
+        for _ in range(n):
+            started = time.perf_counter()
+            while (staged := self.pipeline.take()) is None:
+                time.sleep(0)
+            trained = time.perf_counter()
+            times.add("idle", trained - started)
+            self.pipeline.submit(self.learner.train(staged))
+            times.add("train", time.perf_counter() - trained)
+            times.steps += 1
+            self.pipeline.results()
+
+    def close(self) -> None:
+        self.pipeline.stop()
 
 
 def _measure(model: str, spec: EnvSpec, make_chunk, device: str, seconds: float) -> dict:
     learner = _learner(spec, make_chunk, device)
-    sample, _, weights = learner.replay.sample(BATCH, 0.4)
-    on_device = learner.to_device({**sample, "weights": weights})
-
-    def full_step() -> None:
-        learner.step()
-        _sync(device)
-
-    def update_only() -> None:
-        learner.train_on(on_device)
-        _sync(device)
-
-    # The CNN on one CPU core takes seconds a step: a few calls suffice there.
-    calls = dict(warmup=2, min_calls=3, seconds=seconds)
-    full = summarize(time_calls(full_step, **calls))
-    bare = summarize(time_calls(update_only, **calls))
+    times = SectionTimes()
+    rounds = 1 if model == "nature_cnn" and device == "cpu" else ROUNDS  # ~0.5 s a step there
+    rates = _interleaved_rates({
+        "update_only": lambda: _update_only(learner),
+        "sequential": lambda: _sequential(learner),
+        "pipelined": lambda: _Pipelined(learner, times),
+    }, seconds, rounds)
     return {
         "model": model,
         "device": device,
         "batch": BATCH,
-        "batches_per_s": round(1e6 / full["p50_us"], 2),
-        "samples_per_s": round(BATCH * 1e6 / full["p50_us"]),
-        "step_p50_ms": round(full["p50_us"] / 1e3, 2),
-        "update_only_batches_per_s": round(1e6 / bare["p50_us"], 2),
-        "update_only_p50_ms": round(bare["p50_us"] / 1e3, 2),
-        "replay_and_copy_share": round(1 - bare["p50_us"] / full["p50_us"], 3),
+        "batches_per_s": round(rates["pipelined"], 2),
+        "samples_per_s": round(BATCH * rates["pipelined"]),
+        "sequential_batches_per_s": round(rates["sequential"], 2),
+        "update_only_batches_per_s": round(rates["update_only"], 2),
+        "pipelined_vs_update_only": round(rates["pipelined"] / rates["update_only"], 3),
+        **times.take(),
     }
 
 
@@ -81,10 +148,13 @@ def run(seconds: float = 2.0) -> dict:
     for model, (spec, make_chunk) in MODELS.items():
         for device in devices():
             rows.append(_measure(model, spec, make_chunk, device, seconds))
-    print_table(
-        f"learner: Ape-X train steps at batch {BATCH} (torch threads 1 on CPU)",
-        ["model", "device", "batches/s", "samples/s", "update only batches/s", "replay + copy share"],
-        [[r["model"], r["device"], r["batches_per_s"], r["samples_per_s"], r["update_only_batches_per_s"],
-          f"{100 * r['replay_and_copy_share']:.0f}%"] for r in rows],
+    print_records(
+        f"learner: Ape-X train steps at batch {BATCH} (torch threads 1 on CPU); ms per step by section",
+        [("model", "model"), ("device", "device"), ("batches/s", "batches_per_s"), ("samples/s", "samples_per_s"),
+         ("update only", "update_only_batches_per_s"), ("pipelined / update only", "pipelined_vs_update_only"),
+         ("sequential", "sequential_batches_per_s"), ("sample", "time_sample_ms"), ("to device", "time_to_device_ms"),
+         ("train", "time_train_ms"), ("write back", "time_write_back_ms"), ("idle", "time_idle_ms")],
+        rows,
     )
-    return {"baseline": "the same update on a batch already on the device (update_only_*)", "results": rows}
+    return {"baseline": "the same update on a batch already on the device (update_only_*), and the "
+                        "unpipelined step (sequential_*)", "results": rows}

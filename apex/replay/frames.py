@@ -143,12 +143,18 @@ class StackedReplay(LockedRing):
                 self.chunks.popleft()  # already evicted by the transition ring itself
         return indices
 
-    def sample(self, batch_size: int, beta: float) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-        """(batch with obs and next_obs stacks, insertion indices, importance weights)."""
+    def sample(self, batch_size: int, beta: float, batches: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+        """(batch with obs and next_obs stacks, insertion indices, importance weights). With
+        ``batches`` > 1, that many batches of ``batch_size`` drawn together, one after the
+        other in the arrays; each is spread over the whole replay (the draw's strata dealt
+        out in turn), not a slice of it."""
         if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta!r}")
         with self.lock:
-            slots, indices, priorities, min_priority = self.ring.draw(batch_size)
+            slots, indices, priorities, min_priority = self.ring.draw(batch_size * batches)
+            if batches > 1:  # stratum j goes to batch j % batches
+                order = np.arange(batch_size * batches).reshape(batch_size, batches).T.reshape(-1)
+                slots, indices, priorities = slots[order], indices[order], priorities[order]
             batch = self.ring.gather(slots)
             obs = self.frames.gather(batch.pop("obs_frame")[:, None] + self._offsets)
             next_obs = self.frames.gather(batch.pop("next_obs_frame")[:, None] + self._offsets)
