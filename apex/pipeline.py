@@ -213,7 +213,8 @@ class Pipeline:
         except queue.Empty:
             return None
         now = time.perf_counter()
-        self._period += 0.1 * (min(now - self._last_take, PREFETCH_WAIT_S) - self._period)
+        interval = min(now - self._last_take, PREFETCH_WAIT_S)
+        self._period = interval if self._period == 0.0 else self._period + 0.1 * (interval - self._period)
         self._last_take = now
         return staged
 

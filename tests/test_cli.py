@@ -116,7 +116,7 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
     plot = tmp_path / "scaling.png"
     result = subprocess.run(
         [sys.executable, "-m", "apex.cli", "bench", "ingest", "learner", "e2e", "--seconds", "4",
-         "--actors", "1", "--plot", str(plot), "--json", str(report_path)],
+         "--actors", "1", "--ranks", "1,2", "--plot", str(plot), "--json", str(report_path)],
         capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -125,8 +125,13 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
     assert ingest["cartpole"]["transitions_per_s"] > 0 and ingest["cartpole"]["training_updates_per_s"] > 0
     assert ingest["cartpole"]["rejected_messages"] == 0
     assert "atari" in ingest or "atari" in report["ingest"]["skipped"]
-    learner = {(r["model"], r["device"]): r for r in report["learner"]["results"]}
-    assert learner[("mlp", "cpu")]["batches_per_s"] > 0 and learner[("nature_cnn", "cpu")]["batch"] == 512
+    learner = {(r["model"], r["device"], r["ranks"]): r for r in report["learner"]["results"]}
+    assert learner[("mlp", "cpu", 1)]["batches_per_s"] > 0 and learner[("nature_cnn", "cpu", 1)]["batch"] == 512
+    assert 0 < learner[("mlp", "cpu", 1)]["pipelined_vs_update_only"] and learner[("mlp", "cpu", 1)]["time_train_ms"] > 0
+    for model in ("mlp", "nature_cnn"):  # two learner processes over gloo: both ranks' samples, the leader's sections
+        pair = learner[(model, "cpu", 2)]
+        assert pair["samples_per_s"] == round(2 * 512 * pair["batches_per_s"]) and 0 < pair["scaling_efficiency"]
+        assert pair["time_train_ms"] > 0 and pair["time_sample_ms"] > 0
     (row,) = report["e2e"]["results"]
     assert row["actors"] == 1 and row["env_steps_per_s"] > 0 and row["updates_per_s"] > 0
     assert row["learner_cpu_percent"] > 0 and row["actor_peak_rss_mb"] > 0
@@ -136,6 +141,8 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
 def test_bench_rejects_bad_actor_counts(capsys):
     assert main(["bench", "e2e", "--actors", "0,2"]) == 2
     assert "--actors counts must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "learner", "--ranks", "1,x"]) == 2
+    assert "--ranks takes a comma-separated list" in capsys.readouterr().err
 
 
 def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):

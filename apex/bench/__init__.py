@@ -27,13 +27,14 @@ LONG = ("soak", "flood", "learn", "serve")
 
 def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,
         soak_options: dict | None = None, learn_options: dict | None = None,
-        serve_options: dict | None = None) -> dict:
+        serve_options: dict | None = None, learner_options: dict | None = None) -> dict:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
 
     ``seconds``: time per measured operation (each benchmark's own default when None);
     ``e2e_options``: algo, env, actors and plot for the e2e benchmark; ``soak_options``:
     actors, churn_s, overrides and plot for the soak; ``learn_options``: tasks, algos, seeds,
-    minutes and plot for learn; ``serve_options``: seeds for serve. Raises ApexError (after writing the
+    minutes and plot for learn; ``serve_options``: seeds for serve; ``learner_options``: ranks
+    for learner. Raises ApexError (after writing the
     report) if a benchmark that checks something (the soak) failed.
     """
     from apex.bench.timing import machine_info
@@ -54,6 +55,8 @@ def run(names: list[str], json_path: str | None = None, seconds: float | None = 
             kwargs.update(learn_options or {})
         if name == "serve":
             kwargs.update(serve_options or {})
+        if name == "learner":
+            kwargs.update(learner_options or {})
         result = importlib.import_module(f"apex.bench.{name}").run(**kwargs)
         result["machine"] = machine
         result["wall_seconds"] = round(time.perf_counter() - started, 1)

@@ -7,13 +7,19 @@ where present, three ways over the same replay:
                writing back the priorities of the steps trained since, while the main thread
                trains; with the time per section
   sequential   sample, copy, train, write back, one after the other (``Learner.step``)
-  update only  the update alone on a batch already on the device, its results read back:
-               what the pipeline is measured against (``pipelined / update only``)
+  update only  the update alone on batches already on the device (16, in turn), its results
+               read back: what the pipeline is measured against (``pipelined / update only``)
 Rates are steps over wall time (the CNN on one CPU core takes ~0.5 s a step: a few steps).
+
+With ``--ranks 1,2,...`` it also runs that many learner processes as one data-parallel group
+(apex.distributed: each rank trains its own batch from its own replay, the gradients
+all-reduced; gloo on the CPU, NCCL on CUDA): batches/s of the group, samples/s of all ranks,
+and the scaling efficiency against one process (samples/s over ranks times one process's).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 
 import numpy as np
@@ -23,7 +29,9 @@ from apex import config as config_module
 from apex.algos.apex_dqn import Learner
 from apex.bench import batches
 from apex.bench.timing import print_records
+from apex.bench.transport import free_port
 from apex.envs import EnvSpec
+from apex.malloc import keep_large_blocks
 from apex.pipeline import Pipeline, SectionTimes
 
 BATCH = 512
@@ -34,6 +42,7 @@ MODELS = {
 WARMUP_STEPS = 2
 MIN_STEPS = 3
 ROUNDS = 8  # turns of each mode, taken in turn
+UPDATE_ONLY_BATCHES = 16
 
 
 def devices() -> list[str]:
@@ -74,11 +83,14 @@ def _interleaved_rates(modes: dict, seconds: float, rounds: int) -> dict[str, fl
 
 
 def _update_only(learner: Learner):
-    staged = learner.sample()[0]
+    """The update alone: batches already on the device (UPDATE_ONLY_BATCHES of them, taken in
+    turn: one batch over and over would stay in the caches as no real batch does), results read."""
+    staged = learner.sample(UPDATE_ONLY_BATCHES)
+    turn = iter(range(1 << 62))
 
     def run(n: int) -> None:
         for _ in range(n):
-            learner.train(staged).result()
+            learner.train(staged[next(turn) % len(staged)]).result()
 
     return run
 
@@ -142,19 +154,85 @@ def _measure(model: str, spec: EnvSpec, make_chunk, device: str, seconds: float)
     }
 
 
-def run(seconds: float = 2.0) -> dict:
+def _rank_main(rank: int, ranks: int, port: int, model: str, device: str, steps: int, out) -> None:
+    """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
+    for ``steps`` steps after a warm-up; reports (steps, seconds, ms per step by section)."""
+    from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
+
+    torch.set_num_threads(1)
+    keep_large_blocks()
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    init_group(Rank(rank, ranks, f"127.0.0.1:{port}"), torch.device(device))
+    try:
+        spec, make_chunk = MODELS[model]
+        learner = _learner(spec, make_chunk, device)
+        learner.all_reduce = GradientAllReduce(ranks)
+        times = SectionTimes()
+        loop = _Pipelined(learner, times)
+        try:
+            loop(WARMUP_STEPS)
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            loop(steps)
+            elapsed = time.perf_counter() - start
+        finally:
+            loop.close()
+        out.put((rank, steps, elapsed, times.take()))
+    finally:
+        leave_group()
+
+
+def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict:
+    """Batches/s of ``ranks`` learner processes training together (each its own batch of
+    BATCH from its own replay, gradients all-reduced): the slowest rank's time."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, out), daemon=True)
+             for r in range(ranks)]
+    for p in procs:
+        p.start()
+    try:
+        reports = [out.get(timeout=600) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    elapsed = max(seconds for _, _, seconds, _ in reports)
+    leader = next(sections for rank, _, _, sections in reports if rank == 0)
+    rate = steps / elapsed
+    return {"model": model, "device": device, "ranks": ranks, "batch": BATCH, "batches_per_s": round(rate, 2),
+            "samples_per_s": round(ranks * BATCH * rate), **leader}
+
+
+def run(seconds: float = 2.0, ranks: tuple[int, ...] = (1,)) -> dict:
+    """``ranks``: the group sizes to measure (1: the single process, with its sequential and
+    update-only comparisons; more: that many learner processes over torch.distributed, gloo on
+    the CPU, NCCL on CUDA, each rank on its own GPU where there are enough)."""
     torch.set_num_threads(1)
     rows = []
     for model, (spec, make_chunk) in MODELS.items():
         for device in devices():
-            rows.append(_measure(model, spec, make_chunk, device, seconds))
+            single = _measure(model, spec, make_chunk, device, seconds)
+            rows.append({"ranks": 1, **single, "scaling_efficiency": 1.0})
+            for size in sorted(set(ranks) - {1}):
+                # as many steps as one process makes in ``seconds``: the same work per rank
+                steps = max(MIN_STEPS, round(seconds * single["batches_per_s"]))
+                row = _measure_ranks(model, device, size, steps)
+                row["scaling_efficiency"] = round(row["samples_per_s"] / (size * single["samples_per_s"]), 3)
+                rows.append(row)
     print_records(
-        f"learner: Ape-X train steps at batch {BATCH} (torch threads 1 on CPU); ms per step by section",
-        [("model", "model"), ("device", "device"), ("batches/s", "batches_per_s"), ("samples/s", "samples_per_s"),
+        f"learner: Ape-X train steps at batch {BATCH} a rank (torch threads 1 on CPU); ms per step by section",
+        [("model", "model"), ("device", "device"), ("ranks", "ranks"), ("batches/s", "batches_per_s"),
+         ("samples/s", "samples_per_s"), ("scaling", "scaling_efficiency"),
          ("update only", "update_only_batches_per_s"), ("pipelined / update only", "pipelined_vs_update_only"),
          ("sequential", "sequential_batches_per_s"), ("sample", "time_sample_ms"), ("to device", "time_to_device_ms"),
          ("train", "time_train_ms"), ("write back", "time_write_back_ms"), ("idle", "time_idle_ms")],
-        rows,
+        [{"update_only_batches_per_s": "", "pipelined_vs_update_only": "", "sequential_batches_per_s": "", **r}
+         for r in rows],
     )
-    return {"baseline": "the same update on a batch already on the device (update_only_*), and the "
-                        "unpipelined step (sequential_*)", "results": rows}
+    return {"baseline": "one process: the same update on a batch already on the device (update_only_*), and the "
+                        "unpipelined step (sequential_*); ranks > 1: one rank's samples/s times the ranks "
+                        "(scaling_efficiency)", "results": rows}

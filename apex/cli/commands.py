@@ -38,6 +38,12 @@ def bench(args: argparse.Namespace) -> int:
         raise ApexError(f"--actors takes a comma-separated list of counts, e.g. 1,2,4; got {args.actors!r}") from None
     if actors is not None and (not actors or min(actors) < 1):
         raise ApexError(f"--actors counts must be >= 1, got {args.actors!r}")
+    try:
+        ranks = tuple(int(n) for n in args.ranks.split(",")) if args.ranks else (1,)
+    except ValueError:
+        raise ApexError(f"--ranks takes a comma-separated list of group sizes, e.g. 1,2; got {args.ranks!r}") from None
+    if not ranks or min(ranks) < 1:
+        raise ApexError(f"--ranks sizes must be >= 1, got {args.ranks!r}")
     names = args.names or ["all"]
     if "soak" in names and actors is not None and len(actors) != 1:
         raise ApexError(f"bench soak takes one actor count, e.g. --actors 3; got {args.actors!r}")
@@ -50,7 +56,7 @@ def bench(args: argparse.Namespace) -> int:
     learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
                      "plot": args.plot, "runs_dir": args.runs_dir}
     bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
-              learn_options=learn_options, serve_options=serve_options)
+              learn_options=learn_options, serve_options=serve_options, learner_options={"ranks": ranks})
     return 0
 
 

@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--actors", default=None, metavar="N,N,...",
                      help="actor counts to run (e2e default: 1,2,4; soak: one count, default 3)")
     e2e.add_argument("--plot", metavar="FILE.png", help="also draw the scaling curves (soak: the RSS curve)")
+    learner = bench.add_argument_group("learner options")
+    learner.add_argument("--ranks", default=None, metavar="N,N,...",
+                         help="data-parallel group sizes to measure as well (default: 1, one process; "
+                              "e.g. 1,2: one process, then two learner processes over torch.distributed)")
     soak = bench.add_argument_group("soak options (not part of all; --seconds default 600)")
     soak.add_argument("--churn-seconds", type=float, default=10.0, metavar="S",
                       help="mean seconds between actor kills (default: 10)")
