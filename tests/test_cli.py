@@ -130,7 +130,7 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
     assert 0 < learner[("mlp", "cpu", 1)]["pipelined_vs_update_only"] and learner[("mlp", "cpu", 1)]["time_train_ms"] > 0
     for model in ("mlp", "nature_cnn"):  # two learner processes over gloo: both ranks' samples, the leader's sections
         pair = learner[(model, "cpu", 2)]
-        assert pair["samples_per_s"] == round(2 * 512 * pair["batches_per_s"]) and 0 < pair["scaling_efficiency"]
+        assert pair["samples_per_s"] == pytest.approx(2 * 512 * pair["batches_per_s"], rel=1e-2) and 0 < pair["scaling_efficiency"]
         assert pair["time_train_ms"] > 0 and pair["time_sample_ms"] > 0
     (row,) = report["e2e"]["results"]
     assert row["actors"] == 1 and row["env_steps_per_s"] > 0 and row["updates_per_s"] > 0
