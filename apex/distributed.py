@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 from dataclasses import dataclass
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -37,6 +39,7 @@ class Rank:
     rank: int
     world_size: int
     master: str  # HOST:PORT of the group's TCP store (rank 0 serves it)
+    by_environment: bool = False  # from RANK, WORLD_SIZE, MASTER_*: torchrun's agent may serve the store
 
     @property
     def is_leader(self) -> bool:
@@ -55,7 +58,8 @@ class Rank:
         except (KeyError, ValueError) as e:
             raise ApexError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers set together ({e}): "
                             "set all of them, or use --rank R --world-size W --master HOST:PORT") from None
-        return cls.checked(rank, world, master)
+        checked = cls.checked(rank, world, master)
+        return cls(checked.rank, checked.world_size, checked.master, by_environment=True)
 
     @classmethod
     def checked(cls, rank: int, world_size: int, master: str) -> Rank:
@@ -73,7 +77,10 @@ def init_group(rank: Rank, device: torch.device) -> None:
     """Joins the group (blocks until every rank has joined, or COLLECTIVE_TIMEOUT_S)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{rank.master}", rank=rank.rank,
+        # env://: torchrun's agent serves the store on MASTER_PORT already (a tcp:// init would
+        # try to serve it a second time).
+        init_method = "env://" if rank.by_environment else f"tcp://{rank.master}"
+        dist.init_process_group(backend, init_method=init_method, rank=rank.rank,
                                 world_size=rank.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError is a RuntimeError
         raise ApexError(f"rank {rank.rank} could not join the learner group at {rank.master}: "
@@ -95,7 +102,11 @@ class GradientAllReduce:
     def __call__(self, parameters: list[torch.nn.Parameter], bad: torch.Tensor) -> torch.Tensor:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
         flat = torch.cat([*(g.reshape(-1).float() for g in grads), bad.reshape(1).float()])
-        dist.all_reduce(flat)  # sum
+        try:
+            dist.all_reduce(flat)  # sum
+        except RuntimeError as e:
+            raise GroupBroken(f"the learner group broke during a step (a rank stopped, died or cannot be reached: "
+                              f"{_first_words(e)})") from None
         offset = 0
         for p, g in zip(parameters, grads):
             n = g.numel()
@@ -106,3 +117,97 @@ class GradientAllReduce:
                 p.grad.copy_(averaged)
             offset += n
         return flat[-1] > 0
+
+
+class GroupBroken(ApexError):
+    """A collective failed: a rank stopped, died or could not be reached."""
+
+
+def _first_words(error: BaseException) -> str:
+    """The gist of a gloo/NCCL error: its first line, without the source location prefix and
+    the advice that follows the first sentence."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(". ")[0].rstrip(".")
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank does next, agreed in one collective (``LearnerGroup.agree``)."""
+
+    steps: int  # batches every rank trains on now: the fewest any rank has staged
+    stop: bool
+    checkpoint: bool
+    sync: bool  # exchange counts and sessions (``LearnerGroup.gather`` / ``broadcast``)
+
+
+class LearnerGroup:
+    """The ranks of one data-parallel learner and what they share besides gradients: the
+    per-loop agreement (steps, stop, checkpoint, sync), byte messages gathered on every rank
+    or broadcast from rank 0 (msgpack, never pickle), the session secret and the ranks'
+    trajectory addresses. Control collectives run over gloo, whatever the gradients' backend."""
+
+    def __init__(self, rank: Rank, device: torch.device, address: tuple[str | None, int], config_digest: str) -> None:
+        """Joins the group (blocking until every rank is there) and checks that every rank
+        runs the same configuration; ``address``: (host or None, port) where actors reach this
+        rank's trajectory stream (None: the host they reached rank 0 at)."""
+        self.rank = rank
+        init_group(rank, device)
+        try:
+            self._control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+            digests = self.gather(config_digest.encode())
+            if any(d != digests[0] for d in digests):
+                odd = [r for r, d in enumerate(digests) if d != digests[0]]
+                raise ApexError(f"ranks {odd} run another configuration than rank 0: start every rank with the same "
+                                "--config and --set")
+            self.secret = self.broadcast(os.urandom(32) if rank.is_leader else None)
+            self.addresses = [tuple(msgpack.unpackb(a)) for a in self.gather(msgpack.packb(list(address)))]
+        except BaseException:
+            leave_group()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return self.rank.world_size
+
+    def agree(self, staged: int, *, stop: bool = False, checkpoint: bool = False, sync: bool = False) -> Agreement:
+        """One collective: the fewest batches staged on any rank, and whether any rank asks
+        to stop, checkpoint or sync."""
+        flags = torch.tensor([staged, -int(stop), -int(checkpoint), -int(sync)], dtype=torch.int64)
+        self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MIN)
+        steps, stop_flag, checkpoint_flag, sync_flag = flags.tolist()
+        return Agreement(steps, stop_flag < 0, checkpoint_flag < 0, sync_flag < 0)
+
+    def gather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, on every rank, in rank order."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, sizes, torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else padded[:0]
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._collective(dist.all_gather, parts, padded)
+        return [bytes(p[: int(s)].numpy()) for p, s in zip(parts, sizes)]
+
+    def broadcast(self, data: bytes | None) -> bytes:
+        """Rank 0's ``data`` on every rank (the others pass None)."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._collective(dist.broadcast, size, src=0)
+        buffer = torch.zeros(int(size), dtype=torch.uint8)
+        if data is not None and data:
+            buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._collective(dist.broadcast, buffer, src=0)
+        return bytes(buffer.numpy())
+
+    def barrier(self) -> None:
+        self._collective(dist.barrier)
+
+    def _collective(self, operation, *args, **kwargs) -> None:
+        try:
+            operation(*args, **kwargs, **({"group": self._control} if self._control is not None else {}))
+        except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
+            raise GroupBroken(f"rank {self.rank.rank}: the learner group broke (a rank stopped, died or cannot "
+                              f"be reached: {_first_words(e)})") from None
+
+    def close(self) -> None:
+        leave_group()

@@ -11,8 +11,10 @@ this process die, so that nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import os
 import shlex
 import signal
 import socket
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from apex.checkpoint import has_checkpoint
-from apex.config import Config, StopConditions
+from apex.config import Config, StopConditions, port_problem
 from apex.errors import ApexError
 from apex.signals import StopSignals
 from apex.transport import DEFAULT_PORT
@@ -73,16 +75,17 @@ def stop_args(stop: StopConditions) -> list[str]:
     return args
 
 
-def check_ports_free(port: int) -> None:
-    """Fails at once, not after the learner's start-up, if its ports are taken."""
-    for p in (port, port + 1, port + 2):
+def check_ports_free(port: int, ranks: int = 1) -> None:
+    """Fails at once, not after the learner's start-up, if its ports are taken (a group of
+    ``ranks`` learners: P+3 .. P+2+ranks too)."""
+    for p in range(port, port + 3 + (ranks if ranks > 1 else 0)):
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
             try:
                 probe.bind(("127.0.0.1", p))
             except OSError as e:
                 raise ApexError(f"port {p} on 127.0.0.1 is taken ({e.strerror}): is another learner using ports "
-                                f"{port}-{port + 2}? pick another with --port") from None
+                                f"{port}-{port + 2}{' or its ranks' if ranks > 1 else ''}? pick another with --port") from None
 
 
 def run(
@@ -95,6 +98,7 @@ def run(
     resume: bool = False,
     learner_restarts: int = 10,
     on_tick: Callable[[], None] | None = None,
+    ranks: int = 1,
 ) -> int:
     """Runs learner + actors until the learner exits for good; returns its exit code.
 
@@ -103,17 +107,18 @@ def run(
     times in a row (a learner that ran for 5 minutes starts the count afresh); the actors stay
     up meanwhile and reconnect by themselves.
     """
-    check_ports_free(port)
+    check_ports_free(port, ranks)
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
     resume_command = shlex.join([
         "apex", "run", "--resume", str(logdir), "--actors", str(actors),
         *(["--port", str(port)] if port != DEFAULT_PORT else []), *stop_args(stop),
-        *(["--learner-restarts", str(learner_restarts)] if learner_restarts != 10 else [])])
+        *(["--learner-restarts", str(learner_restarts)] if learner_restarts != 10 else []),
+        *(["--ranks", str(ranks)] if ranks > 1 else [])])
     learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
                     "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop),
-                    "--resume-command", resume_command]
+                    "--resume-command", resume_command, *(["--ranks", str(ranks)] if ranks > 1 else [])]
 
     def resumable() -> bool:
         return resume or has_checkpoint(logdir)
@@ -185,3 +190,78 @@ def run(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+# A learner group's ranks that outlive a rank that died get this long to stop by themselves
+# (their next collective fails at once) before they are killed.
+_RANK_STOP_S = 15.0
+
+
+def _without_ranks_flag(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ranks":
+            skip = True
+        elif not arg.startswith("--ranks="):
+            out.append(arg)
+    return out
+
+
+def run_ranks(argv: list[str], ranks: int, port: int) -> int:
+    """`apex learner --ranks N`: N learner processes on this host as one group, rank r with
+    ``--rank r --world-size N --master 127.0.0.1:P+2+N``. Signals go to every rank; when a
+    rank exits with an error, the others are stopped and this returns its code; otherwise
+    rank 0's (the others stop when rank 0 does)."""
+    if (problem := port_problem(port + 2 + ranks)) is not None:
+        raise ApexError(f"--port {port} leaves no room for {ranks} ranks: {problem}")
+    master = f"127.0.0.1:{port + 2 + ranks}"
+    base = _without_ranks_flag(argv)
+    # The group's own traffic stays on this host: gloo would listen on the host name's interface.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [_spawn([*base, "--rank", str(r), "--world-size", str(ranks), "--master", master]) for r in range(ranks)]
+    failed: list[tuple[int, int]] = []
+    try:
+        with StopSignals() as signals:
+            forwarded = False
+            while True:
+                codes = [p.poll() for p in procs]  # every process polled, each time
+                failed = [(r, code) for r, code in enumerate(codes) if code not in (None, 0)]
+                if failed or all(code is not None for code in codes):
+                    break
+                if signals.received and not forwarded:
+                    for p in procs:
+                        with contextlib.suppress(ProcessLookupError):
+                            p.send_signal(signal.SIGTERM)
+                    forwarded = True
+                time.sleep(0.2)
+            if failed and not forwarded:  # (after a signal, ranks exit 130 by design)
+                log.error("learner %s: stopping the group",
+                          ", ".join(f"rank {r} exited with {code}" for r, code in failed))
+            if failed:
+                _stop_all(procs, _RANK_STOP_S)
+    finally:
+        _stop_all(procs, 0.0)
+    if failed:
+        code = failed[0][1]
+        return code if code > 0 else 1
+    return procs[0].returncode
+
+
+def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """Waits up to ``grace_s`` for the processes to exit by themselves, then SIGTERM, then
+    30 s (a learner writes its last checkpoint), then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 30
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -4,12 +4,14 @@ and knows nothing of sockets, fed by the ingest thread (``apex.ingest``)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import resource
 import shlex
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import psutil
 import torch
@@ -23,11 +25,13 @@ from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
 from apex.malloc import keep_large_blocks
 from apex.metrics import MetricsWriter, Rate, closing_line, write_json_atomic
+from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
 from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT
 from apex.signals import StopSignals
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, is_loopback
+from apex.transport.sessions import SessionSigner
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,7 @@ log = logging.getLogger(__name__)
 # conditions, silent actors) and signals are looked at no later than this.
 IDLE_WAIT_S = 0.05
 STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
+GROUP_SYNC_S = 0.25  # how often a learner group's ranks hand rank 0 their counts (episodes for stop-return)
 # An actor's seed from the run's and its index: far apart for neighbouring indices and runs
 # (two primes), so that no two actors' environments share a seed sequence.
 SEED_RUN_FACTOR = 1_000_003
@@ -81,8 +86,11 @@ class LearnerProcess:
         stop: StopConditions,
         resume: Checkpoint | None = None,
         resume_command: str | None = None,
+        group: LearnerGroup | None = None,
     ) -> None:
+        """``group``: this process is rank 0 of a data-parallel learner group (apex.distributed)."""
         self.config = config
+        self.group = group
         self.bind_host = bind_host
         # What the closing line tells the user to run to go on.
         self.resume_command = resume_command or shlex.join(["apex", "learner", "--resume", str(logdir)])
@@ -100,15 +108,19 @@ class LearnerProcess:
         # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
         self.endpoint = LearnerEndpoint(
             bind_host, port if port is not None else config.transport.port, self._actor_setup,
-            config.transport,
+            config.transport, signer=SessionSigner(group.secret) if group is not None else None,
         )
         try:
             self.learner = algos.get(self.config.algo).learner().Learner(self.config, self.spec, self.device)
         except BaseException:
             self.endpoint.close()
             raise
+        if group is not None:
+            self.learner.all_reduce = GradientAllReduce(group.world_size)
         # The cores decompress frames themselves, straight into their storage.
         self.endpoint.receiver.lazy = True
+        self.group_replay_size = 0  # the other ranks' replays (or queues), as of the last sync
+        self._group_broken = False
         self.counters = RunCounters()
         self._metrics: MetricsWriter | None = None
         self.nonfinite_weights = 0  # publishes and checkpoints refused for non-finite weights
@@ -129,6 +141,11 @@ class LearnerProcess:
             self.checkpoints = CheckpointWriter(self.logdir / "checkpoints", config.learner.keep_checkpoints)
             if resume is not None:
                 self._resume(resume)
+            if group is not None:  # the other ranks start from this one's state (and its checkpoint's shards)
+                buffer = io.BytesIO()
+                torch.save(self.learner.state_dict(), buffer)
+                group.broadcast(msgpack.packb({"logdir": str(self.logdir), "resumed": self.resumed_from or "",
+                                               "state": buffer.getvalue()}))
         except BaseException:
             self.endpoint.close()
             raise
@@ -180,12 +197,16 @@ class LearnerProcess:
             core = self.learner.actor_setup(index, num_envs)
         except ApexError as e:
             raise Rejected(str(e)) from None
-        return {
+        setup = {
             "config": self.config.to_dict(),
             "num_envs": num_envs,
             "seed": actor_seed(self.config.seed, index),
             **core,
         }
+        if self.group is not None and index % self.group.world_size:  # its batches go to another rank
+            host, port = self.group.addresses[index % self.group.world_size]
+            setup["trajectories"] = {"host": host, "port": port}
+        return setup
 
     # -- main loop
 
@@ -228,18 +249,38 @@ class LearnerProcess:
         last_checkpoint = time.monotonic()
         interval = self.config.learner.publish_interval
         next_publish = (self.learner.updates // interval + 1) * interval
+        next_sync = time.monotonic()
+        # In a group: a checkpoint asked for in the next agreement, and agreed to in the last.
+        checkpoint_asked = agreed_checkpoint = stopped_together = False
         try:
-            while stop_reason is None:
+            while True:
                 self.endpoint.poll(0)
-                staged = self.pipeline.take()
+                if self.group is None:
+                    if stop_reason is not None:
+                        break
+                    steps = 1 if self.pipeline.ready() else 0
+                else:
+                    now = time.monotonic()
+                    agreed = self.group.agree(self.pipeline.staged(), stop=stop_reason is not None,
+                                              checkpoint=checkpoint_asked, sync=now >= next_sync)
+                    if agreed.sync:
+                        next_sync = now + GROUP_SYNC_S
+                        self._sync_group()
+                    if agreed.stop:
+                        stop_reason = stop_reason or "another rank of the group was told to stop"
+                        stopped_together = True
+                        break
+                    agreed_checkpoint, checkpoint_asked = agreed.checkpoint, False
+                    steps = agreed.steps
                 started = time.perf_counter()
-                if staged is None:
+                if not steps:
                     self._wait_for_work()
                     self.times.add("idle", time.perf_counter() - started)
-                else:
-                    self.pipeline.submit(self.learner.train(staged))  # written back by the prefetch thread
-                    self.times.add("train", time.perf_counter() - started)
+                for _ in range(steps):
+                    self.pipeline.submit(self.learner.train(self.pipeline.take()))  # written back by the prefetch thread
                     self.times.steps += 1
+                if steps:
+                    self.times.add("train", time.perf_counter() - started)
                 for step_metrics in self.pipeline.results():
                     last = step_metrics or last  # {}: the update was skipped as non-finite
                 if first_update_unix_s is None and self.learner.updates:
@@ -261,16 +302,29 @@ class LearnerProcess:
                                 and now - last_checkpoint >= best_every)
                 stop_reason = self._stop_reason(now - start)
                 due_by_updates = next_checkpoint_updates is not None and self.learner.updates >= next_checkpoint_updates
-                if (now >= next_checkpoint or due_by_updates or new_best) and self.save_checkpoint(now - start, background=True):
+                due = now >= next_checkpoint or due_by_updates or new_best
+                if self.group is not None:  # the ranks write theirs together, once they agree to
+                    checkpoint_asked, due = due and not agreed_checkpoint and not self.checkpoints.busy, agreed_checkpoint
+                    agreed_checkpoint = False
+                if due and self.save_checkpoint(now - start, background=True):
                     last_checkpoint = now
                     next_checkpoint = now + self.config.learner.checkpoint_interval_s
                     if every_updates:
                         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates
                 if self._signals.received:
                     stop_reason = self._signals.reason()
+        except GroupBroken as e:
+            stop_reason = str(e)
+            self._group_broken = True
+            log.error("%s: the learner stops (apex run, compose or k8s start the group again from the newest "
+                      "checkpoint)", e)
         finally:
             stopped_unix_s = time.time()
-            self.endpoint.stop_actors(stop_reason or "learner error")
+            run_over = not self._group_broken and stop_reason is not None
+            if run_over:
+                # The run is over: every actor stops. Not when this learner fails (a broken
+                # group, a bug): a restarted learner (apex run, compose, k8s) gets them back.
+                self.endpoint.stop_actors(stop_reason)
             self.pipeline.stop()
             for step_metrics in self.pipeline.results():
                 last = step_metrics or last
@@ -279,7 +333,8 @@ class LearnerProcess:
             metrics.write(self._metrics_row(wall, step_rate, update_rate, last))
             metrics.close()
             self.checkpoints.wait()
-            self.save_checkpoint(wall)
+            if self.group is None or stopped_together:  # every rank is at this point: the shards too
+                self.save_checkpoint(wall)
             stats = self.counters.stats
             summary = {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
@@ -297,11 +352,34 @@ class LearnerProcess:
                 "stopped_unix_s": stopped_unix_s,
             }
             self._write_summary(summary)
-            self._linger_for_stops()
+            if run_over:
+                self._linger_for_stops()
             self.endpoint.close()
             self._wakeup.close()
+            if self.group is not None:
+                self.group.close()
             self._say_goodbye(summary)
-        return self._signals.exit_code()
+        return 1 if self._group_broken else self._signals.exit_code()
+
+    def _sync_group(self) -> None:
+        """Takes in what the other ranks counted since the last sync (env steps, episodes,
+        policy lags, refusals) and tells them the sessions closed since and the weights
+        version published."""
+        reports = [msgpack.unpackb(data, strict_map_key=False) for data in self.group.gather(b"")[1:]]
+        with self.counters.lock:
+            counters = self.counters
+            for report in reports:
+                counters.env_steps += report["env_steps"]
+                for host, steps in report["by_host"].items():
+                    counters.env_steps_by_host[host] = counters.env_steps_by_host.get(host, 0) + steps
+                for episode_return, is_eval in report["episodes"]:
+                    counters.stats.add(episode_return, is_eval)
+                counters.lags.extend(report["lags"])
+        for report in reports:
+            for reason, count in report["rejected"].items():
+                self.endpoint.rejected.add(reason, count)
+        self.group_replay_size = sum(report["replay_size"] for report in reports)
+        self.group.broadcast(msgpack.packb({"version": self._version, "closed": self.endpoint.sessions.take_closed()}))
 
     def _prefetch_failed(self, error: BaseException) -> None:
         """Called by the prefetch thread inside its ``except``: our own bug, loud and counted."""
@@ -381,6 +459,8 @@ class LearnerProcess:
         row.update(self.times.take())
         row.update({
             "actors_connected": self.endpoint.actors_connected,
+            **({"ranks": self.group.world_size, "group_replay_size": self.group_replay_size + row.get("replay_size", 0)}
+               if self.group is not None else {}),
             "weights_version": self._version,
             "policy_lag_mean": round(float(np.mean(lags)), 1) if lags else None,
             "policy_lag_max": int(max(lags)) if lags else None,
@@ -408,14 +488,29 @@ class LearnerProcess:
     def save_checkpoint(self, elapsed: float, background: bool = False) -> bool:
         """Writes a checkpoint (in the background: the replay is copied piece by piece while
         training and ingest go on). False if the previous one is still being written (try
-        again soon); a network that is not finite is never written (counted, logged)."""
+        again soon); a network that is not finite is never written (counted, logged). In a
+        learner group every rank calls its part at once (``FollowerProcess._checkpoint``): the
+        other ranks write their replay shards beside it, and the manifest lists them."""
         if self.checkpoints.busy:
-            return False
-        if not all_finite(self.learner.weights()):
+            written = False
+        elif not all_finite(self.learner.weights()):
             self.nonfinite_weights += 1
             self._bad_log.warning("weights hold NaN or infinity: checkpoint not written (%d refused so far)",
                                   self.nonfinite_weights)
-            return True
+            written = True
+        else:
+            written = None
+        name = f"ckpt-{self.learner.updates:09d}"
+        shards = None
+        if self.group is not None:
+            self.group.broadcast(name.encode() if written is None else b"")  # "": nothing to write
+            shards = [e for e in (msgpack.unpackb(entry) for entry in self.group.gather(b"")[1:]) if e]
+            if written is None and (failed := [e["error"] for e in shards if "error" in e]):
+                self.checkpoints.failures += 1
+                log.error("checkpoint %s not written: a rank could not write its replay shard (%s)", name, failed[0])
+                return True
+        if written is not None:
+            return written
         with self.counters.lock:
             state = {
                 **self.learner.state_dict(),
@@ -425,5 +520,5 @@ class LearnerProcess:
             }
             stats = self.counters.stats
             score = stats.return_mean if stats.full_window else None  # as _score, with the same stats
-        name = f"ckpt-{self.learner.updates:09d}"
-        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background, score=score)
+        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background, score=score,
+                                     shards=shards)

@@ -221,6 +221,10 @@ class Pipeline:
     def ready(self) -> bool:
         return not self._staged.empty()
 
+    def staged(self) -> int:
+        """Batches staged now (at least this many ``take`` calls will succeed)."""
+        return self._staged.qsize()
+
     def submit(self, pending: Pending) -> None:
         """A trained step whose results the thread writes back."""
         self._pending.put(pending)

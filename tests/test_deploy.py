@@ -51,7 +51,7 @@ def schema():
     return json.loads(VENDORED_SCHEMA.read_text())
 
 
-@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml"])
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.ranks.yml"])
 def test_compose_files_validate_against_the_compose_spec(schema, name):
     jsonschema.Draft7Validator(schema).validate(compose(name))
 
@@ -95,6 +95,16 @@ def test_compose_services_run_apex_commands_that_parse():
     assert "ports" not in services["actor"] and "container_name" not in services["actor"]  # it scales
     assert services["tensorboard"]["profiles"] == ["tensorboard"]
     assert "5550-5552" in services["learner"]["ports"][0] and services["learner"]["healthcheck"]["test"]
+
+
+def test_compose_ranks_overlay_runs_a_two_rank_learner_that_parses():
+    ranks = compose("docker-compose.ranks.yml")["services"]["learner"]
+    learner = build_parser().parse_args(ranks["command"])
+    assert learner.ranks == 2 and learner.port == 5550 and learner.auto_resume and learner.bind_host == "0.0.0.0"
+    # rank 1's trajectories: P+3, published on loopback like the rest
+    assert ranks["ports"] == ["127.0.0.1:5553:5553"]
+    base = compose()["services"]["learner"]["command"]
+    assert ranks["command"][: len(base)] == base  # the same learner, plus --ranks
 
 
 def published_host(port_spec: str) -> str:

@@ -104,6 +104,7 @@ def test_rank_arguments_are_checked(args, message):
 def test_rank_from_torchrun_variables():
     assert Rank.from_environment({}) is None
     rank = Rank.from_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"})
-    assert rank == Rank(1, 2, "10.0.0.5:29500") and not rank.is_leader
+    assert rank == Rank(1, 2, "10.0.0.5:29500", by_environment=True) and not rank.is_leader
+    assert Rank.checked(1, 2, "10.0.0.5:29500").by_environment is False
     with pytest.raises(ApexError, match="MASTER_PORT"):
         Rank.from_environment({"RANK": "1", "WORLD_SIZE": "2"})

@@ -55,6 +55,29 @@ class Checkpoint:
         code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
         return check_state(read_state(self.state_path), self.state_path.name)
 
+    @property
+    def ranks(self) -> int:
+        """Ranks of the learner group that wrote it (1: one learner process)."""
+        return 1 + len(self.manifest.get("shards", []))
+
+    def shard_path(self, rank: int) -> Path:
+        """Where rank ``rank`` (> 0) of a learner group keeps its replay shard of this checkpoint."""
+        return self.manifest_path.with_name(shard_file_name(self.name, rank))
+
+    def load_shard(self, rank: int, replay) -> None:
+        """Fills ``replay`` (new and empty) from rank ``rank``'s shard, after checking the
+        file's size and CRC-32; the errors of ``load_replay``."""
+        entry = self.manifest["shards"][rank - 1]
+        path = self.shard_path(rank)
+        _check_file(path, entry)
+        _check_replay_fits(entry["replay_header"], replay, self.name)
+        try:
+            with open(path, "rb") as f:
+                replay.load(f, entry["replay_header"])
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise CorruptCheckpoint(f"{path.name} does not hold the replay shard its manifest describes "
+                                    f"({load_failure(e)})") from None
+
     def load_replay(self, replay) -> None:
         """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file.
         IncompatibleCheckpoint if this run's replay has another shape; CorruptCheckpoint if
@@ -127,7 +150,20 @@ def _manifest_problems(manifest: Any, name: str) -> list[str]:
         problems += _file_entry_problems(kind, entry)
     if "replay" in files:
         problems += _replay_header_problems(manifest.get("replay_header"))
+    shards = manifest.get("shards", [])  # a learner group's other ranks' replays
+    if not isinstance(shards, list):
+        return [*problems, f"shards must be a list, got {show(shards)}"]
+    for rank, entry in enumerate(shards, start=1):
+        if not isinstance(entry, dict) or entry.get("rank") != rank:
+            problems.append(f"shards[{rank - 1}] must be an object of rank {rank}, got {show(entry)}")
+            continue
+        problems += _file_entry_problems("replay", entry)
+        problems += [f"shards[{rank - 1}]: {p}" for p in _replay_header_problems(entry.get("replay_header"))]
     return problems
+
+
+def shard_file_name(name: str, rank: int) -> str:
+    return f"{name}.rank{rank}.replay"
 
 
 def _file_entry_problems(kind: Any, entry: Any) -> list[str]:

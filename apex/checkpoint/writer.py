@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from apex.checkpoint.common import FORMAT, MANIFESTS, finite_or_none, score_of
+from apex.checkpoint.manifest import shard_file_name
 from apex.checkpoint.selection import best_of, best_saved_score, readable
 from apex.files import remove_stale_temps, write_atomic
 
@@ -79,10 +80,11 @@ class CheckpointWriter:
             self._thread.join()
 
     def save(self, name: str, state: dict, replay=None, *, background: bool = False,
-             score: float | None = None) -> bool:
+             score: float | None = None, shards: list[dict] | None = None) -> bool:
         """Writes checkpoint ``name`` (e.g. ``ckpt-000001000``): ``state`` (serialised now, so
         training may go on) and, if given, the replay (copied piece by piece while ingest goes
-        on). ``score`` is the run's return_mean_100 now (None before any evaluation episode;
+        on). ``shards``: the entries of a learner group's other ranks' replay shards, written
+        by them beside it (``write_shard``). ``score`` is the run's return_mean_100 now (None before any evaluation episode;
         a non-finite one is recorded as None): pruning and ``find(path, "best")`` rank by it.
         Returns False, writing nothing, if a background write is still running."""
         if self.busy:
@@ -91,7 +93,8 @@ class CheckpointWriter:
         import torch
 
         torch.save(state, buffer)
-        scored = {"return_mean_100": finite_or_none(score), "eval_episodes": _eval_episodes(state)}
+        scored = {"return_mean_100": finite_or_none(score), "eval_episodes": _eval_episodes(state),
+                  **({"shards": shards} if shards else {})}
         args = (name, buffer, replay, state.get("config"), scored)
         if background:
             self._thread = threading.Thread(target=self._write, args=args,
@@ -132,11 +135,17 @@ class CheckpointWriter:
                 continue  # the run's best policy outlives the newest `keep`
             for suffix in (".json", ".replay", ".pt"):  # the manifest first: no manifest without its files
                 old.with_suffix(suffix).unlink(missing_ok=True)
+            for shard in self.directory.glob(shard_file_name(old.stem, "*")):
+                shard.unlink(missing_ok=True)
         # Files of checkpoints whose manifest was never written (a learner killed while
         # writing); this writer is the only one, and its own checkpoint is complete by now.
-        committed = {m.stem for m in self.directory.glob(MANIFESTS)}
+        # A group's other ranks write their shards of a checkpoint before its manifest: only
+        # shards older than the newest manifest are orphans.
+        committed = sorted(m.stem for m in self.directory.glob(MANIFESTS))
         for orphan in [*self.directory.glob("ckpt-*.pt"), *self.directory.glob("ckpt-*.replay")]:
-            if orphan.stem not in committed:
+            name = orphan.name.split(".")[0]
+            is_shard = orphan.name != f"{name}{orphan.suffix}"
+            if name not in committed and not (is_shard and (not committed or name > committed[-1])):
                 orphan.unlink(missing_ok=True)
 
 
@@ -146,3 +155,10 @@ def _eval_episodes(state: dict) -> int | None:
     stats = state.get("episode_stats")
     returns = stats.get("eval") if isinstance(stats, dict) else None
     return len(returns) if isinstance(returns, list) else None
+
+
+def write_shard(directory: Path, name: str, rank: int, replay) -> dict:
+    """Writes rank ``rank``'s replay shard of checkpoint ``name`` (atomically); returns its
+    manifest entry (rank, bytes, crc32, replay_header). Raises OSError if it cannot."""
+    files, header = _write_atomic(Path(directory) / shard_file_name(name, rank), replay.save)
+    return {"rank": rank, **files, "replay_header": header}

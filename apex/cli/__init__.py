@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     # (here, it is not yet); children inherit it; a user's own setting wins.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what a command passes on to its children
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return args.handler(args)

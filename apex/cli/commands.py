@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from apex.cli.environment import ENV
-from apex.config import DEFAULT_PORT
+from apex.config import DEFAULT_PORT, port_problem
 from apex.errors import ApexError
 
 
@@ -95,9 +95,37 @@ def run_logdir(args: argparse.Namespace, config) -> Path:
     return Path(args.logdir) if args.logdir else default_logdir(config)
 
 
+def group_rank(args: argparse.Namespace):
+    """This process's place in a learner group (--rank/--world-size/--master, or torchrun's
+    variables), or None."""
+    from apex.distributed import Rank
+
+    given = [args.rank is not None, args.world_size is not None, args.master is not None]
+    if any(given) and not all(given):
+        raise ApexError("--rank, --world-size and --master go together (or set RANK, WORLD_SIZE, MASTER_ADDR, "
+                        "MASTER_PORT)")
+    if all(given):
+        return Rank.checked(args.rank, args.world_size, args.master)
+    return Rank.from_environment()
+
+
 def learner(args: argparse.Namespace) -> int:
     from apex.checkpoint import has_checkpoint
     from apex.envs import env_spec
+
+    rank = group_rank(args)
+    if args.ranks is not None:
+        if args.ranks < 1:
+            raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
+        if rank is not None:
+            raise ApexError("--ranks starts the whole group: give it without --rank/--world-size/--master")
+    if args.ranks is not None and args.ranks > 1:
+        from apex.launch import run_ranks
+
+        port = args.port if args.port is not None else load_config(args, resume_checkpoint(args)).transport.port
+        return run_ranks(args.argv, args.ranks, port)
+    if rank is not None and rank.world_size == 1:
+        rank = None
 
     if args.auto_resume:
         if args.resume or not args.logdir:
@@ -114,13 +142,36 @@ def learner(args: argparse.Namespace) -> int:
     from apex.launch import stop_args
 
     # The closing line's "resume with": this command's own addresses, keys and stops.
+    group_args = []
+    if rank is not None:  # the whole group resumes: --ranks N on one host, each rank's own flags on several
+        group_args = (["--ranks", str(rank.world_size)] if rank.master.startswith("127.0.0.1:")
+                      else ["--rank", str(rank.rank), "--world-size", str(rank.world_size), "--master", rank.master])
     resume_command = args.resume_command or shlex.join([
-        "apex", "learner", "--resume", str(logdir),
+        "apex", "learner", "--resume", str(logdir), *group_args,
         *(["--port", str(args.port)] if args.port is not None else []),
         *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
         *(["--curve-dir", args.curve_dir] if args.curve_dir else []), *stop_args(stop)])
+    group = None
+    if rank is not None:
+        from apex.distributed import LearnerGroup
+        from apex.learner import pick_device
+        from apex.transport import is_loopback
+
+        base = args.port if args.port is not None else config.transport.port
+        if (problem := port_problem(base + 2 + rank.world_size)) is not None:
+            raise ApexError(f"--port {base} leaves no room for {rank.world_size} ranks: {problem}")
+        # Where actors reach this rank's trajectories: None is the host they reached rank 0 at.
+        host = None if is_loopback(args.bind_host) or args.bind_host in ("0.0.0.0", "::", "*") else args.bind_host
+        group = LearnerGroup(rank, pick_device(config.learner.device),
+                             (host, base + 1 if rank.is_leader else base + 2 + rank.rank), config.digest())
+        if not rank.is_leader:
+            from apex.follower import FollowerProcess
+
+            code = FollowerProcess(config, logdir, args.bind_host, args.port, group).run()
+            logging.shutdown()
+            os._exit(code)
     process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
-                             resume_command=resume_command)
+                             resume_command=resume_command, group=group)
     code = process.run()
     # Everything is written and closed by now; tearing down torch's interpreter state takes
     # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
@@ -195,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         raise ApexError(f"--actors must be >= 1, got {args.actors}")
     if args.learner_restarts < 0:
         raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
+    if args.ranks < 1:
+        raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
     resume = resume_checkpoint(args)
     config = load_config(args, resume)
     stop = stop_conditions(args)
@@ -207,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     env_spec(config.env, config.algo)
     return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
-                      learner_restarts=args.learner_restarts)
+                      learner_restarts=args.learner_restarts, ranks=args.ranks)
 
 
 def evaluate(args: argparse.Namespace) -> int:

@@ -168,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     learner.add_argument("--auto-resume", action="store_true",
                          help="resume from --logdir's newest valid checkpoint if it has one, else start afresh "
                               "(for a container or service manager that restarts the learner)")
+    ranks = learner.add_argument_group(
+        "data-parallel learners (torch.distributed: gloo on CPU, NCCL on CUDA; or torchrun's RANK, WORLD_SIZE, "
+        "MASTER_ADDR, MASTER_PORT)")
+    ranks.add_argument("--ranks", type=int, default=None, metavar="N",
+                       help="start N learner processes on this host as one group (rank r > 0 takes trajectories "
+                            "on P+2+r; the group meets on P+2+N)")
+    ranks.add_argument("--rank", type=int, default=None, metavar="R", help="this process's rank in a group (0 talks to actors)")
+    ranks.add_argument("--world-size", type=int, default=None, metavar="W", help="ranks in the group")
+    ranks.add_argument("--master", default=None, metavar="HOST:PORT", help="where the group meets (rank 0's host)")
     # apex run passes its own command for the closing line's "resume with".
     learner.add_argument("--resume-command", help=argparse.SUPPRESS)
     learner.set_defaults(handler=cmd.learner)
@@ -220,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_resume(run)
     run.add_argument("--learner-restarts", type=int, default=10, metavar="N",
                      help="times a learner that dies is restarted from its newest checkpoint (default: 10; 0: never)")
+    run.add_argument("--ranks", type=int, default=1, metavar="N",
+                     help="learner processes, as one data-parallel group (apex learner --ranks N; default: 1)")
     run.set_defaults(handler=cmd.run)
 
     evaluate = commands.add_parser("eval", help="play a checkpoint's policy and report its returns",

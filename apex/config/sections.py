@@ -371,6 +371,13 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def digest(self) -> str:
+        """A fingerprint of every setting (the ranks of a learner group must agree on it)."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
     def save(self, path: Path) -> Path:
         """Writes the config as YAML that ``load`` reads back (for child processes); never
         through a link planted at ``path``."""

@@ -71,8 +71,8 @@ class LearnerClient:
         self._curve = self._load_curve() if options.curve_dir else None
         self._routing_id = b"actor-" + os.urandom(8).hex().encode()
         self.control = self._control_socket()
-        self.trajectories = self._connect(zmq.PUSH, self.ports.trajectories, sndhwm=options.trajectory_hwm,
-                                          buffer_bytes=options.trajectory_buffer_bytes)
+        self._route = (host, self.ports.trajectories)  # where batches go: the rank the welcome named
+        self.trajectories = self._trajectory_socket()
         self.weights_socket = self._connect(zmq.DEALER, self.ports.weights, conflate=True)
 
     @property
@@ -236,6 +236,12 @@ class LearnerClient:
             # whatever their version, or the actor would ignore them for good.
             self._incarnation = msg.fields["incarnation"]
             self._weights_version = -1
+        route = self._route_of(msg.fields["setup"].get("trajectories"))
+        if route != self._route:  # a learner group sends this actor's batches to another rank
+            self._route = route
+            self.trajectories.close(linger=0)
+            self.trajectories = self._trajectory_socket()
+            log.info("sending batches to the learner rank at %s:%d", *route)
         # Weights come on their own port to the sessions registered there.
         with contextlib.suppress(zmq.Again):
             self.weights_socket.send(self._session, flags=zmq.NOBLOCK)
@@ -252,7 +258,7 @@ class LearnerClient:
         public, secret = load_keypair(directory / "actor.key_secret")
         return public, secret, load_learner_public(directory / "learner.key")
 
-    def _connect(self, kind: int, port: int, *, sndhwm: int = 0, conflate: bool = False,
+    def _connect(self, kind: int, port: int, *, host: str | None = None, sndhwm: int = 0, conflate: bool = False,
                  buffer_bytes: int = 0, routing_id: bytes | None = None) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
@@ -267,8 +273,23 @@ class LearnerClient:
             sock.setsockopt(zmq.CONFLATE, 1)  # hold only the newest message
         if self._curve is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
-        sock.connect(f"tcp://{self.host}:{port}")
+        sock.connect(f"tcp://{host or self.host}:{port}")
         return sock
+
+    def _route_of(self, trajectories: Any) -> tuple[str, int]:
+        """The address a welcome's ``trajectories`` names ({"host": HOST or None, "port": P}:
+        None is the learner's own host), or the learner's trajectory port without one."""
+        if not isinstance(trajectories, dict):
+            return (self.host, self.ports.trajectories)
+        host, port = trajectories.get("host") or self.host, trajectories.get("port")
+        if not isinstance(host, str) or type(port) is not int or not 1 <= port <= 65535:
+            log.warning("ignored a malformed trajectories address in the welcome: %r", trajectories)
+            return (self.host, self.ports.trajectories)
+        return (host, port)
+
+    def _trajectory_socket(self) -> zmq.Socket:
+        return self._connect(zmq.PUSH, self._route[1], host=self._route[0], sndhwm=self.options.trajectory_hwm,
+                             buffer_bytes=self.options.trajectory_buffer_bytes)
 
     def _control_socket(self) -> zmq.Socket:
         return self._connect(zmq.DEALER, self.ports.control, routing_id=self._routing_id)

@@ -22,7 +22,7 @@ from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.keys import load_keypair
 from apex.transport.receiver import TrajectoryReceiver
-from apex.transport.sessions import HelloLimiter, RejectCounter, Session, Sessions, peer_address
+from apex.transport.sessions import HelloLimiter, RejectCounter, Session, SessionSigner, Sessions, peer_address
 from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
 
 log = logging.getLogger("apex.transport")
@@ -56,8 +56,11 @@ class LearnerEndpoint:
         port: int,
         setup_for: Callable[[Message, int], Mapping[str, Any]],
         options: TransportConfig = TransportConfig(),
+        signer: SessionSigner | None = None,
     ) -> None:
+        """``signer``: in a learner group, issues session tokens that every rank can check."""
         self.ports = Ports.from_base(port)
+        self.signer = signer
         self.options = options
         self._setup_for = setup_for
         self.context = zmq.Context()
@@ -165,39 +168,11 @@ class LearnerEndpoint:
 
     # -- internals
 
-    def _bind(self, kind: int, host: str, port: int, curve, *, sndhwm: int = 0, rcvhwm: int = 0,
-              buffer_bytes: int = 0, max_message_bytes: int = 0) -> zmq.Socket:
-        sock = self.context.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if buffer_bytes:
-            sock.setsockopt(zmq.RCVBUF, buffer_bytes)
-        if sndhwm:
-            sock.setsockopt(zmq.SNDHWM, sndhwm)
-        if rcvhwm:
-            sock.setsockopt(zmq.RCVHWM, rcvhwm)
-        if max_message_bytes:
-            # ZeroMQ drops a connection that sends a larger frame, before allocating it.
-            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        if curve is not None:
-            sock.curve_publickey, sock.curve_secretkey = curve
-            sock.curve_server = True
-        address = f"tcp://{host}:{port}"
-        try:
-            sock.bind(address)
-        except zmq.ZMQError as e:
-            sock.close(linger=0)
-            raise ApexError(f"cannot bind {address}: {e.strerror} (is another learner using ports {self.ports.control}-{self.ports.weights}? pick another with --port)") from None
-        return sock
+    def _bind(self, kind: int, host: str, port: int, curve, **options: int) -> zmq.Socket:
+        return bind_socket(self.context, kind, host, port, curve, self.ports, **options)
 
     def _start_curve(self) -> tuple[bytes, bytes]:
-        directory = Path(self.options.curve_dir)
-        keypair = load_keypair(directory / "learner.key_secret")
-        authorized = directory / "authorized"
-        if not authorized.is_dir() or not any(authorized.glob("*.key")):
-            raise ApexError(f"no authorised actor keys in {authorized}: run `apex keygen {directory}`")
-        self._auth = ThreadAuthenticator(self.context)
-        self._auth.start()
-        self._auth.configure_curve(domain="*", location=str(authorized))
+        self._auth, keypair = start_curve(self.context, self.options.curve_dir)
         return keypair
 
     def _reject(self, reason: str, fmt: str, *args: Any) -> None:
@@ -277,8 +252,9 @@ class LearnerEndpoint:
         else:
             if previous is not None:
                 self.sessions.close(previous)
-            session = Session(index, identity, os.urandom(TOKEN_BYTES), fields["host"], fields["pid"],
-                              setup.get("num_envs", fields["num_envs"]), time.monotonic())
+            num_envs = setup.get("num_envs", fields["num_envs"])
+            token = os.urandom(TOKEN_BYTES) if self.signer is None else self.signer.token(index, num_envs)
+            session = Session(index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic())
             self.sessions.open(session)
         if not self._send(identity, "welcome", {"actor_index": index, "setup": setup, "session": session.token,
                                                 "incarnation": self.incarnation}):
@@ -350,3 +326,75 @@ def _hello_problem(fields: Mapping[str, Any]) -> str | None:
     if len(fields["host"]) > MAX_HOST_CHARS or not 0 <= fields["pid"] < 2**32:
         return f"host must be at most {MAX_HOST_CHARS} characters and pid in 0..2**32-1"
     return None
+
+
+def bind_socket(context: zmq.Context, kind: int, host: str, port: int, curve, ports: Ports, *, sndhwm: int = 0,
+                rcvhwm: int = 0, buffer_bytes: int = 0, max_message_bytes: int = 0) -> zmq.Socket:
+    """A learner socket bound at host:port with apex's limits (and CURVE's server keys)."""
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if buffer_bytes:
+        sock.setsockopt(zmq.RCVBUF, buffer_bytes)
+    if sndhwm:
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+    if rcvhwm:
+        sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    if max_message_bytes:
+        # ZeroMQ drops a connection that sends a larger frame, before allocating it.
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if curve is not None:
+        sock.curve_publickey, sock.curve_secretkey = curve
+        sock.curve_server = True
+    address = f"tcp://{host}:{port}"
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise ApexError(f"cannot bind {address}: {e.strerror} (is another learner using ports {ports.control}-"
+                        f"{ports.weights} or its ranks' ports? pick another with --port)") from None
+    return sock
+
+
+def start_curve(context: zmq.Context, curve_dir: str) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
+    """The learner's CURVE key pair, and an authenticator that admits the authorised actors."""
+    directory = Path(curve_dir)
+    keypair = load_keypair(directory / "learner.key_secret")
+    authorized = directory / "authorized"
+    if not authorized.is_dir() or not any(authorized.glob("*.key")):
+        raise ApexError(f"no authorised actor keys in {authorized}: run `apex keygen {directory}`")
+    auth = ThreadAuthenticator(context)
+    auth.start()
+    auth.configure_curve(domain="*", location=str(authorized))
+    return auth, keypair
+
+
+class TrajectoryEndpoint:
+    """A follower rank's one socket: the trajectory stream of the actors the welcome sent to
+    it (PULL, bound with the learner's limits and CURVE), checked against the group's signed
+    sessions."""
+
+    def __init__(self, host: str, port: int, ports: Ports, options: TransportConfig, sessions) -> None:
+        self.context = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self.rejected = RejectCounter()
+        self.sessions = sessions
+        try:
+            curve = None
+            if options.curve_dir:
+                self._auth, curve = start_curve(self.context, options.curve_dir)
+            pull = bind_socket(self.context, zmq.PULL, host, port, curve, ports, rcvhwm=options.trajectory_hwm,
+                               buffer_bytes=options.trajectory_buffer_bytes,
+                               max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES)
+        except Exception:
+            self.close()
+            raise
+        self.receiver = TrajectoryReceiver(pull, options, sessions, self.rejected)
+
+    def close(self) -> None:
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.socket.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        self.context.term()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import struct
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,9 +30,9 @@ class RejectCounter:
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def add(self, reason: str) -> None:
+    def add(self, reason: str, count: int = 1) -> None:
         with self._lock:
-            self._counts[reason] += 1
+            self._counts[reason] += count
 
     @property
     def total(self) -> int:
@@ -67,6 +72,7 @@ class Sessions:
         self._lock = threading.Lock()
         self._by_identity: dict[bytes, Session] = {}
         self._by_token: dict[bytes, Session] = {}
+        self._closed: list[bytes] = []  # tokens closed since ``take_closed`` (for a group's other ranks)
 
     def __len__(self) -> int:
         return len(self._by_identity)
@@ -93,7 +99,15 @@ class Sessions:
     def close(self, session: Session) -> None:
         with self._lock:
             self._by_identity.pop(session.identity, None)
-            self._by_token.pop(session.token, None)
+            if self._by_token.pop(session.token, None) is not None:
+                self._closed.append(session.token)
+                del self._closed[: -SignedSessions.MAX_CLOSED]
+
+    def take_closed(self) -> list[bytes]:
+        """The tokens closed since the last call."""
+        with self._lock:
+            closed, self._closed = self._closed, []
+            return closed
 
     def check_batch(self, fields: Mapping[str, Any]) -> Session:
         """The session a batch belongs to; raises RejectedMessage for a batch without a live
@@ -103,6 +117,83 @@ class Sessions:
             session = self._by_token.get(fields["session"])
             if session is None:
                 raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
+            if fields["actor_index"] != session.index:
+                raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
+            if fields["seq"] <= session.last_seq:
+                raise RejectedMessage("replayed", f"batch {fields['seq']} of actor {session.index} again "
+                                      f"(last accepted: {session.last_seq})")
+            session.last_seq = fields["seq"]
+            return session
+
+
+class SessionSigner:
+    """Session tokens that every rank of a learner group can check without a shared table:
+    a nonce, the actor's index and environment count, and an HMAC of them under the group's
+    secret (shared when the group forms). Rank 0 issues them at the welcome; the rank an
+    actor sends its batches to verifies them (``SignedSessions``)."""
+
+    _FIELDS = struct.Struct("<8sII")  # nonce, actor index, num_envs
+    MAC_BYTES = 16
+    TOKEN_BYTES = _FIELDS.size + MAC_BYTES
+
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("a session secret needs at least 16 bytes")
+        self._secret = secret
+
+    def _mac(self, fields: bytes) -> bytes:
+        return hmac.new(self._secret, fields, hashlib.sha256).digest()[: self.MAC_BYTES]
+
+    def token(self, index: int, num_envs: int) -> bytes:
+        fields = self._FIELDS.pack(os.urandom(8), index, num_envs)
+        return fields + self._mac(fields)
+
+    def verify(self, token: bytes) -> tuple[int, int] | None:
+        """(actor index, num_envs) of a token this group issued, else None."""
+        if not isinstance(token, bytes) or len(token) != self.TOKEN_BYTES:
+            return None
+        fields, mac = token[: self._FIELDS.size], token[self._FIELDS.size :]
+        if not hmac.compare_digest(mac, self._mac(fields)):
+            return None
+        _, index, num_envs = self._FIELDS.unpack(fields)
+        return index, num_envs
+
+
+class SignedSessions:
+    """A follower rank's sessions: any token the group issued is good (checked by its HMAC),
+    its session is made on the first batch; rank 0 tells which it closed (``close_tokens``),
+    and those stay refused. Batches must carry ever-growing sequence numbers, as on rank 0."""
+
+    MAX_CLOSED = 65_536  # closed tokens remembered (the oldest forgotten first)
+
+    def __init__(self, signer: SessionSigner) -> None:
+        self._signer = signer
+        self._lock = threading.Lock()
+        self._by_token: dict[bytes, Session] = {}
+        self._closed: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_token)
+
+    def close_tokens(self, tokens: list[bytes]) -> None:
+        with self._lock:
+            for token in tokens:
+                self._by_token.pop(token, None)
+                self._closed[token] = None
+            while len(self._closed) > self.MAX_CLOSED:
+                self._closed.popitem(last=False)
+
+    def check_batch(self, fields: Mapping[str, Any]) -> Session:
+        token = fields["session"]
+        with self._lock:
+            session = self._by_token.get(token)
+            if session is None:
+                issued = None if token in self._closed else self._signer.verify(token)
+                if issued is None:
+                    raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
+                index, num_envs = issued
+                session = Session(index, b"", token, "", 0, num_envs, last_seen=time.monotonic())
+                self._by_token[token] = session
             if fields["actor_index"] != session.index:
                 raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
             if fields["seq"] <= session.last_seq:

@@ -1,0 +1,163 @@
+"""Data-parallel learner groups as users start them (`apex learner --ranks N`, `apex run
+--ranks N`): real processes over gloo on localhost, actors routed to ranks, checkpoints with
+every rank's replay shard, and a rank that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apex.checkpoint import find_latest
+from apex.transport.sessions import SessionSigner, SignedSessions
+
+FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
+        "--set", "learner.metrics_interval_s=0.5"]
+
+
+def free_ports(count: int) -> int:
+    """A base port P with P .. P+count-1 free."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            probes = []
+            for p in range(base, base + count):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no free port range")
+
+
+def apex(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def metrics(logdir: Path) -> list[dict]:
+    path = logdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ranks_of(port: int) -> dict[int, int]:
+    """rank -> pid of the learner processes of the group at --port ``port``."""
+    out = subprocess.run(["pgrep", "-af", f"[-]-port {port} "], capture_output=True, text=True).stdout
+    found = {}
+    for line in out.splitlines():
+        words = line.split()
+        if "--rank" in words:
+            found[int(words[words.index("--rank") + 1])] = int(words[0])
+    return found
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+def test_signed_sessions_take_the_group_tokens_only():
+    signer = SessionSigner(b"s" * 32)
+    sessions = SignedSessions(signer)
+    token = signer.token(3, 16)
+    batch = {"session": token, "actor_index": 3, "seq": 0}
+    assert sessions.check_batch(batch).num_envs == 16
+    with pytest.raises(Exception, match="again"):
+        sessions.check_batch(batch)  # the same sequence number twice
+    with pytest.raises(Exception, match="actor 4"):
+        sessions.check_batch({**batch, "actor_index": 4, "seq": 1})
+    forged = token[:-1] + bytes([token[-1] ^ 1])
+    other_group = SessionSigner(b"t" * 32).token(3, 16)
+    for bad in (forged, other_group, b"x" * 16, token[:8] + (2**31).to_bytes(4, "little") + token[12:]):
+        with pytest.raises(Exception, match="without a live session"):
+            sessions.check_batch({**batch, "session": bad, "seq": 5})
+    sessions.close_tokens([token])  # rank 0 closed it: refused from now on
+    with pytest.raises(Exception, match="without a live session"):
+        sessions.check_batch({**batch, "seq": 9})
+
+
+def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
+    """`apex learner --ranks 2` with two actors (one sends to each rank) reaches 475; its
+    checkpoints hold rank 1's replay shard, and the group resumed on 2 ranks restores it."""
+    port = free_ports(6)
+    logdir = tmp_path / "run"
+    learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
+                   "--stop-return", "475", "--stop-seconds", "150", *FAST)
+    actors = [apex("actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "16", "--set", "transport.heartbeat_interval_s=0.2",
+                   "--set", "transport.heartbeat_timeout_s=1.5") for _ in range(2)]
+    try:
+        _, err = learner.communicate(timeout=240)
+        assert learner.returncode == 0, err[-3000:]
+        summary = json.loads((logdir / "summary.json").read_text())
+        assert summary["stop_reason"].startswith("return_mean_100") and summary["return_mean_100"] >= 475
+        rows = metrics(logdir)
+        assert all(r["ranks"] == 2 for r in rows)
+        # rank 1 trained on the batches of the actor the welcome sent to it
+        assert max(r["group_replay_size"] - r["replay_size"] for r in rows) > 1000
+        assert "sending batches to the learner rank at 127.0.0.1:" in "".join(a.communicate(timeout=30)[1] for a in actors)
+        newest = find_latest(logdir)
+        assert newest.ranks == 2 and newest.shard_path(1).stat().st_size == newest.manifest["shards"][0]["bytes"]
+        shard_items = newest.manifest["shards"][0]["replay_header"]["items"]
+        assert shard_items[2] - shard_items[1] > 1000
+
+        resumed = apex("learner", "--ranks", "2", "--port", str(port), "--resume", str(logdir),
+                       "--stop-seconds", "1", *FAST)
+        _, err = resumed.communicate(timeout=120)
+        assert resumed.returncode == 0, err[-3000:]
+        restored = f"rank 1 restored its replay shard of {newest.name}"
+        assert restored in err and f"resumed from {newest.name}" in err
+        assert "apex learner --resume" in err and "--ranks 2" in err  # the closing line resumes the whole group
+    finally:
+        stop_all([learner, *actors])
+
+
+def test_a_rank_that_dies_stops_the_group_and_apex_run_starts_it_again(tmp_path):
+    port = free_ports(6)
+    logdir = tmp_path / "run"
+    run = apex("run", "--ranks", "2", "--actors", "2", "--port", str(port), "--logdir", str(logdir),
+               "--stop-seconds", "240", "--stop-env-steps", "150000", "--set", "learner.checkpoint_interval_s=1", *FAST)
+    try:
+        wait_for(lambda: any(r["learner_updates"] > 50 for r in metrics(logdir)), 120, "the group to train")
+        wait_for(lambda: find_latest(logdir).ranks == 2 if list((logdir / "checkpoints").glob("*.json")) else False,
+                 60, "a checkpoint of both ranks")
+        first = ranks_of(port)
+        assert set(first) == {0, 1}
+        os.kill(first[1], signal.SIGKILL)
+        wait_for(lambda: set(ranks_of(port)) == {0, 1} and ranks_of(port)[1] != first[1], 60, "the group to start again")
+        _, err = run.communicate(timeout=240)
+        assert run.returncode == 0, err[-3000:]
+        assert "rank 1 exited with -9" in err and "stopping the group" in err
+        assert "the learner group broke" in err  # rank 0 said why it stopped
+        assert "rank 1 restored its replay shard" in err and "restarting it from its newest checkpoint" in err
+        summary = json.loads((logdir / "summary.json").read_text())
+        assert summary["stop_reason"] == "150000 env steps" and summary["resumed_from"] is not None
+        time.sleep(0.5)
+        assert ranks_of(port) == {}
+    finally:
+        stop_all([run])
