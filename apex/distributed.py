@@ -1,5 +1,6 @@
-"""Data-parallel learners over ``torch.distributed``: the process group and the gradient
-all-reduce that makes every rank take the same step.
+"""Data-parallel learners over ``torch.distributed``: the process group, what its ranks agree
+on every loop (``LearnerGroup``: steps, stop, sync, checkpoint; counts and sessions as msgpack
+bytes) and the gradient all-reduce that makes every rank take the same step.
 
 Each rank trains on its own batch (Ape-X: sampled from its own replay shard; IMPALA: its own
 unrolls) and, between backward and the optimizer, ``GradientAllReduce`` averages the gradients

@@ -5,7 +5,8 @@ publishes weights, writes metrics, summary and checkpoints, and decides when to 
 follower binds one port, the trajectory stream of the actors rank 0 sends to it, keeps its own
 replay shard (Ape-X) or unroll queue (IMPALA), and trains in step with the others: each loop,
 one collective agrees how many batches every rank trains on now (the fewest any has staged),
-and whether to stop or sync; each step all-reduces the gradients (``apex.distributed``). At a
+and whether to stop, sync or checkpoint (this rank's replay shard beside rank 0's files); each
+step all-reduces the gradients (``apex.distributed``). At a
 sync it hands rank 0 what its ingest counted (env steps, episodes, policy lags, refusals) and
 hears which sessions rank 0 closed and which weights it published.
 """
@@ -28,6 +29,7 @@ from apex.config import Config
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
 from apex.envs import env_spec
 from apex.ingest import Ingest, RunCounters
+from apex.logs import RateLimitedLog
 from apex.learner import IDLE_WAIT_S, pick_device
 from apex.malloc import keep_large_blocks
 from apex.metrics import EpisodeStats
@@ -111,7 +113,10 @@ class FollowerProcess:
                              self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters, lambda: self._version)
         self.times = SectionTimes()
         self._wakeup = Wakeup()
-        self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify)
+        self._bug_log = RateLimitedLog(log, interval_s=10.0)
+        self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify,
+                                 on_error=lambda e: self._bug_log.exception("sampling a batch failed (a bug in apex, "
+                                                                            "please report it); continuing"))
         self._signals = StopSignals()
         self.checkpoint_dir = self.logdir / "checkpoints"
         try:
@@ -205,8 +210,7 @@ class FollowerProcess:
 
     def _sync(self) -> None:
         """Tells rank 0 what was counted; hears the closed sessions and the weights version."""
-        self.group.gather(self.counts.take({"actors": len(self.sessions),
-                                            "replay_size": self.learner.metrics().get("replay_size", 0)}))
+        self.group.gather(self.counts.take({"replay_size": self.learner.metrics().get("replay_size", 0)}))
         news = msgpack.unpackb(self.group.broadcast(None))
         self._version = news["version"]
         self.sessions.close_tokens(news["closed"])

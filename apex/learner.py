@@ -19,13 +19,13 @@ import torch
 from apex import algos
 from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_and_newest, first_loadable
 from apex.config import Config, StopConditions
+from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
 from apex.envs import env_spec
 from apex.errors import ApexError
 from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
 from apex.malloc import keep_large_blocks
 from apex.metrics import MetricsWriter, Rate, closing_line, write_json_atomic
-from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
 from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT
@@ -334,7 +334,10 @@ class LearnerProcess:
             metrics.close()
             self.checkpoints.wait()
             if self.group is None or stopped_together:  # every rank is at this point: the shards too
-                self.save_checkpoint(wall)
+                try:
+                    self.save_checkpoint(wall)
+                except GroupBroken as e:  # a rank died at the very end: the checkpoint before stands
+                    log.error("%s: the last checkpoint was not written", e)
             stats = self.counters.stats
             summary = {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),

@@ -268,7 +268,7 @@ def kustomization_dirs(directory: Path) -> list[Path]:
     return [(directory / r).resolve() for r in spec.get("resources", []) if (directory / r).is_dir()]
 
 
-@pytest.mark.parametrize("overlay", ["k8s", "k8s/curve"])
+@pytest.mark.parametrize("overlay", ["k8s", "k8s/curve", "k8s/ranks"])
 def test_kubernetes_kustomizations_reference_no_base_that_contains_them(overlay):
     """kustomize refuses a base directory that contains the overlay ("cycle detected")."""
     directory = (DEPLOY / overlay).resolve()
@@ -278,6 +278,21 @@ def test_kubernetes_kustomizations_reference_no_base_that_contains_them(overlay)
         assert (base / "kustomization.yaml").exists()
         assert not directory.is_relative_to(base), f"{overlay} lies inside its base {base}"
     assert (DEPLOY / "k8s" / "base").resolve() in bases
+
+
+def test_kubernetes_ranks_overlay_runs_a_two_rank_learner_behind_the_service():
+    deployment, service = yaml.safe_load_all((DEPLOY / "k8s" / "ranks" / "learner-ranks.yaml").read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    learner = build_parser().parse_args(container["args"])
+    assert learner.ranks == 2 and learner.port == 5550 and learner.auto_resume
+    base = yaml.safe_load_all((K8S_BASE / "learner.yaml").read_text())
+    assert container["args"][:-2] == next(base)["spec"]["template"]["spec"]["containers"][0]["args"]
+    # rank 1's trajectories: P+3, in the pod and behind the Service
+    assert container["ports"] == [{"name": "trajectories-1", "containerPort": 5553}]
+    assert service["metadata"]["name"] == "apex-learner" and service["spec"]["ports"][0]["port"] == 5553
+    comments = " ".join(line.lstrip("# ") for line in (DEPLOY / "k8s" / "ranks" / "kustomization.yaml")
+                        .read_text().splitlines() if line.startswith("#"))
+    assert "must not be reachable from untrusted networks" in " ".join(comments.split())
 
 
 def test_kubernetes_default_manifests_warn_that_they_run_without_curve():
@@ -304,6 +319,10 @@ def test_kubernetes_kustomizations_build(tmp_path):
 
     base = build(copy)
     assert {d["kind"] for d in base} == {"ConfigMap", "Service", "Deployment"}
+    ranks = {d["metadata"]["name"] + d["kind"]: d for d in build(copy / "ranks")}
+    learner = ranks["apex-learnerDeployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert learner["args"][-2:] == ["--ranks", "2"] and len(learner["ports"]) == 4
+    assert {p["port"] for p in ranks["apex-learnerService"]["spec"]["ports"]} == {5550, 5551, 5552, 5553}
     curve = build(copy / "curve")
     (secret,) = [d for d in curve if d["kind"] == "Secret"]
     assert set(secret["data"]) == {"learner.key", "learner.key_secret", "actor.key", "actor.key_secret"}
