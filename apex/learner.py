@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
 GROUP_SYNC_S = 0.25  # how often a learner group's ranks hand rank 0 their counts (episodes for stop-return)
+STARVED_RANK_S = 30.0  # a group that trains nothing this long while rank 0 has batches says why
 # An actor's seed from the run's and its index: far apart for neighbouring indices and runs
 # (two primes), so that no two actors' environments share a seed sequence.
 SEED_RUN_FACTOR = 1_000_003
@@ -252,6 +253,7 @@ class LearnerProcess:
         next_sync = time.monotonic()
         # In a group: a checkpoint asked for in the next agreement, and agreed to in the last.
         checkpoint_asked = agreed_checkpoint = stopped_together = False
+        starved_since = None  # since when this rank has had batches and the group trained none
         try:
             while True:
                 self.endpoint.poll(0)
@@ -272,6 +274,12 @@ class LearnerProcess:
                         break
                     agreed_checkpoint, checkpoint_asked = agreed.checkpoint, False
                     steps = agreed.steps
+                    starved_since = None if steps or not self.pipeline.staged() else starved_since or now
+                    if starved_since is not None and now - starved_since > STARVED_RANK_S:
+                        starved_since = now
+                        log.warning("the group has not trained for %.0f s: a rank has no batches (each rank needs "
+                                    "actors: actor i sends to rank i mod %d, so %d ranks need %d actors or more)",
+                                    STARVED_RANK_S, self.group.world_size, self.group.world_size, self.group.world_size)
                 started = time.perf_counter()
                 if not steps:
                     self._wait_for_work()

@@ -161,3 +161,16 @@ def test_a_rank_that_dies_stops_the_group_and_apex_run_starts_it_again(tmp_path)
         assert ranks_of(port) == {}
     finally:
         stop_all([run])
+
+
+def test_group_flags_are_checked_before_anything_starts(capsys):
+    from apex.cli import main
+
+    assert main(["run", "--ranks", "3", "--actors", "2"]) == 2
+    assert "--ranks 3 needs at least as many actors" in capsys.readouterr().err
+    assert main(["learner", "--rank", "1", "--world-size", "2"]) == 2
+    assert "--rank, --world-size and --master go together" in capsys.readouterr().err
+    assert main(["learner", "--rank", "2", "--world-size", "2", "--master", "127.0.0.1:6000"]) == 2
+    assert "--rank must be in 0..1" in capsys.readouterr().err
+    assert main(["learner", "--ranks", "2", "--rank", "0", "--world-size", "2", "--master", "127.0.0.1:6000"]) == 2
+    assert "--ranks starts the whole group" in capsys.readouterr().err

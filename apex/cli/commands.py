@@ -248,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
         raise ApexError(f"--learner-restarts must be >= 0, got {args.learner_restarts}")
     if args.ranks < 1:
         raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
+    if args.ranks > args.actors:
+        raise ApexError(f"--ranks {args.ranks} needs at least as many actors (actor i sends to rank i mod N): "
+                        f"give --actors {args.ranks} or more")
     resume = resume_checkpoint(args)
     config = load_config(args, resume)
     stop = stop_conditions(args)
