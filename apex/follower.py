@@ -27,11 +27,9 @@ from apex.checkpoint.manifest import read_manifest
 from apex.checkpoint.writer import write_shard
 from apex.config import Config
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
-from apex.envs import env_spec
 from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
-from apex.learner import IDLE_WAIT_S, pick_device
-from apex.malloc import keep_large_blocks
+from apex.learner import IDLE_WAIT_S, learner_runtime
 from apex.metrics import EpisodeStats
 from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.schema import UNKNOWN_STEP_LIMIT
@@ -90,10 +88,7 @@ class FollowerProcess:
         self.config = config
         self.logdir = Path(logdir)
         self.group = group
-        self.spec = env_spec(config.env, config.algo)
-        self.device = pick_device(config.learner.device)
-        torch.set_num_threads(config.learner.torch_threads)
-        keep_large_blocks()
+        self.spec, self.device = learner_runtime(config)
         self.sessions = SignedSessions(SessionSigner(group.secret))
         base = port if port is not None else config.transport.port
         own_port = group.addresses[group.rank.rank][1]

@@ -66,6 +66,16 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def learner_runtime(config: Config) -> tuple:
+    """What every learner process (a group's ranks alike) sets up first: (env spec, device),
+    torch's CPU threads, and malloc keeping large blocks (decoded arrays off fresh pages)."""
+    spec = env_spec(config.env, config.algo)
+    device = pick_device(config.learner.device)
+    torch.set_num_threads(config.learner.torch_threads)
+    keep_large_blocks()
+    return spec, device
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,10 +107,7 @@ class LearnerProcess:
         self.resume_command = resume_command or shlex.join(["apex", "learner", "--resume", str(logdir)])
         self.logdir = Path(logdir)
         self.stop = stop
-        self.spec = env_spec(config.env, config.algo)
-        self.device = pick_device(config.learner.device)
-        torch.set_num_threads(config.learner.torch_threads)
-        keep_large_blocks()
+        self.spec, self.device = learner_runtime(config)
         if not is_loopback(bind_host) and not config.transport.curve_dir:
             log.warning("listening on %s without CURVE: anyone who can reach ports %d-%d can join this run and send "
                         "it data; create keys with `apex keygen DIR` and pass --curve-dir DIR", bind_host,

@@ -11,12 +11,12 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from apex.checkpoint import find_latest
 from apex.transport.sessions import SessionSigner, SignedSessions
+from tests.test_e2e import metrics, wait_for
 
 FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
         "--set", "learner.metrics_interval_s=0.5"]
@@ -48,20 +48,6 @@ def free_ports(count: int) -> int:
 def apex(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-
-
-def metrics(logdir: Path) -> list[dict]:
-    path = logdir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ranks_of(port: int) -> dict[int, int]:

@@ -154,17 +154,10 @@ class LearnerEndpoint:
             self._send(session.identity, "stop", {"reason": reason})
 
     def close(self) -> None:
-        for name in ("control", "_weights_socket"):
-            sock = getattr(self, name, None)
-            if sock is not None:
-                sock.close(linger=0)
         receiver = getattr(self, "receiver", None)
-        if receiver is not None:
-            receiver.socket.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        self.context.term()
+        close_sockets(self.context, [getattr(self, "control", None), getattr(self, "_weights_socket", None),
+                                     receiver.socket if receiver is not None else None], self._auth)
+        self._auth = None
 
     # -- internals
 
@@ -355,6 +348,17 @@ def bind_socket(context: zmq.Context, kind: int, host: str, port: int, curve, po
     return sock
 
 
+def close_sockets(context: zmq.Context, sockets: list[zmq.Socket | None], auth: ThreadAuthenticator | None) -> None:
+    """Closes an endpoint's sockets (those made so far) without lingering, its CURVE
+    authenticator, then its context."""
+    for sock in sockets:
+        if sock is not None:
+            sock.close(linger=0)
+    if auth is not None:
+        auth.stop()
+    context.term()
+
+
 def start_curve(context: zmq.Context, curve_dir: str) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
     """The learner's CURVE key pair, and an authenticator that admits the authorised actors."""
     directory = Path(curve_dir)
@@ -392,9 +396,5 @@ class TrajectoryEndpoint:
 
     def close(self) -> None:
         receiver = getattr(self, "receiver", None)
-        if receiver is not None:
-            receiver.socket.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
-        self.context.term()
+        close_sockets(self.context, [receiver.socket if receiver is not None else None], self._auth)
+        self._auth = None
