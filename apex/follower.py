@@ -213,7 +213,7 @@ class FollowerProcess:
     def _wait_for_work(self) -> None:
         self._wakeup.waiting = True
         try:
-            if not self.pipeline.ready():
+            if not self.pipeline.staged():
                 select.select([self._wakeup.fileno()], [], [], IDLE_WAIT_S)
         finally:
             self._wakeup.waiting = False

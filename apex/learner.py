@@ -267,7 +267,7 @@ class LearnerProcess:
                 if self.group is None:
                     if stop_reason is not None:
                         break
-                    steps = 1 if self.pipeline.ready() else 0
+                    steps = min(1, self.pipeline.staged())
                 else:
                     now = time.monotonic()
                     agreed = self.group.agree(self.pipeline.staged(), stop=stop_reason is not None,
@@ -409,7 +409,7 @@ class LearnerProcess:
         comes, or IDLE_WAIT_S passes."""
         self._wakeup.waiting = True
         try:
-            if not self.pipeline.ready():  # staged before `waiting` was set
+            if not self.pipeline.staged():  # staged before `waiting` was set
                 self.endpoint.wait(int(IDLE_WAIT_S * 1000), self._wakeup.fileno())
         finally:
             self._wakeup.waiting = False

@@ -73,13 +73,13 @@ def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameter
     loss.backward()
     with torch.no_grad():
         values = torch.stack(figures).float()
-        bad = None if all_reduce is None else all_reduce(parameters, ~torch.isfinite(values).all())
+        on_device = skips_on_device(optimizer)
+        bad = ~torch.isfinite(values).all() if on_device or all_reduce is not None else None
+        if all_reduce is not None:
+            bad = all_reduce(parameters, bad)  # any rank's
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip).float()[None]
-        if skips_on_device(optimizer):
-            skipped = ~torch.isfinite(grad_norm) | ~torch.isfinite(values).all()
-            if bad is not None:
-                skipped |= bad
-            optimizer.found_inf = skipped.float().reshape(())
+        if on_device:
+            optimizer.found_inf = (bad | ~torch.isfinite(grad_norm)).float().reshape(())
             step(optimizer)
             return torch.cat([optimizer.found_inf[None], values, grad_norm])
         packed = torch.cat([values, grad_norm])

@@ -218,9 +218,6 @@ class Pipeline:
         self._last_take = now
         return staged
 
-    def ready(self) -> bool:
-        return not self._staged.empty()
-
     def staged(self) -> int:
         """Batches staged now (at least this many ``take`` calls will succeed)."""
         return self._staged.qsize()

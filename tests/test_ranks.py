@@ -160,3 +160,71 @@ def test_group_flags_are_checked_before_anything_starts(capsys):
     assert "--rank must be in 0..1" in capsys.readouterr().err
     assert main(["learner", "--ranks", "2", "--rank", "0", "--world-size", "2", "--master", "127.0.0.1:6000"]) == 2
     assert "--ranks starts the whole group" in capsys.readouterr().err
+
+
+def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_path):
+    """Rank 1's own trajectory port gets garbage, batches (of NaN rewards) under forged and
+    foreign session tokens, each sent twice, and a batch declaring a 16 TiB array: rank 1
+    lives, the group trains on, and rank 0's metrics count every refusal by reason. (Replays
+    of a real token: test_signed_sessions_take_the_group_tokens_only.)"""
+    import msgpack
+    import numpy as np
+    import zmq
+
+    from apex import protocol
+
+    port = free_ports(6)
+    logdir = tmp_path / "run"
+    learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "60", *FAST)
+    actors = [apex("actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "4") for _ in range(2)]
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port + 3}")  # rank 1's trajectories
+    try:
+        wait_for(lambda: any(r["learner_updates"] > 20 for r in metrics(logdir)), 120, "the group to train")
+        n = 64
+        batch = {"frames": np.zeros((n + 1, 4), np.float32), "obs_frame": np.arange(n, dtype=np.int32),
+                 "next_obs_frame": np.arange(1, n + 1, dtype=np.int32), "action": np.zeros(n, np.int64),
+                 "reward": np.full(n, np.nan, np.float32), "discount": np.ones(n, np.float32),
+                 "priority": np.ones(n, np.float32)}
+        foreign = SessionSigner(b"not the group's secret!!").token(1, 4)
+        for token in (foreign, b"x" * 16, foreign[:-1] + b"\0"):
+            for _ in range(2):
+                fields = {"actor_index": 1, "weights_version": 0, "info": {}, "session": token, "seq": 1}
+                push.send_multipart(protocol.encode("batch", fields, batch))
+        for _ in range(20):
+            push.send_multipart([os.urandom(200)])
+        empty = protocol.encode("batch", {"actor_index": 1, "weights_version": 0, "info": {}, "session": foreign, "seq": 9})
+        header = protocol.header_of(empty)
+        header["layout"] = msgpack.packb([["frames", "<f4", [2**40, 4], "lz4"]])
+        push.send_multipart([*protocol.with_header(empty, header), b"\0" * 16])
+
+        def refused() -> dict:
+            rows = metrics(logdir)
+            return rows[-1]["rejected_by_reason"] if rows else {}
+
+        wait_for(lambda: refused().get("no_session", 0) >= 6 and refused().get("malformed", 0) >= 21, 30,
+                 "rank 1's refusals to reach rank 0's metrics")
+        updates = metrics(logdir)[-1]["learner_updates"]
+        wait_for(lambda: metrics(logdir)[-1]["learner_updates"] > updates + 20, 60, "the group to train on")
+        assert set(ranks_of(port)) == {0, 1}  # both ranks alive
+    finally:
+        push.close()
+        context.term()
+        stop_all([learner, *actors])
+
+
+def test_an_actor_ignores_a_malformed_trajectories_address_in_its_welcome():
+    from apex.transport import LearnerClient
+
+    client = LearnerClient("127.0.0.1", 6000)
+    try:
+        default = ("127.0.0.1", 6001)
+        assert client._route_of(None) == default
+        assert client._route_of({"host": None, "port": 6003}) == ("127.0.0.1", 6003)
+        assert client._route_of({"host": "10.0.0.6", "port": 6003}) == ("10.0.0.6", 6003)
+        for bad in ({"port": "6003"}, {"port": 0}, {"port": 70000}, {"host": 5, "port": 6003}, {"port": True}, []):
+            assert client._route_of(bad) == default
+    finally:
+        client.close()

@@ -19,6 +19,7 @@ and the scaling efficiency against one process (samples/s over ranks times one p
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import time
 
@@ -85,12 +86,11 @@ def _interleaved_rates(modes: dict, seconds: float, rounds: int) -> dict[str, fl
 def _update_only(learner: Learner):
     """The update alone: batches already on the device (UPDATE_ONLY_BATCHES of them, taken in
     turn: one batch over and over would stay in the caches as no real batch does), results read."""
-    staged = learner.sample(UPDATE_ONLY_BATCHES)
-    turn = iter(range(1 << 62))
+    staged = itertools.cycle(learner.sample(UPDATE_ONLY_BATCHES))
 
     def run(n: int) -> None:
         for _ in range(n):
-            learner.train(staged[next(turn) % len(staged)]).result()
+            learner.train(next(staged)).result()
 
     return run
 
