@@ -161,7 +161,11 @@ class Policy:
     """A trained policy: ``act(obs)`` for one observation or a batch of them, greedy unless
     ``epsilon`` says otherwise. An observation is what the network sees: the environment's
     observation as apex makes it (``env_config``: its id, kwargs and wrappers), with
-    ``stack`` frames stacked on a new first axis where ``stack`` > 1 (Atari, images)."""
+    ``stack`` frames stacked on a new first axis where ``stack`` > 1 (Atari, images).
+
+    A recurrent policy (``recurrent``: model.recurrent lstm) carries its core's state from
+    one ``act`` to the next, a row per observation of the batch: call ``reset()`` when
+    episodes start (a batch of another size starts afresh too)."""
 
     def __init__(self, state: dict, source: Path) -> None:
         from apex.evaluation import network_from_checkpoint
@@ -170,7 +174,13 @@ class Policy:
         self.source = source
         self.env_config = self.config.env
         self.stack = self.spec.stack
+        self.recurrent = self.config.model.recurrent != "none"
         self._rng = np.random.default_rng()
+        self._core = None  # the recurrent core's state after the last act
+
+    def reset(self) -> None:
+        """Episodes start: a recurrent policy forgets what it has seen (no-op otherwise)."""
+        self._core = None
 
     def make_env(self, seed: int | None = None, render_mode: str | None = None):
         """The environment as apex made it for training (its kwargs and wrappers, and the
@@ -202,8 +212,12 @@ class Policy:
         batch = obs[None] if single else obs
         if self.stack == 1:
             batch = batch[:, None]  # the networks take a stack axis
+        if self._core is not None and len(self._core[0]) != len(batch):
+            self._core = None
         with torch.no_grad():
-            actions = greedy_actions(self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch))).numpy()
+            actions, self._core = greedy_actions(self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)),
+                                                 self._core)
+        actions = actions.numpy()
         if epsilon > 0:
             explore = self._rng.random(len(actions)) < epsilon
             actions[explore] = self.spec.random_actions(self._rng, int(explore.sum()))

@@ -33,9 +33,10 @@ class EnvSpec:
     frame_shape: tuple[int, ...]
     frame_dtype: np.dtype
     stack: int
-    num_actions: int  # Discrete: n; MultiDiscrete: the policy's logits, sum(action_nvec)
+    num_actions: int  # Discrete: n; MultiDiscrete: the policy's logits, sum(action_nvec); Box: D values
     max_episode_steps: int | None = None  # the environment's time limit, where it has one
     action_nvec: tuple[int, ...] | None = None  # MultiDiscrete: choices per component; None: Discrete
+    continuous: bool = False  # Box actions: D float32 values (a Gaussian's sample; the adapter bounds it)
 
     @property
     def is_image(self) -> bool:
@@ -43,17 +44,29 @@ class EnvSpec:
 
     @property
     def action_shape(self) -> tuple[int, ...]:
-        """One action as the actors send it: () for Discrete, (components,) for MultiDiscrete."""
+        """One action as the actors send it: () for Discrete, (components,) for
+        MultiDiscrete, (D,) for Box."""
+        if self.continuous:
+            return (self.num_actions,)
         return () if self.action_nvec is None else (len(self.action_nvec),)
 
+    @property
+    def action_dtype(self) -> np.dtype:
+        return np.dtype(np.float32) if self.continuous else np.dtype(np.int64)
+
     def random_actions(self, rng: np.random.Generator, count: int) -> np.ndarray:
-        """``count`` uniformly random actions: [count] or [count, components] int64."""
+        """``count`` random actions: uniform indices, [count] or [count, components] int64;
+        continuous: standard normal values [count, D] (before the adapter bounds them)."""
+        if self.continuous:
+            return rng.standard_normal((count, self.num_actions)).astype(np.float32)
         if self.action_nvec is None:
             return rng.integers(0, self.num_actions, count)
         return rng.integers(0, np.asarray(self.action_nvec), (count, len(self.action_nvec)))
 
     def env_action(self, action: np.ndarray) -> int | np.ndarray:
         """One network action as ``VectorEnv`` passes it to the (adapted) environment."""
+        if self.continuous:
+            return np.asarray(action, np.float32)
         return int(action) if self.action_nvec is None else np.asarray(action, np.int64)
 
 
@@ -193,7 +206,7 @@ def _make(config: EnvConfig, seed: int | None = None,
     # Last, after the user's wrappers: observations become frames, actions 0-based indices
     # (apex.spaces), the same in every actor, the learner's EnvSpec and apex eval.
     try:
-        env, obs, act = spaces.adapt(env, config.id)
+        env, obs, act = spaces.adapt(env, config.id, config.action_bounds)
     except ConfigError:
         env.close()
         raise
@@ -218,7 +231,7 @@ def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.
         limit = env.spec.max_episode_steps if env.spec is not None else None
         spec = EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
                        sum(act.nvec), config.max_episode_steps or limit,
-                       act.nvec if act.kind == "MultiDiscrete" else None)
+                       act.nvec if act.kind == "MultiDiscrete" else None, act.kind == "Box")
         return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
     finally:
         env.close()

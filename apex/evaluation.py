@@ -82,20 +82,25 @@ def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, tor
     return config, spec, net.eval()
 
 
-def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor) -> torch.Tensor:
-    """The most valuable (Ape-X) or most likely (IMPALA) action of each observation in a
-    batch: [B], or [B, components] for a MultiDiscrete action."""
-    return algos.get(config.algo).learner().policy.greedy(net, obs)
+def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor,
+                   state: Any = None) -> tuple[torch.Tensor, Any]:
+    """The most valuable (Ape-X) or most likely (IMPALA: the mean of a Gaussian) action of
+    each observation in a batch: [B], [B, components] for MultiDiscrete, [B, D] for
+    continuous; and a recurrent core's next state (``state``: where the last call left it,
+    None at episodes' starts), else None."""
+    return algos.get(config.algo).learner().policy.greedy(net, obs, state)
 
 
 def policy_from_checkpoint(state: dict):
-    """(config, spec, act) where act(obs [1, ...] uint8/float32) -> an action as the
-    environment takes it; ApexError (one line) if the state lacks its algorithm's network or
-    the network does not fit."""
+    """(config, spec, act) where act(obs [1, ...] uint8/float32, core state) -> (an action
+    as the (adapted) environment takes it, the next core state; pass None at an episode's
+    start); ApexError (one line) if the state lacks its algorithm's network or the network
+    does not fit."""
     config, spec, net = network_from_checkpoint(state)
 
-    def act(obs: torch.Tensor) -> int | np.ndarray:
-        return spec.env_action(greedy_actions(config, net, obs)[0].numpy())
+    def act(obs: torch.Tensor, core: Any = None) -> tuple[int | np.ndarray, Any]:
+        actions, core = greedy_actions(config, net, obs, core)
+        return spec.env_action(actions[0].numpy()), core
 
     return config, spec, act
 
@@ -129,10 +134,10 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
         for episode in range(episodes):
             frame, _ = env.reset(seed=seed + episode)
             stacker.reset(0, frame)
-            total, steps, done = 0.0, 0, False
+            total, steps, done, core = 0.0, 0, False, None
             while not done:
                 with torch.no_grad():
-                    action = act(torch.from_numpy(stacker.obs))
+                    action, core = act(torch.from_numpy(stacker.obs), core)
                 if rng.random() < epsilon:
                     action = spec.env_action(spec.random_actions(rng, 1)[0])
                 frame, reward, terminated, truncated, _ = env.step(action)

@@ -17,6 +17,8 @@ from apex.config import ModelConfig
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # as apex.models (which imports torch)
+
 
 def q_network(spec: EnvSpec, config: ModelConfig):
     """Q(s, ·) for an Ape-X actor: ``net(obs) -> [B, A]``, ``net.load(arrays)``."""
@@ -29,12 +31,14 @@ def q_network(spec: EnvSpec, config: ModelConfig):
 
 
 def policy_value_network(spec: EnvSpec, config: ModelConfig):
-    """Policy logits and values for an IMPALA actor: ``net(obs) -> ([B, A], [B])``."""
+    """Policy parameters and values for an IMPALA actor: ``net(obs, state) -> ([B, P], [B],
+    next state)``, the state an LSTM core's (h, c) (None for a feed-forward network, or to
+    start episodes); ``net.initial_state(B)``."""
     if spec.is_image:
         from apex.models import PolicyValueNetwork
 
         return TorchNetwork(PolicyValueNetwork(spec, config))
-    return NumpyPolicyValueNetwork(spec, config, {"policy": spec.num_actions, "value": 1})
+    return NumpyPolicyValueNetwork(spec, config)
 
 
 def log_probs(logits: np.ndarray, nvec: tuple[int, ...] | None) -> list[np.ndarray]:
@@ -51,7 +55,10 @@ class NumpyMLP:
     """``apex.models.MLP`` (Flatten, then Linear + ReLU per hidden layer) and linear heads on
     its features, with weights loaded from the torch modules' state dict."""
 
-    def __init__(self, spec: EnvSpec, config: ModelConfig, heads: dict[str, int]) -> None:
+    def __init__(self, spec: EnvSpec, config: ModelConfig, heads: dict[str, int],
+                 extra: dict[str, tuple[int, ...]] | None = None) -> None:
+        """``heads``: linear layers on the features (a core's, where ``extra`` adds one);
+        ``extra``: further arrays by name and shape (an LSTM core, a log-std)."""
         in_features = spec.stack * int(np.prod(spec.frame_shape))
         self.shapes: dict[str, tuple[int, ...]] = {}
         for i, size in enumerate(config.hidden):
@@ -59,6 +66,9 @@ class NumpyMLP:
             self.shapes[f"torso.net.{2 * i + 1}.weight"] = (size, in_features)
             self.shapes[f"torso.net.{2 * i + 1}.bias"] = (size,)
             in_features = size
+        self.shapes.update(extra or {})
+        if "core.weight_hh" in self.shapes:
+            in_features = self.shapes["core.weight_hh"][1]
         for name, size in heads.items():
             self.shapes[f"{name}.weight"] = (size, in_features)
             self.shapes[f"{name}.bias"] = (size,)
@@ -86,6 +96,7 @@ class NumpyMLP:
         self.layers = [(weight[f"torso.net.{2 * i + 1}.weight"], bias[f"torso.net.{2 * i + 1}.bias"])
                        for i in range(self.num_layers)]
         self.heads = {name: (weight[f"{name}.weight"], bias[f"{name}.bias"]) for name in self.head_names}
+        self.arrays = {name: np.array(arrays[name], np.float32) for name in self.shapes}
 
     def features(self, obs: np.ndarray) -> np.ndarray:
         x = obs.reshape(len(obs), -1).astype(np.float32, copy=False)  # the first matmul makes a new array
@@ -112,11 +123,48 @@ class NumpyQNetwork(NumpyMLP):
 
 
 class NumpyPolicyValueNetwork(NumpyMLP):
-    """``apex.models.PolicyValueNetwork`` over an MLP torso: (logits [B, A], values [B])."""
+    """``apex.models.PolicyValueNetwork`` over an MLP torso: (policy parameters [B, P],
+    values [B], the LSTM core's next state or None)."""
 
-    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
+        extra: dict[str, tuple[int, ...]] = {}
+        self.lstm_size = config.lstm_size if config.recurrent == "lstm" else 0
+        if self.lstm_size:  # torch.nn.LSTMCell's parameters, gates in the order i, f, g, o
+            L = self.lstm_size
+            features = config.hidden[-1] if config.hidden else spec.stack * int(np.prod(spec.frame_shape))
+            extra.update({"core.weight_ih": (4 * L, features), "core.weight_hh": (4 * L, L),
+                          "core.bias_ih": (4 * L,), "core.bias_hh": (4 * L,)})
+        if spec.continuous:
+            extra["log_std"] = (spec.num_actions,)
+        super().__init__(spec, config, {"policy": spec.num_actions, "value": 1}, extra)
+
+    def initial_state(self, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.lstm_size:
+            return None
+        return np.zeros((batch, self.lstm_size), np.float32), np.zeros((batch, self.lstm_size), np.float32)
+
+    def __call__(self, obs: np.ndarray, state: tuple[np.ndarray, np.ndarray] | None = None):
         features = self.features(obs)
-        return self.head("policy", features), self.head("value", features)[:, 0]
+        if self.lstm_size:
+            state = self._core(features, state if state is not None else self.initial_state(len(obs)))
+            features = state[0]
+        params = self.head("policy", features)
+        if "log_std" in self.arrays:
+            log_std = np.clip(self.arrays["log_std"], LOG_STD_MIN, LOG_STD_MAX)
+            params = np.concatenate([params, np.broadcast_to(log_std, params.shape)], axis=1)
+        return params, self.head("value", features)[:, 0], state
+
+    def _core(self, x: np.ndarray, state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        h, c = state
+        a = self.arrays
+        gates = x @ a["core.weight_ih"].T + a["core.bias_ih"] + h @ a["core.weight_hh"].T + a["core.bias_hh"]
+        i, f, g, o = np.split(gates, 4, axis=1)
+        c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
+        return _sigmoid(o) * np.tanh(c), c
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (np.tanh(0.5 * x) + 1.0)  # no overflow for large |x|
 
 
 class TorchNetwork:
@@ -139,9 +187,18 @@ class TorchNetwork:
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise ProtocolError(f"weights do not fit this actor's network: {str(e).splitlines()[0][:200]}") from None
 
-    def __call__(self, obs: np.ndarray):
-        with self._torch.no_grad():
-            out = self.module(self._torch.from_numpy(obs))
-        if isinstance(out, tuple):
-            return tuple(o.numpy() for o in out)
-        return out.numpy()
+    def initial_state(self, batch: int):
+        state = self.module.initial_state(batch)
+        return None if state is None else tuple(part.numpy() for part in state)
+
+    def __call__(self, obs: np.ndarray, *state):
+        """``state``: for a policy-value network, the core's state (NumPy, or None)."""
+        torch = self._torch
+        with torch.no_grad():
+            if state and state[0] is not None:
+                state = (tuple(torch.from_numpy(part) for part in state[0]),)
+            out = self.module(torch.from_numpy(obs), *state)
+        if not isinstance(out, tuple):
+            return out.numpy()
+        *heads, core = out
+        return (*(o.numpy() for o in heads), None if core is None else tuple(part.numpy() for part in core))

@@ -1,7 +1,8 @@
 """Networks: an MLP torso for vector observations, a conv torso for images (the Nature CNN
 from 64 x 64 up, as for Atari's 84 x 84, smaller ones below), a dueling Q head (Ape-X) and
-a policy-value head (IMPALA) whose policy is one categorical, or one per component of a
-MultiDiscrete action (factorised)."""
+a policy-value head (IMPALA, with an optional LSTM core) whose policy is one categorical,
+one per component of a MultiDiscrete action (factorised), or a diagonal Gaussian for
+continuous actions."""
 
 from __future__ import annotations
 
@@ -94,27 +95,123 @@ def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
     return MLP(in_features, config.hidden)
 
 
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # a Gaussian policy's log-std is clamped to these
+LOG_2PI = float(np.log(2 * np.pi))
+
+State = tuple[torch.Tensor, torch.Tensor]  # an LSTM core's (h, c), each [B, lstm_size]
+
+
 class PolicyValueNetwork(nn.Module):
-    """Policy logits and a state value over a shared torso (IMPALA). For a MultiDiscrete
-    action the logits are the components' side by side (``spec.num_actions`` = their sum):
-    see ``log_probs``."""
+    """A policy and a state value over a shared torso (IMPALA), with an LSTM core between
+    them where ``model.recurrent`` is ``lstm``.
+
+    The policy's parameters come out as one tensor [B, P]: a Discrete action's logits; a
+    MultiDiscrete action's, the components' side by side (``spec.num_actions`` = their sum,
+    see ``log_probs``); a continuous action's mean and log-std side by side ([B, 2D]: a
+    diagonal Gaussian whose log-std is learned but the same for every state, clamped to
+    [LOG_STD_MIN, LOG_STD_MAX], as in PPO's reference implementations)."""
 
     def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
         self.torso = make_torso(spec, config)
-        self.policy = nn.Linear(self.torso.out_features, spec.num_actions)
-        self.value = nn.Linear(self.torso.out_features, 1)
+        features = self.torso.out_features
+        self.core = nn.LSTMCell(features, config.lstm_size) if config.recurrent == "lstm" else None
+        if self.core is not None:
+            features = config.lstm_size
+        self.policy = nn.Linear(features, spec.num_actions)
+        self.log_std = nn.Parameter(torch.zeros(spec.num_actions)) if spec.continuous else None
+        self.value = nn.Linear(features, 1)
         self.nvec = spec.action_nvec
 
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> [B, A], [B]
-        features = self.torso(obs)
-        return self.policy(features), self.value(features).squeeze(-1)
+    @property
+    def recurrent(self) -> bool:
+        return self.core is not None
 
-    def greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The most likely action: [B] for Discrete, [B, components] for MultiDiscrete."""
+    def initial_state(self, batch: int) -> State | None:
+        """The core's state at an episode's start (zeros), None for a feed-forward network."""
+        if self.core is None:
+            return None
+        zeros = torch.zeros(batch, self.core.hidden_size, device=self.policy.weight.device)
+        return zeros, zeros.clone()
+
+    def forward(self, obs: torch.Tensor, state: State | None = None) -> tuple[torch.Tensor, torch.Tensor, State | None]:
+        """One step: (policy parameters [B, P], values [B], the core's next state or None);
+        ``state`` None is an episode's start."""
+        features = self.torso(obs)
+        if self.core is not None:
+            state = self.core(features, state)
+            features = state[0]
+        return *self._heads(features), state
+
+    def unroll(self, obs: torch.Tensor, done: torch.Tensor, state: State | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The learner's pass over unrolls, time-major: obs [T+1, B, ...], ``done`` [T, B]
+        (step t ended its episode, so the core starts afresh at observation t + 1), ``state``
+        the core's state at observation 0 -> policy parameters [T+1, B, P], values [T+1, B].
+        Step by step exactly what ``forward`` computes for an actor."""
+        steps, size = obs.shape[:2]
+        features = self.torso(obs.reshape(steps * size, *obs.shape[2:])).reshape(steps, size, -1)
+        if self.core is not None:
+            h, c = state
+            outputs = []
+            for t in range(steps):
+                if t > 0:
+                    keep = 1.0 - done[t - 1].to(h.dtype)[:, None]
+                    h, c = h * keep, c * keep
+                h, c = self.core(features[t], (h, c))
+                outputs.append(h)
+            features = torch.stack(outputs)
+        return self._heads(features)
+
+    def _heads(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        params = self.policy(features)
+        if self.log_std is not None:
+            log_std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).expand_as(params)
+            params = torch.cat([params, log_std], dim=-1)
+        return params, self.value(features).squeeze(-1)
+
+    def greedy(self, params: torch.Tensor) -> torch.Tensor:
+        """The most likely action: [B] for Discrete, [B, components] for MultiDiscrete, the
+        mean [B, D] for continuous actions (the adapter bounds it)."""
+        if self.log_std is not None:
+            return params[..., : params.shape[-1] // 2]
         if self.nvec is None:
-            return logits.argmax(dim=-1)
-        return torch.stack([part.argmax(dim=-1) for part in logits.split(self.nvec, dim=-1)], dim=-1)
+            return params.argmax(dim=-1)
+        return torch.stack([part.argmax(dim=-1) for part in params.split(self.nvec, dim=-1)], dim=-1)
+
+
+def log_prob_and_entropy(params: torch.Tensor, actions: torch.Tensor, spec: EnvSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(a | x) and the policy's entropy, [...] each, for policy parameters [..., P]
+    (``PolicyValueNetwork``) and actions [...], [..., components] or [..., D]."""
+    if spec.continuous:
+        return gaussian_log_prob(params, actions), gaussian_entropy(params)
+    log_policies = log_probs(params, spec.action_nvec)
+    return action_log_prob(log_policies, actions, spec.action_nvec), entropy(log_policies)
+
+
+def gaussian_log_prob(params: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """log N(u; mean, diag(std^2)) of the sample u the actor drew, summed over its D values:
+    params [..., 2D] (mean, log-std), u [..., D] -> [...]. The environment got u clipped or
+    squashed into its bounds (env.action_bounds): the log-density of that action differs from
+    this by a term that does not depend on the policy (``squashed_log_prob``; a clipped
+    action's), so the ratio pi/mu that V-trace takes is the same."""
+    mean, log_std = params.chunk(2, dim=-1)
+    z = (u - mean) * torch.exp(-log_std)
+    return (-0.5 * z * z - log_std).sum(-1) - 0.5 * LOG_2PI * u.shape[-1]
+
+
+def gaussian_entropy(params: torch.Tensor) -> torch.Tensor:
+    """The Gaussian's entropy, summed over its D values (before any squashing) -> [...]."""
+    log_std = params.chunk(2, dim=-1)[1]
+    return log_std.sum(-1) + 0.5 * (1.0 + LOG_2PI) * log_std.shape[-1]
+
+
+def squashed_log_prob(params: torch.Tensor, u: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """log-density of the action a = low + (tanh(u) + 1) (high - low) / 2 that the squashing
+    adapter makes of u: ``gaussian_log_prob`` less log |da/du|, which does not depend on the
+    policy's parameters (log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), stable for
+    large |u|)."""
+    log_det = (torch.log((high - low) / 2) + 2 * (np.log(2.0) - u - F.softplus(-2 * u))).sum(-1)
+    return gaussian_log_prob(params, u) - log_det
 
 
 def log_probs(logits: torch.Tensor, nvec: tuple[int, ...] | None) -> list[torch.Tensor]:

@@ -28,8 +28,11 @@ Actions (``action_plan``): the network picks component indices from 0; the adapt
 - ``MultiDiscrete(nvec)`` (and ``MultiBinary(n)``, as n two-way components): IMPALA, as a
   factorised categorical policy (one softmax per component, log-probabilities and
   entropies summed). Ape-X DQN refuses it (a Q-value per joint action would not scale).
-- Continuous ``Box`` actions, ``Tuple``/``Dict`` actions and the rest: refused, naming a
-  wrapper that makes them Discrete.
+- Continuous ``Box(low, high, (D,))`` (any shape, raveled): IMPALA, as a diagonal Gaussian
+  policy (``apex.models``). The network's action is its sample u, a float32 vector; the
+  adapter maps it into the bounds, ``env.action_bounds``: ``clip`` or ``squash`` (tanh,
+  then scaled to [low, high]; finite bounds only). Ape-X DQN refuses it.
+- ``Tuple``/``Dict`` actions and the rest: refused, naming a wrapper.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ LAYOUTS = ("hwc", "chw", "hw", "vector")
 
 _FLATTENABLE = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete, spaces.Tuple, spaces.Dict)
 
-ALGO_ACTIONS = {"apex_dqn": ("Discrete",), "impala": ("Discrete", "MultiDiscrete")}
+ALGO_ACTIONS = {"apex_dqn": ("Discrete",), "impala": ("Discrete", "MultiDiscrete", "Box")}
 """The action spaces each algorithm's network and batches handle (after ``action_plan``)."""
 
 
@@ -203,13 +206,30 @@ class ObservationAdapter(gym.ObservationWrapper):
 
 @dataclass(frozen=True)
 class ActionPlan:
-    kind: str  # "Discrete" or "MultiDiscrete"
-    nvec: tuple[int, ...]  # choices per component: (n,) for Discrete
+    kind: str  # "Discrete", "MultiDiscrete" or "Box"
+    nvec: tuple[int, ...]  # choices per component: (n,) for Discrete; (D,) for a Box of D values
     convert: Callable[[Any], Any] | None  # network action -> environment action; None: the same
 
 
-def action_plan(space: gym.Space, env_id: str) -> ActionPlan:
-    """What the network picks for ``space``; ConfigError naming a fix for what apex cannot act in."""
+def bounded(space: spaces.Box, how: str) -> Callable[[Any], np.ndarray]:
+    """A Gaussian sample u (raveled) -> an action of ``space``: ``clip`` or ``squash``."""
+    low = np.asarray(space.low, np.float64).ravel()
+    high = np.asarray(space.high, np.float64).ravel()
+    shape, dtype = space.shape, space.dtype
+    if how == "squash":
+        mid, half = (high + low) / 2, (high - low) / 2
+
+        def squash(u: Any) -> np.ndarray:
+            a = mid + half * np.tanh(np.asarray(u, np.float64))
+            return np.clip(a, low, high).astype(dtype).reshape(shape)  # tanh(u) may round to +-1
+
+        return squash
+    return lambda u: np.clip(np.asarray(u, np.float64), low, high).astype(dtype).reshape(shape)
+
+
+def action_plan(space: gym.Space, env_id: str, bounds: str = "clip") -> ActionPlan:
+    """What the network picks for ``space``; ConfigError naming a fix for what apex cannot
+    act in. ``bounds``: how a continuous action gets into a Box (``env.action_bounds``)."""
     if isinstance(space, spaces.Discrete):
         start = int(space.start)
         return ActionPlan("Discrete", (int(space.n),), None if start == 0 else (lambda a: int(a) + start))
@@ -224,9 +244,13 @@ def action_plan(space: gym.Space, env_id: str) -> ActionPlan:
         return ActionPlan("MultiDiscrete", (2,) * int(np.prod(shape)),
                           lambda a: np.asarray(a, np.int8).reshape(shape))
     if isinstance(space, spaces.Box):
-        raise ConfigError(f"env.id {env_id!r} has continuous actions {space}: apex needs Discrete ones; discretize "
-                          "them with env.wrappers: [{type: gymnasium.wrappers.DiscretizeAction, kwargs: {bins: 5}}] "
-                          "(or kwargs {bins: 5, multidiscrete: true} for algo impala)")
+        if not np.issubdtype(space.dtype, np.floating):
+            raise ConfigError(f"env.id {env_id!r} has integer Box actions {space}: map them to MultiDiscrete with "
+                              "a gymnasium.ActionWrapper in env.wrappers (algo impala)")
+        if bounds == "squash" and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
+            raise ConfigError(f"env.action_bounds squash needs finite bounds, and env.id {env_id!r} has actions "
+                              f"{space}: use env.action_bounds: clip")
+        return ActionPlan("Box", (int(np.prod(space.shape)),), bounded(space, bounds))
     raise ConfigError(f"env.id {env_id!r} has {space} actions: apex needs Discrete (or MultiDiscrete for algo impala); "
                       "map them with a gymnasium.ActionWrapper in env.wrappers")
 
@@ -235,29 +259,42 @@ def check_algo_actions(plan_kind: str, nvec: tuple[int, ...], algo: str, env_id:
     """ConfigError when ``algo`` cannot act in the environment's (adapted) action space."""
     if plan_kind in ALGO_ACTIONS.get(algo, (plan_kind,)):
         return
+    if plan_kind == "Box":
+        raise ConfigError(f"algo {algo} needs Discrete actions, and env.id {env_id!r} has continuous ones: use "
+                          "--algo impala (a Gaussian policy), or discretize them with env.wrappers: "
+                          "[{type: gymnasium.wrappers.DiscretizeAction, kwargs: {bins: 5}}]")
     raise ConfigError(f"algo {algo} needs Discrete actions, and env.id {env_id!r} has {plan_kind} {list(nvec)}: "
                       "use --algo impala (a factorised policy), or a gymnasium.ActionWrapper in env.wrappers that "
                       "maps one Discrete action to each combination")
 
 
+def network_action_space(plan: ActionPlan) -> gym.Space:
+    """The actions the network gives: indices from 0, or a Gaussian's unbounded sample."""
+    if plan.kind == "Box":
+        return spaces.Box(-np.inf, np.inf, plan.nvec, np.float32)
+    if plan.kind == "Discrete":
+        return spaces.Discrete(plan.nvec[0])
+    return spaces.MultiDiscrete(np.asarray(plan.nvec, np.int64))
+
+
 class ActionAdapter(gym.ActionWrapper):
-    """Maps the network's component indices (from 0, flat) to the environment's actions."""
+    """Maps the network's actions (component indices from 0, flat; a Gaussian's sample) to
+    the environment's."""
 
     def __init__(self, env: gym.Env, plan: ActionPlan) -> None:
         super().__init__(env)
         self.plan = plan
-        self.action_space = (spaces.Discrete(plan.nvec[0]) if plan.kind == "Discrete"
-                             else spaces.MultiDiscrete(np.asarray(plan.nvec, np.int64)))
+        self.action_space = network_action_space(plan)
 
     def action(self, action: Any) -> Any:
         return self.plan.convert(action)
 
 
-def adapt(env: gym.Env, env_id: str) -> tuple[gym.Env, ObservationPlan, ActionPlan]:
+def adapt(env: gym.Env, env_id: str, action_bounds: str = "clip") -> tuple[gym.Env, ObservationPlan, ActionPlan]:
     """``env`` with the adapters it needs (none for frames and 0-based Discrete actions
     already, e.g. CartPole and ALE), and the plans."""
     obs = observation_plan(env.observation_space, layout_hint(env))
-    act = action_plan(env.action_space, env_id)
+    act = action_plan(env.action_space, env_id, action_bounds)
     if obs.convert is not None:
         env = ObservationAdapter(env, obs)
     if act.convert is not None:

@@ -8,6 +8,8 @@ Each exercises one kind of space through apex's adapters (apex.spaces):
 - ``apex-test/DictGoal-v0``: Dict observations {goal: Box one-hot, position: Discrete}; optimum 1.0.
 - ``apex-test/MultiDial-v0``: MultiDiscrete observations and actions (IMPALA); optimum 1.0.
 - ``apex-test/Catch-v0``: pixels, a 40 x 40 uint8 image by default; optimum 1.0.
+- ``apex-test/Recall-v0``: memory: a cue seen on the first step only, to be named ``delay``
+  steps later; optimum 1.0 for a recurrent policy, 0.0 (chance) for a feed-forward one.
 """
 
 from __future__ import annotations
@@ -145,6 +147,40 @@ class Catch(gym.Env):
         return self._render(), 0.0, False, False, {}
 
 
+class Recall(gym.Env):
+    """Partial observability: one of ``cues`` cues is shown on the first observation only,
+    then ``delay - 1`` blank ones, then a query (observation t = ``delay``); the action taken
+    at the query ends the episode with +1 if it names the cue, -1 otherwise (actions before
+    it earn nothing). Observations: the cue one-hot, then a query flag. A policy that
+    remembers scores 1.0; one that sees only the present guesses, 2 / cues - 1 on average
+    (0.0 for two cues)."""
+
+    def __init__(self, delay: int = 10, cues: int = 2) -> None:
+        assert delay >= 1 and cues >= 2
+        self.delay, self.cues = delay, cues
+        self.observation_space = spaces.Box(0.0, 1.0, (cues + 1,), np.float32)
+        self.action_space = spaces.Discrete(cues)
+
+    def _observe(self) -> np.ndarray:
+        obs = np.zeros(self.cues + 1, np.float32)
+        if self.t == 0:
+            obs[self.cue] = 1.0
+        elif self.t == self.delay:
+            obs[-1] = 1.0
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.cue, self.t = int(self.np_random.integers(self.cues)), 0
+        return self._observe(), {}
+
+    def step(self, action):
+        if self.t == self.delay:
+            return self._observe(), 1.0 if int(action) == self.cue else -1.0, True, False, {}
+        self.t += 1
+        return self._observe(), 0.0, False, False, {}
+
+
 def _register(env_id: str, entry_point, **kwargs) -> None:
     if env_id not in gym.registry:  # imported twice (as tests.envs and by path): once is enough
         gym.register(env_id, entry_point=entry_point, **kwargs)
@@ -154,3 +190,4 @@ _register("apex-test/Corridor-v0", Corridor, max_episode_steps=21)
 _register("apex-test/DictGoal-v0", DictGoal, max_episode_steps=6)
 _register("apex-test/MultiDial-v0", MultiDial)
 _register("apex-test/Catch-v0", Catch)
+_register("apex-test/Recall-v0", Recall)

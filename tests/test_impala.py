@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from apex.algos import impala, impala_actor
 from apex import config as config_module
+from apex.envs import EnvSpec
 from apex.replay import UnrollQueue
 
 
@@ -95,7 +96,7 @@ def test_loss_lowers_on_a_fixed_batch():
     first = None
     for _ in range(50):
         out = impala.impala_loss(logits, values, actions, behaviour, torch.ones(T, B), torch.full((T, B), 0.9),
-                                 1.0, 1.0, 0.5, 0.0)
+                                 1.0, 1.0, 0.5, 0.0, EnvSpec((4,), np.dtype(np.float32), 1, A))
         first = first if first is not None else out.baseline_loss.item()
         optimizer.zero_grad()
         out.loss.backward()

@@ -51,8 +51,8 @@ def test_numpy_policy_value_network_matches_torch(nvec):
     actor_net.load(numpy_weights(net))
     obs = observations(spec)
     with torch.no_grad():
-        logits, values = net(torch.from_numpy(obs))
-    got_logits, got_values = actor_net(obs)
+        logits, values, _ = net(torch.from_numpy(obs))
+    got_logits, got_values, _ = actor_net(obs)
     np.testing.assert_allclose(got_logits, logits.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_values, values.numpy(), rtol=1e-5, atol=1e-6)
     for got, expected in zip(inference.log_probs(got_logits, nvec), log_probs(logits, nvec)):

@@ -171,7 +171,7 @@ def test_action_adapters_shift_start_and_restore_shape():
 
 
 @pytest.mark.parametrize("space, words", [
-    (gs.Box(-1, 1, (2,), np.float32), "continuous actions.*DiscretizeAction"),
+    (gs.Box(0, 3, (2,), np.int64), "integer Box actions.*MultiDiscrete"),
     (gs.Tuple((gs.Discrete(2), gs.Discrete(3))), "Tuple.*ActionWrapper"),
 ])
 def test_unusable_actions_are_refused_naming_a_fix(space, words):
@@ -191,6 +191,28 @@ def test_apex_dqn_refuses_multidiscrete_actions_before_anything_starts():
         apex_dqn.Learner(Config(env=config), spec, torch.device("cpu"))
 
 
+def test_continuous_actions_are_impala_only_and_squash_needs_finite_bounds():
+    with pytest.raises(ConfigError, match="algo apex_dqn needs Discrete actions.*continuous.*--algo impala.*Discretize"):
+        env_spec(EnvConfig(id="Pendulum-v1"), "apex_dqn")
+    spec = env_spec(EnvConfig(id="Pendulum-v1"), "impala")
+    assert spec.continuous and spec.num_actions == 1 and spec.action_shape == (1,) and spec.action_dtype == np.float32
+    with pytest.raises(ConfigError, match="squash needs finite bounds.*env.action_bounds: clip"):
+        spaces.action_plan(gs.Box(-np.inf, np.inf, (2,), np.float32), "my:Env-v0", "squash")
+
+
+@pytest.mark.parametrize("how", ["clip", "squash"])
+def test_the_adapter_maps_a_gaussian_sample_into_the_bounds(how):
+    space = gs.Box(np.array([-2.0, 0.0], np.float32), np.array([2.0, 1.0], np.float32))
+    convert = spaces.action_plan(space, "x", how).convert
+    u = np.array([[-100.0, 100.0], [0.0, 0.0], [0.5, -0.3], [3.0, 2.0]], np.float32)
+    got = np.stack([convert(row) for row in u])
+    assert all(space.contains(a) for a in got)
+    if how == "clip":
+        np.testing.assert_allclose(got, np.clip(u, space.low, space.high))
+    else:  # low + (tanh(u) + 1) (high - low) / 2
+        np.testing.assert_allclose(got, space.low + (np.tanh(u) + 1) * (space.high - space.low) / 2, rtol=1e-6)
+
+
 def test_apex_run_refuses_multidiscrete_actions_for_apex_dqn_in_the_parent(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "apex", "run", "--env", "tests.envs:apex-test/MultiDial-v0",
                            "--logdir", str(tmp_path / "run"), "--port", str(free_base_port())],
@@ -202,7 +224,7 @@ def test_apex_run_refuses_multidiscrete_actions_for_apex_dqn_in_the_parent(tmp_p
 def test_pendulum_runs_through_the_named_fix():
     wrap = [{"type": "gymnasium.wrappers.DiscretizeAction", "kwargs": {"bins": 5}}]
     with pytest.raises(ConfigError, match="DiscretizeAction"):
-        env_spec(EnvConfig(id="Pendulum-v1"))
+        env_spec(EnvConfig(id="Pendulum-v1"), "apex_dqn")
     assert env_spec(EnvConfig(id="Pendulum-v1", wrappers=wrap), "apex_dqn").num_actions == 5
 
 
@@ -295,7 +317,7 @@ def test_impala_loss_on_multidiscrete_is_the_product_policy():
     actions = torch.stack([torch.randint(0, 2, (T, B)), torch.randint(0, 3, (T, B))], dim=-1)
     behaviour = torch.full((T, B), -2.0)
     out = impala.impala_loss(logits, values, actions, behaviour, torch.ones(T, B), torch.full((T, B), 0.9),
-                             1.0, 1.0, 0.5, 0.01, nvec)
+                             1.0, 1.0, 0.5, 0.01, EnvSpec((4,), np.dtype(np.float32), 1, 5, None, nvec))
     ent = (torch.distributions.Categorical(logits=logits[:-1, :, :2]).entropy()
            + torch.distributions.Categorical(logits=logits[:-1, :, 2:]).entropy()).mean()
     torch.testing.assert_close(out.entropy, ent)
@@ -321,7 +343,7 @@ def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
     assert batch["action"].shape == (3, 5, 2) and batch["action"].dtype == np.int64
     first = torch.from_numpy(batch["action"][:, 0])
     with torch.no_grad():
-        logits, _ = net(torch.from_numpy(obs))
+        logits, _, _ = net(torch.from_numpy(obs))
     expected = action_log_prob(log_probs(logits, (3, 4)), first, (3, 4)).numpy()
     np.testing.assert_allclose(batch["behaviour_logp"][:, 0], expected, rtol=1e-5)
     spec = actor.spec

@@ -92,7 +92,8 @@ class Policy:
     checkpoint_key: str  # e.g. "online": the state dict in a checkpoint
     description: str  # e.g. "the online Q network", for errors
     network: Callable[[EnvSpec, ModelConfig], torch.nn.Module]
-    greedy: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]  # obs [B, ...] -> actions [B(, components)]
+    # (net, obs [B, ...], core state or None) -> (actions [B(, components)], the next core state or None)
+    greedy: Callable[[torch.nn.Module, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
 
 @dataclass(frozen=True)

@@ -109,8 +109,9 @@ class Learner:
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
         torch.manual_seed(config.seed)
-        if spec.action_nvec is not None:  # env_spec(..., algo) says so first, in the parent process
-            check_algo_actions("MultiDiscrete", spec.action_nvec, "apex_dqn", config.env.id)
+        if spec.action_nvec is not None or spec.continuous:  # env_spec(..., algo) says so first, in the parent
+            check_algo_actions("Box" if spec.continuous else "MultiDiscrete", spec.action_nvec or (spec.num_actions,),
+                               "apex_dqn", config.env.id)
         self.config = config
         self.spec = spec
         self.device = device
@@ -294,8 +295,8 @@ class Learner:
         }
 
 
-def _greedy(net: QNetwork, obs: torch.Tensor) -> torch.Tensor:
-    return net(obs).argmax(dim=1)
+def _greedy(net: QNetwork, obs: torch.Tensor, state=None) -> tuple[torch.Tensor, None]:
+    return net(obs).argmax(dim=1), None
 
 
 # `apex eval` and apex.load_policy act with the online network, epsilon-greedy (0 by default).

@@ -32,10 +32,10 @@ from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
-from apex.models import PolicyValueNetwork, action_log_prob, entropy, log_probs, numpy_weights
+from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, log_prob_and_entropy, numpy_weights
 from apex.pipeline import DeviceStager, Pending, Staged, fetch
 from apex.replay import UnrollQueue
-from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
+from apex.schema import FINITE, FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 
 
 class VTraceReturns(NamedTuple):
@@ -78,9 +78,9 @@ class LossOutput(NamedTuple):
 
 
 def impala_loss(
-    logits: torch.Tensor,  # [T+1, B, A] (the last step only bootstraps)
+    params: torch.Tensor,  # [T+1, B, P] policy parameters (the last step only bootstraps)
     values: torch.Tensor,  # [T+1, B]
-    actions: torch.Tensor,  # [T, B], or [T, B, components] for MultiDiscrete
+    actions: torch.Tensor,  # [T, B]; [T, B, components] for MultiDiscrete; [T, B, D] continuous
     behaviour_logp: torch.Tensor,  # [T, B]
     rewards: torch.Tensor,  # [T, B]
     discounts: torch.Tensor,  # [T, B]
@@ -88,46 +88,66 @@ def impala_loss(
     c_bar: float,
     baseline_cost: float,
     entropy_cost: float,
-    nvec: tuple[int, ...] | None = None,  # MultiDiscrete: a factorised policy over these components
+    spec: EnvSpec,
 ) -> LossOutput:
     """The V-trace actor-critic loss. A MultiDiscrete policy is a product of independent
-    categoricals: log pi(a | x) and the entropy are sums over the components."""
-    log_policies = log_probs(logits[:-1], nvec)  # per component [T, B, n_i]
-    target_logp = action_log_prob(log_policies, actions, nvec)  # [T, B]
+    categoricals, a continuous one of independent Gaussians: log pi(a | x) and the entropy
+    are sums over the components."""
+    target_logp, policy_entropy = log_prob_and_entropy(params[:-1], actions, spec)  # [T, B] each
     returns = vtrace(behaviour_logp, target_logp.detach(), rewards, discounts, values[:-1].detach(),
                      values[-1].detach(), rho_bar, c_bar)
     pg_loss = -(target_logp * returns.pg_advantages).mean()
     baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
-    policy_entropy = entropy(log_policies).mean()
+    policy_entropy = policy_entropy.mean()
     loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * policy_entropy
     return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), policy_entropy.detach())
 
 
 MAX_RETURN_HORIZON = 1e4  # a truncation bootstrap is at most this many rewards' worth
+MAX_ABS_CONTINUOUS_ACTION = 1e6  # a Gaussian's sample; beyond, its log-density could overflow float32
 
 
 def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     """What an IMPALA batch holds: frames, then per unroll where each of its T + 1 stacks
     starts in them, and per step the action, reward, discount and behaviour log-probability.
     A reward may hold, at a time limit, gamma * V(final observation) (the actor's bootstrap):
-    its bound is max_abs_reward times 1 + gamma / (1 - gamma), at most MAX_RETURN_HORIZON."""
+    its bound is max_abs_reward times 1 + gamma / (1 - gamma), at most MAX_RETURN_HORIZON.
+
+    Continuous actions are the Gaussian's samples (float32) and their log-densities, which
+    may be positive: at most D (-LOG_STD_MIN - log(2 pi) / 2). A recurrent model's unrolls
+    also carry the core's state at their first observation (``core_h`` in [-1, 1], ``core_c``)
+    and ``done`` (step t ended its episode: the core starts afresh at observation t + 1)."""
     T = config.impala.unroll_length
     gamma = config.learner.gamma
     horizon = 1 + (min(MAX_RETURN_HORIZON, gamma / (1 - gamma)) if gamma < 1 else MAX_RETURN_HORIZON)
     max_reward = config.transport.max_abs_reward * horizon
     steps = ("unrolls", T)
     # Discrete: one index per step; MultiDiscrete: one per component, each within its own n
-    actions = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
-    return BatchSchema((
+    if spec.continuous:
+        action = ArrayRule("action", "f", np.dtype(np.float32), (*steps, *spec.action_shape),
+                           Range(-MAX_ABS_CONTINUOUS_ACTION, MAX_ABS_CONTINUOUS_ACTION))
+        max_logp = spec.num_actions * (-LOG_STD_MIN - 0.5 * LOG_2PI) + 1e-3
+    else:
+        values = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
+        action = ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), values)
+        max_logp = 1e-6  # probabilities: log <= 0 (with float32 rounding)
+    rules = [
         frame_rule(spec.frame_shape, spec.frame_dtype),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
                   below("frames", 1 - spec.stack)),
-        ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), actions),
+        action,
         ArrayRule("reward", "f", np.dtype(np.float32), steps, Range(-max_reward, max_reward)),
         ArrayRule("discount", "f", np.dtype(np.float32), steps, Range(0.0, 1.0)),
-        # log-probabilities: finite and <= 0 (with float32 rounding)
-        ArrayRule("behaviour_logp", "f", np.dtype(np.float32), steps, Range(-FLOAT32_MAX, 1e-6)),
-    ))
+        ArrayRule("behaviour_logp", "f", np.dtype(np.float32), steps, Range(-FLOAT32_MAX, max_logp)),
+    ]
+    if config.model.recurrent == "lstm":
+        L = config.model.lstm_size
+        rules += [
+            ArrayRule("core_h", "f", np.dtype(np.float32), ("unrolls", L), Range(-1.0, 1.0)),
+            ArrayRule("core_c", "f", np.dtype(np.float32), ("unrolls", L), FINITE),
+            ArrayRule("done", "iu", np.dtype(np.uint8), steps, Range(0, 1)),
+        ]
+    return BatchSchema(tuple(rules))
 
 
 def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]:
@@ -159,6 +179,8 @@ class Learner:
         self.updates = 0
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.samples_per_update = im.batch_unrolls * im.unroll_length
+        self.recurrent = self.net.recurrent
+        self._per_step = ("action", "reward", "discount", "behaviour_logp") + (("done",) if self.recurrent else ())
         self._offsets = np.arange(spec.stack)
         self.schema = batch_schema(spec, config)
 
@@ -188,10 +210,10 @@ class Learner:
         frames = frames.decompress() if isinstance(frames, Compressed) else frames
         obs_frame = arrays["obs_frame"]
         first, end = obs_frame.min(axis=1), obs_frame.max(axis=1) + self.spec.stack
+        per_unroll = self._per_step + (("core_h", "core_c") if self.recurrent else ())
         self.queue.put([
             {"frames": frames[first[k] : end[k]], "obs_frame": obs_frame[k] - first[k],
-             "action": arrays["action"][k], "reward": arrays["reward"][k],
-             "discount": arrays["discount"][k], "behaviour_logp": arrays["behaviour_logp"][k]}
+             **{name: arrays[name][k] for name in per_unroll}}
             for k in range(unrolls)
         ])
         return unrolls * self.config.impala.unroll_length
@@ -228,8 +250,11 @@ class Learner:
         start = time.perf_counter()
         unrolls = self.queue.take(self.config.impala.batch_unrolls)
         batch = {name: np.stack([u[name] for u in unrolls], axis=1)  # time-major
-                 for name in ("action", "reward", "discount", "behaviour_logp")}
+                 for name in self._per_step}
         batch["obs"] = self._stacks(unrolls)  # [T+1, B, stack, ...]
+        if self.recurrent:  # the core's state at each unroll's first observation: [B, L]
+            batch["core_h"] = np.stack([u["core_h"] for u in unrolls])
+            batch["core_c"] = np.stack([u["core_c"] for u in unrolls])
         return self.stager.stage(batch, None, time.perf_counter() - start)
 
     def train(self, staged: Staged) -> Pending:
@@ -237,13 +262,11 @@ class Learner:
         im = self.config.impala
         staged.wait()
         batch = staged.tensors
-        obs = batch["obs"]
-        steps, size = obs.shape[:2]
-        logits, values = self.net(obs.reshape(steps * size, *obs.shape[2:]))
+        state = (batch["core_h"], batch["core_c"]) if self.recurrent else None
+        params, values = self.net.unroll(batch["obs"], batch.get("done"), state)
         out = impala_loss(
-            logits.reshape(steps, size, -1), values.reshape(steps, size), batch["action"], batch["behaviour_logp"],
-            batch["reward"], batch["discount"], im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost,
-            self.spec.action_nvec,
+            params, values, batch["action"], batch["behaviour_logp"], batch["reward"], batch["discount"],
+            im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost, self.spec,
         )
         results = optim.guarded_step(self.optimizer, out.loss, self.net.parameters(), self.config.learner.grad_clip,
                                      [out.loss, out.pg_loss, out.baseline_loss, out.entropy], self.all_reduce)
@@ -299,8 +322,9 @@ class Learner:
         }
 
 
-def _greedy(net: PolicyValueNetwork, obs: torch.Tensor) -> torch.Tensor:
-    return net.greedy(net(obs)[0])
+def _greedy(net: PolicyValueNetwork, obs: torch.Tensor, state=None) -> tuple[torch.Tensor, object]:
+    params, _, state = net(obs, state)
+    return net.greedy(params), state
 
 
 # `apex eval` and apex.load_policy take the policy's most likely action.

@@ -2,7 +2,9 @@
 they were last sent, unrolls of T steps out with the behaviour policy's log-probabilities
 (V-trace corrects for the lag on the learner, ``apex.algos.impala``). Truncated episodes are
 bootstrapped here: the last reward gets gamma * V(final observation) from the actor's own
-value head. No torch here unless the observations are images (``apex.inference``).
+value head. A recurrent policy's core state is carried per environment, zeroed where an
+episode starts, and each unroll goes out with the state at its first observation. No torch
+here unless the observations are images (``apex.inference``).
 """
 
 from __future__ import annotations
@@ -13,18 +15,28 @@ import numpy as np
 
 from apex.algos.chunks import FrameTrack, frame_offsets
 from apex.config import Config
-from apex.envs import FrameStacker, VectorEnv
+from apex.envs import EnvSpec, FrameStacker, VectorEnv
+from apex.errors import ConfigError
 from apex.inference import log_probs, policy_value_network
 from apex.protocol import Message
 
+LOG_2PI = float(np.log(2 * np.pi))
 
-def sample(rng: np.random.Generator, log_policies: list[np.ndarray],
-           nvec: tuple[int, ...] | None) -> tuple[np.ndarray, np.ndarray]:
-    """a ~ pi (Gumbel-max, per component) and log pi(a): [B] or [B, components], and [B]."""
+
+def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple[np.ndarray, np.ndarray]:
+    """a ~ pi and log pi(a) for policy parameters [B, P]: categorical (Gumbel-max, per
+    component) [B] or [B, components] int64; Gaussian [B, D] float32, the sample u before the
+    adapter bounds it, with its log-density."""
+    if spec.continuous:
+        mean, log_std = np.split(params, 2, axis=1)
+        noise = rng.standard_normal(mean.shape).astype(np.float32)
+        logp = (-0.5 * noise * noise - log_std).sum(axis=1) - 0.5 * LOG_2PI * mean.shape[1]
+        return (mean + np.exp(log_std) * noise).astype(np.float32), logp
+    log_policies = log_probs(params, spec.action_nvec)
     rows = np.arange(len(log_policies[0]))
     picks = [np.argmax(lp + rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
     logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
-    return (picks[0] if nvec is None else np.stack(picks, axis=1)), logp
+    return (picks[0] if spec.action_nvec is None else np.stack(picks, axis=1)), logp
 
 
 def train_reward(reward, config: Config):
@@ -43,10 +55,13 @@ class Actor:
         self.rng = np.random.default_rng(seed)
         self.gamma = config.learner.gamma
         T, K = config.impala.unroll_length, self.num_envs
-        self.action = np.zeros((K, T, *self.spec.action_shape), np.int64)
+        self.action = np.zeros((K, T, *self.spec.action_shape), self.spec.action_dtype)
         self.reward = np.zeros((K, T), np.float32)
         self.discount = np.zeros((K, T), np.float32)
         self.behaviour_logp = np.zeros((K, T), np.float32)
+        self.core = self.net.initial_state(K)  # the recurrent core's (h, c) per environment, or None
+        self.first_core = self.core  # at the unroll's first observation
+        self.done = np.zeros((K, T), np.uint8)  # step t ended its episode (recurrent unrolls)
         self.t = 0
         self.steps = 0
         self.weights_version = -1
@@ -65,15 +80,12 @@ class Actor:
         self.net.load(msg.arrays)
         self.weights_version = msg.fields["version"]
 
-    def _forward(self, obs: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
-        """(log-policy of each action component [K, n_i], values [K])."""
-        logits, values = self.net(obs)
-        return log_probs(logits, self.spec.action_nvec), values
-
     def act(self) -> tuple[dict | None, list[list]]:
-        log_policies, _ = self._forward(self.stacker.obs)
-        actions, logp = sample(self.rng, log_policies, self.spec.action_nvec)
         K, t = self.num_envs, self.t
+        if t == 0:
+            self.first_core = self.core
+        params, _, core = self.net(self.stacker.obs, self.core)
+        actions, logp = sample(self.rng, params, self.spec)
         self.action[:, t] = actions
         self.behaviour_logp[:, t] = logp
         frames, rewards, terminated, truncated, final = self.envs.step(actions)
@@ -84,11 +96,19 @@ class Actor:
         discount = np.where(terminated | truncated, 0.0, self.gamma)
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
-            _, final_values = self._forward(np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]))
+            final_core = None if core is None else tuple(part[truncated_only] for part in core)
+            _, final_values, _ = self.net(np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]), final_core)
             train_rewards = train_rewards.astype(np.float64)
             train_rewards[truncated_only] += self.gamma * final_values
         self.reward[:, t] = train_rewards
         self.discount[:, t] = discount
+        self.done[:, t] = terminated | truncated
+        if core is not None and final:  # those environments start new episodes
+            ended = list(final)
+            core = tuple(part.copy() for part in core)
+            for part in core:
+                part[ended] = 0.0
+        self.core = core
         episodes = []
         for i in range(K):
             if i in final:
@@ -115,6 +135,9 @@ class Actor:
             "discount": self.discount.copy(),
             "behaviour_logp": self.behaviour_logp.copy(),
         }
+        if self.first_core is not None:
+            batch["core_h"], batch["core_c"] = (np.array(part, np.float32) for part in self.first_core)
+            batch["done"] = self.done.copy()
         for track in self._tracks:  # the next unroll starts at this one's bootstrap step
             track.drop(T)
         self.t = 0
@@ -150,6 +173,11 @@ class EpisodeActor:
     reuse_freed_slots = True  # a new episode continues the row an episode just left: no stale half rows
 
     def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
+        if config.model.recurrent != "none" or spec.continuous:
+            what = "a recurrent model (model.recurrent lstm)" if config.model.recurrent != "none" else "continuous actions"
+            raise ConfigError(f"apex serve runs feed-forward IMPALA policies over Discrete and MultiDiscrete actions, "
+                              f"and this learner trains {what}: step that environment in apex actors "
+                              "(env.imports) instead")
         self.config = config
         self.spec = spec
         self.net = policy_value_network(spec, config.model)
@@ -173,8 +201,8 @@ class EpisodeActor:
     def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         if chosen is not None:
             raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
-        logits, values = self.net(obs)
-        actions, logp = sample(self.rng, log_probs(logits, self.spec.action_nvec), self.spec.action_nvec)
+        params, values, _ = self.net(obs)
+        actions, logp = sample(self.rng, params, self.spec)
         for i, episode in enumerate(episodes):
             row = self._rows[episode.slot]
             frame = obs[i, -1]

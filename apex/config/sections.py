@@ -65,6 +65,11 @@ class EnvConfig:
     """Atari: end training episodes when a life is lost (off, as in recent practice)."""
     clip_rewards: bool = True
     """Atari: train on the sign of the reward; reported returns stay unclipped."""
+    action_bounds: str = "clip"
+    """Continuous (Box) actions, IMPALA: how the Gaussian policy's sample u reaches the
+    environment's bounds, ``clip`` (clip(u, low, high)) or ``squash`` (low + (tanh(u) + 1)
+    (high - low) / 2; finite bounds only). Either way batches carry u and log N(u): the
+    ratios V-trace needs do not depend on the mapping."""
     reward_scale: float = 1.0
     """Training rewards are multiplied by this (after any clipping); reported returns stay
     as the environment gives them. Keeps values near 1 where rewards are large or many
@@ -84,6 +89,11 @@ class ModelConfig:
     input: the Nature CNN from 64 pixels)."""
     dueling: bool = True
     """Dueling value/advantage heads (Wang et al. 2016)."""
+    recurrent: str = "none"
+    """IMPALA: ``lstm`` puts an LSTM core between the torso and the policy and value heads
+    (memory for partially observed tasks); ``none``: feed-forward."""
+    lstm_size: int = 128
+    """Units of the LSTM core (model.recurrent: lstm)."""
 
 
 @dataclass(frozen=True)
@@ -301,7 +311,14 @@ class Config:
               f"env.reward_scale must be a positive number, got {self.env.reward_scale}")
         check(self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
               f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}")
+        check(self.env.action_bounds in ("clip", "squash"),
+              f"env.action_bounds must be clip or squash, got {self.env.action_bounds!r}")
         check(all(h >= 1 for h in self.model.hidden), f"model.hidden sizes must be >= 1, got {self.model.hidden}")
+        check(self.model.recurrent in ("none", "lstm"), f"model.recurrent must be none or lstm, got {self.model.recurrent!r}")
+        check(self.model.lstm_size >= 1, f"model.lstm_size must be >= 1, got {self.model.lstm_size}")
+        check(self.model.recurrent == "none" or self.algo == "impala",
+              f"model.recurrent {self.model.recurrent} needs algo impala (Ape-X DQN is feed-forward): "
+              "use --algo impala or model.recurrent: none")
         r = self.replay
         check(r.capacity >= 1, f"replay.capacity must be a positive integer, got {r.capacity}")
         check(r.alpha >= 0, f"replay.alpha must be >= 0, got {r.alpha}")
