@@ -17,7 +17,10 @@ from apex.config import ModelConfig
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 
-LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # as apex.models (which imports torch)
+# A Gaussian policy's log-std is clamped to these (apex.models imports them: one definition,
+# where an actor can read it without torch).
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+LOG_2PI = float(np.log(2 * np.pi))
 
 
 def q_network(spec: EnvSpec, config: ModelConfig):
@@ -67,6 +70,7 @@ class NumpyMLP:
             self.shapes[f"torso.net.{2 * i + 1}.bias"] = (size,)
             in_features = size
         self.shapes.update(extra or {})
+        self.extra_names = tuple(extra or ())
         if "core.weight_hh" in self.shapes:
             in_features = self.shapes["core.weight_hh"][1]
         for name, size in heads.items():
@@ -96,7 +100,9 @@ class NumpyMLP:
         self.layers = [(weight[f"torso.net.{2 * i + 1}.weight"], bias[f"torso.net.{2 * i + 1}.bias"])
                        for i in range(self.num_layers)]
         self.heads = {name: (weight[f"{name}.weight"], bias[f"{name}.bias"]) for name in self.head_names}
-        self.arrays = {name: np.array(arrays[name], np.float32) for name in self.shapes}
+        # The extras (an LSTM's weights transposed, as the layers' are)
+        self.extras = {name: np.ascontiguousarray(arrays[name].T if arrays[name].ndim == 2 else arrays[name], np.float32)
+                       for name in self.extra_names}
 
     def features(self, obs: np.ndarray) -> np.ndarray:
         x = obs.reshape(len(obs), -1).astype(np.float32, copy=False)  # the first matmul makes a new array
@@ -149,15 +155,15 @@ class NumpyPolicyValueNetwork(NumpyMLP):
             state = self._core(features, state if state is not None else self.initial_state(len(obs)))
             features = state[0]
         params = self.head("policy", features)
-        if "log_std" in self.arrays:
-            log_std = np.clip(self.arrays["log_std"], LOG_STD_MIN, LOG_STD_MAX)
+        if "log_std" in self.extras:
+            log_std = np.clip(self.extras["log_std"], LOG_STD_MIN, LOG_STD_MAX)
             params = np.concatenate([params, np.broadcast_to(log_std, params.shape)], axis=1)
         return params, self.head("value", features)[:, 0], state
 
     def _core(self, x: np.ndarray, state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         h, c = state
-        a = self.arrays
-        gates = x @ a["core.weight_ih"].T + a["core.bias_ih"] + h @ a["core.weight_hh"].T + a["core.bias_hh"]
+        a = self.extras  # weights transposed: [in, 4L]
+        gates = x @ a["core.weight_ih"] + a["core.bias_ih"] + h @ a["core.weight_hh"] + a["core.bias_hh"]
         i, f, g, o = np.split(gates, 4, axis=1)
         c = _sigmoid(f) * c + _sigmoid(i) * np.tanh(g)
         return _sigmoid(o) * np.tanh(c), c

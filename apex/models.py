@@ -13,6 +13,7 @@ from torch import nn
 
 from apex.config import ModelConfig
 from apex.envs import EnvSpec
+from apex.inference import LOG_2PI, LOG_STD_MAX, LOG_STD_MIN
 
 
 class MLP(nn.Module):
@@ -95,8 +96,6 @@ def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
     return MLP(in_features, config.hidden)
 
 
-LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # a Gaussian policy's log-std is clamped to these
-LOG_2PI = float(np.log(2 * np.pi))
 
 State = tuple[torch.Tensor, torch.Tensor]  # an LSTM core's (h, c), each [B, lstm_size]
 

@@ -17,10 +17,8 @@ from apex.algos.chunks import FrameTrack, frame_offsets
 from apex.config import Config
 from apex.envs import EnvSpec, FrameStacker, VectorEnv
 from apex.errors import ConfigError
-from apex.inference import log_probs, policy_value_network
+from apex.inference import LOG_2PI, log_probs, policy_value_network
 from apex.protocol import Message
-
-LOG_2PI = float(np.log(2 * np.pi))
 
 
 def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple[np.ndarray, np.ndarray]:

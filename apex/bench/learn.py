@@ -29,7 +29,7 @@ from apex.errors import ApexError
 @dataclass(frozen=True)
 class Task:
     env_id: str
-    thresholds: dict[str, float]  # by algorithm: the return_mean_100 that counts as learned
+    thresholds: dict[str, float]  # by algorithm (those it runs): the return_mean_100 that counts as learned
     target_s: dict[str, float | None]  # by algorithm: issue 15's goal for the time to it (None: report only)
     minutes: float  # time limit per run unless --minutes
     reference: str  # a published figure to compare with, and its source
@@ -55,6 +55,11 @@ TASKS = {
                         "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k"),
     "lunarlander": Task("LunarLander-v3", _both(200.0), _both(300.0), 5.0,
                         "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)"),
+    # Continuous actions: IMPALA only (a Gaussian policy); issue 18's targets.
+    "pendulum": Task("Pendulum-v1", {"impala": -250.0}, {"impala": 300.0}, 5.0,
+                     "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)"),
+    "lunarlandercontinuous": Task("LunarLanderContinuous-v3", {"impala": 200.0}, {"impala": 900.0}, 15.0,
+                                  "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)"),
     **{f"minatar_{game}": Task(f"MinAtar/{MINATAR_IDS[game]}-v1", _both(score), _both(1200.0), 20.0,
                                f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)")
        for game, score in MINATAR_DQN.items()},
@@ -94,7 +99,7 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
         base = Path(runs_dir) if runs_dir else Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
         for name in names:
-            for algo in algo_names:
+            for algo in (a for a in algo_names if a in TASKS[name].thresholds):  # continuous tasks: IMPALA only
                 for seed in range(seeds):
                     task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
                     runs.append(_recorded_or_run(name, algo, seed, task_limit_s, base, keep=runs_dir is not None))

@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     learn = bench.add_argument_group("learn options (not part of all; --plot draws the curves)")
     learn.add_argument("--tasks", metavar="T,T,...",
                        help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
-                            "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra) "
+                            "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra), "
+                            "and with continuous actions (IMPALA only) pendulum, lunarlandercontinuous (Box2D) "
                             "(default: all)")
     learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
     learn.add_argument("--seeds", type=int, default=3, metavar="N",
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "its CartPole comparison (0: throughput only)")
     learn.add_argument("--minutes", type=float, default=None, metavar="M",
                        help="time limit per run (default: each task's own: 2 for cartpole and acrobot, 5 for "
-                            "mountaincar and lunarlander, 20 for MinAtar; --seconds overrides it)")
+                            "mountaincar, lunarlander and pendulum, 15 for lunarlandercontinuous, 20 for MinAtar; "
+                            "--seconds overrides it)")
     learn.add_argument("--runs-dir", metavar="DIR",
                        help="keep each run's directory and record here; the same command run again reads the runs "
                             "already recorded instead of repeating them (a long bench can be stopped and go on)")
