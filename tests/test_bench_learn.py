@@ -41,6 +41,16 @@ def test_bench_learn_names_unknown_tasks_and_algos():
         learn.run(tasks="cartpole,pong")
     with pytest.raises(ApexError, match="--algos"):
         learn.run(algos="ppo")
+    with pytest.raises(ApexError, match="--tasks pendulum runs with --algos impala only"):
+        learn.run(tasks="pendulum", algos="apex_dqn")
+
+
+def test_bench_learn_runs_continuous_tasks_with_impala_only(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
+    learn.run(tasks="cartpole,pendulum", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    assert [(task, algo) for task, algo, _, _ in calls] == [("cartpole", "apex_dqn"), ("cartpole", "impala"),
+                                                           ("pendulum", "impala")]
 
 
 def _fake_run(calls):

@@ -122,14 +122,13 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     horizon = 1 + (min(MAX_RETURN_HORIZON, gamma / (1 - gamma)) if gamma < 1 else MAX_RETURN_HORIZON)
     max_reward = config.transport.max_abs_reward * horizon
     steps = ("unrolls", T)
-    # Discrete: one index per step; MultiDiscrete: one per component, each within its own n
-    if spec.continuous:
+    if spec.continuous:  # D values a step
         action = ArrayRule("action", "f", np.dtype(np.float32), (*steps, *spec.action_shape),
                            Range(-MAX_ABS_CONTINUOUS_ACTION, MAX_ABS_CONTINUOUS_ACTION))
         max_logp = spec.num_actions * (-LOG_STD_MIN - 0.5 * LOG_2PI) + 1e-3
-    else:
-        values = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
-        action = ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), values)
+    else:  # Discrete: one index per step; MultiDiscrete: one per component, each within its own n
+        allowed = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
+        action = ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), allowed)
         max_logp = 1e-6  # probabilities: log <= 0 (with float32 rounding)
     rules = [
         frame_rule(spec.frame_shape, spec.frame_dtype),

@@ -91,6 +91,10 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
     algo_names = parse_list(algos, ALGOS, "algos")
     if seeds < 1:
         raise ApexError(f"--seeds must be >= 1, got {seeds}")
+    for name in names:
+        if not any(algo in TASKS[name].thresholds for algo in algo_names):
+            raise ApexError(f"--tasks {name} runs with --algos {', '.join(TASKS[name].thresholds)} only "
+                            "(continuous actions: IMPALA's Gaussian policy)")
     limit_s = seconds if seconds is not None else None if minutes is None else minutes * 60
     if limit_s is not None and limit_s <= 0:
         raise ApexError(f"--minutes must be positive, got {minutes}")
