@@ -96,7 +96,6 @@ def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
     return MLP(in_features, config.hidden)
 
 
-
 State = tuple[torch.Tensor, torch.Tensor]  # an LSTM core's (h, c), each [B, lstm_size]
 
 
@@ -190,9 +189,10 @@ def log_prob_and_entropy(params: torch.Tensor, actions: torch.Tensor, spec: EnvS
 def gaussian_log_prob(params: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """log N(u; mean, diag(std^2)) of the sample u the actor drew, summed over its D values:
     params [..., 2D] (mean, log-std), u [..., D] -> [...]. The environment got u clipped or
-    squashed into its bounds (env.action_bounds): the log-density of that action differs from
-    this by a term that does not depend on the policy (``squashed_log_prob``; a clipped
-    action's), so the ratio pi/mu that V-trace takes is the same."""
+    squashed into its bounds (env.action_bounds), a fixed function of u that counts as part
+    of the environment: the ratio pi(u)/mu(u) that V-trace takes is that of what the actor
+    sampled. (A squashed action's log-density, ``squashed_log_prob``, differs from this by a
+    term that does not depend on the policy, so its ratio is the same.)"""
     mean, log_std = params.chunk(2, dim=-1)
     z = (u - mean) * torch.exp(-log_std)
     return (-0.5 * z * z - log_std).sum(-1) - 0.5 * LOG_2PI * u.shape[-1]
