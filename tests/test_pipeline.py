@@ -13,6 +13,7 @@ import torch
 
 from apex import config as config_module
 from apex import optim
+from apex.algos.apex_dqn import PREFETCH_BYTES, prefetch_depth
 from apex.algos.apex_dqn import Learner as ApexLearner
 from apex.envs import EnvSpec
 from apex.pipeline import Pipeline, SectionTimes
@@ -72,6 +73,21 @@ def test_the_pipeline_trains_every_staged_batch_and_writes_every_priority_back()
     assert core.replay.priorities(np.arange(1000)).min() < 1.0  # written back: the initial ones were all 1
     sections = times.take()
     assert sections["time_train_ms"] > 0 and sections["time_sample_ms"] > 0 and sections["time_write_back_ms"] > 0
+
+
+def test_the_default_depth_is_sized_by_the_staged_batches_memory():
+    """learner.prefetch_batches null: as many batches as 256 MiB hold, 2 to 64."""
+    cartpole = EnvSpec((4,), np.dtype(np.float32), 1, 2)
+    atari = EnvSpec((84, 84), np.dtype(np.uint8), 4, 6)
+    assert prefetch_depth(cartpole, 512) == 64 and prefetch_depth(atari, 512) == 9
+    assert prefetch_depth(EnvSpec((210, 160, 3), np.dtype(np.uint8), 4, 6), 4096) == 2
+    for spec, size in ((cartpole, 512), (atari, 512), (atari, 100)):
+        depth = prefetch_depth(spec, size)
+        assert depth == 64 or depth * size * 2 * spec.stack * np.prod(spec.frame_shape) <= PREFETCH_BYTES
+    assert learner().prefetch_batches == prefetch_depth(learner().spec, 32)
+    assert learner("learner.prefetch_batches=4").prefetch_batches == 4
+    with pytest.raises(config_module.ConfigError, match="prefetch_batches must be in 1..64 or null"):
+        config_module.load(None, ["learner.prefetch_batches=0"])
 
 
 def test_batches_drawn_together_each_span_the_whole_replay():

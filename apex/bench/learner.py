@@ -3,7 +3,7 @@
 For the MLP (CartPole) and the Nature CNN (Atari, 4x84x84 stacks), on the CPU and on CUDA
 where present, three ways over the same replay:
   pipelined    as the learner process runs (apex.pipeline): a prefetch thread keeps
-               learner.prefetch_batches (4) batches staged, sampling half of them at a time and
+               learner.prefetch_batches batches staged, sampling half of them at a time and
                writing back the priorities of the steps trained since, while the main thread
                trains; with the time per section
   sequential   sample, copy, train, write back, one after the other (``Learner.step``)
