@@ -150,11 +150,11 @@ class PolicyValueNetwork(nn.Module):
         features = self.torso(obs.reshape(steps * size, *obs.shape[2:])).reshape(steps, size, -1)
         if self.core is not None:
             h, c = state
+            keep = 1.0 - done.to(h.dtype)[..., None]  # [T, B, 1]: 0 after a step that ended an episode
             outputs = []
             for t in range(steps):
                 if t > 0:
-                    keep = 1.0 - done[t - 1].to(h.dtype)[:, None]
-                    h, c = h * keep, c * keep
+                    h, c = h * keep[t - 1], c * keep[t - 1]
                 h, c = self.core(features[t], (h, c))
                 outputs.append(h)
             features = torch.stack(outputs)

@@ -191,6 +191,45 @@ def test_01_02_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_
         run.stop()
 
 
+def test_01_02_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_trains_on(tmp_path):
+    """IMPALA with an LSTM core on Pendulum: what only such a run receives (the core's state at
+    each unroll's start, done flags, Gaussian samples and densities), forged but well formed,
+    is refused and counted by reason while the learner lives and trains; a finite but absurd
+    cell state (1e30) passes the schema and leaves the weights finite."""
+    run = Run(tmp_path, "impala", "--set", "env.id=Pendulum-v1", "--set", "model.recurrent=lstm",
+              "--set", "model.lstm_size=16")
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        assert {"core_h", "core_c", "done"} <= set(batch) and batch["action"].dtype == np.float32
+
+        def forged(name: str, value) -> dict:
+            array = batch[name].copy()
+            array.flat[0] = value
+            return {**batch, name: array}
+
+        for name, value in (("core_c", np.nan), ("action", np.inf)):
+            send(peer, forged(name, value))
+        run.wait_rejected("nonfinite", 2)
+        for name, value in (("core_h", 1.5), ("done", 2), ("action", 1e7), ("behaviour_logp", 50.0)):
+            send(peer, forged(name, value))
+        run.wait_rejected("out_of_range", 4)
+        send(peer, {name: a for name, a in batch.items() if name != "core_h"})
+        run.wait_rejected("fields", 1)
+        for _ in range(3):
+            send(peer, {**batch, "core_c": np.full_like(batch["core_c"], 1e30)})
+        run.wait_updating()
+        time.sleep(0.5)
+        peer.tick()
+        weights = peer.take_weights()
+        assert weights is not None and all(np.isfinite(a).all() for a in weights.arrays.values())
+        peer.close()
+        assert run.stop() == 0
+        checkpoint_is_finite(run.logdir)
+    finally:
+        run.stop()
+
+
 # -- 4: code execution by checkpoint
 
 

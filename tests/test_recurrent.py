@@ -21,6 +21,7 @@ from apex.config import ModelConfig
 from apex.envs import EnvSpec
 from apex.errors import RejectedMessage
 from apex.models import PolicyValueNetwork, log_prob_and_entropy, numpy_weights
+from tests.test_e2e import metrics
 from tests.test_spaces import ROOT, assert_reached
 
 T = 10
@@ -157,10 +158,6 @@ def run(logdir, *args: str, timeout: float = 300) -> dict:
     return json.loads((logdir / "summary.json").read_text())
 
 
-def rows_of(logdir) -> list[dict]:
-    return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_path):
     """The cue is seen on the first step only and named 10 steps later: the LSTM reaches 95%
     success (return 0.9) well within 3 minutes; the feed-forward model, trained as long as
@@ -173,7 +170,7 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
     flat = run(tmp_path / "flat", *RECALL, "--set", "model.recurrent=none", "--stop-return", "0.9",
                "--stop-seconds", str(seconds))
     assert flat["stop_reason"].endswith("seconds"), flat
-    windows = [r["return_mean_100"] for r in rows_of(tmp_path / "flat") if r.get("eval_episodes_in_window") == 100]
+    windows = [r["return_mean_100"] for r in metrics(tmp_path / "flat") if r.get("eval_episodes_in_window") == 100]
     assert len(windows) >= 20 and max(windows) < 0.5 and abs(np.mean(windows)) < 0.15, windows  # chance: 0.0
 
     import apex
@@ -198,6 +195,6 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
     resumed = run(tmp_path / "lstm", "--resume", str(tmp_path / "lstm"), "--actors", "2",
                   "--stop-seconds", str(summary["wall_seconds"] + 6), "--stop-return", "2.0")  # seconds count on
     assert resumed["learner_updates"] > summary["learner_updates"]
-    after = [r["return_mean_100"] for r in rows_of(tmp_path / "lstm") if r["learner_updates"] > summary["learner_updates"]
+    after = [r["return_mean_100"] for r in metrics(tmp_path / "lstm") if r["learner_updates"] > summary["learner_updates"]
              and r.get("eval_episodes_in_window") == 100]
     assert after and after[0] >= 0.8, after  # it went on remembering from the start (chance is 0.0)

@@ -180,6 +180,7 @@ class Learner:
         self.samples_per_update = im.batch_unrolls * im.unroll_length
         self.recurrent = self.net.recurrent
         self._per_step = ("action", "reward", "discount", "behaviour_logp") + (("done",) if self.recurrent else ())
+        self._per_unroll = self._per_step + (("core_h", "core_c") if self.recurrent else ())  # what insert keeps
         self._offsets = np.arange(spec.stack)
         self.schema = batch_schema(spec, config)
 
@@ -209,10 +210,9 @@ class Learner:
         frames = frames.decompress() if isinstance(frames, Compressed) else frames
         obs_frame = arrays["obs_frame"]
         first, end = obs_frame.min(axis=1), obs_frame.max(axis=1) + self.spec.stack
-        per_unroll = self._per_step + (("core_h", "core_c") if self.recurrent else ())
         self.queue.put([
             {"frames": frames[first[k] : end[k]], "obs_frame": obs_frame[k] - first[k],
-             **{name: arrays[name][k] for name in per_unroll}}
+             **{name: arrays[name][k] for name in self._per_unroll}}
             for k in range(unrolls)
         ])
         return unrolls * self.config.impala.unroll_length

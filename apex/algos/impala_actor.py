@@ -101,9 +101,8 @@ class Actor:
         self.reward[:, t] = train_rewards
         self.discount[:, t] = discount
         self.done[:, t] = terminated | truncated
-        if core is not None and final:  # those environments start new episodes
+        if core is not None and final:  # those environments start new episodes (the net's output: ours to zero)
             ended = list(final)
-            core = tuple(part.copy() for part in core)
             for part in core:
                 part[ended] = 0.0
         self.core = core
