@@ -100,16 +100,26 @@ def test_batches_drawn_together_each_span_the_whole_replay():
         assert part.min() < 1_000 and part.max() > 9_000
 
 
-def test_finishing_several_steps_together_equals_finishing_them_one_by_one():
+@pytest.mark.parametrize("skipped", [None, 0, 1, 2])
+def test_finishing_several_steps_together_equals_finishing_them_one_by_one(skipped):
+    """Also with one step among them skipped (a NaN reward): its metrics {}, its NaN
+    priority's transition dropped, the others' priorities written back all the same."""
     one_by_one, together = learner(), learner()
     pending = {}
     for core in (one_by_one, together):
         staged = core.sample(3)
+        if skipped is not None:
+            reward = staged[skipped].tensors["reward"] = staged[skipped].tensors["reward"].clone()
+            reward[3] = float("nan")
         pending[id(core)] = [core.train(s) for s in staged]
     metrics = [one_by_one.finish([p])[0] for p in pending[id(one_by_one)]]
     assert together.finish(pending[id(together)]) == metrics
+    assert [m == {} for m in metrics] == [k == skipped for k in range(3)]
     np.testing.assert_array_equal(one_by_one.replay.priorities(np.arange(1000)), together.replay.priorities(np.arange(1000)))
-    assert one_by_one.updates == together.updates == 3
+    counts = ("updates", "skipped_updates", "dropped_transitions")
+    assert [getattr(together, c) for c in counts] == [getattr(one_by_one, c) for c in counts]
+    assert together.updates == (3 if skipped is None else 2)
+    assert together.dropped_transitions == (0 if skipped is None else 1)
 
 
 @pytest.mark.parametrize("on_device", [False, True])

@@ -14,6 +14,7 @@ return_mean_100.
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from typing import NamedTuple
 
@@ -31,7 +32,7 @@ from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 from apex.models import QNetwork, numpy_weights
-from apex.pipeline import DeviceStager, Pending, Staged, fetch
+from apex.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.replay import RateLimiter, StackedReplay
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
 from apex.spaces import check_algo_actions
@@ -203,9 +204,7 @@ class Learner:
         self.limiter.sampled(count * size)
         batch["weights"] = weights
         seconds = (time.perf_counter() - start) / count
-        return [self.stager.stage({name: array[k * size : (k + 1) * size] for name, array in batch.items()},
-                                  indices[k * size : (k + 1) * size], seconds)
-                for k in range(count)]
+        return self.stager.stage_batches(batch, np.split(indices, count), seconds)
 
     def train(self, staged: Staged) -> Pending:
         """Enqueues the update on a staged batch; its results come back with ``finish``.
@@ -228,22 +227,18 @@ class Learner:
         (together: one update of the tree) and returns each one's metrics; a skipped step is
         counted, the transitions whose priority was not finite are dropped (never sampled
         again), and its metrics are {}."""
-        metrics, indices, priorities = [], [], []
-        for step in pending:
-            values = step.result()
-            skipped, loss, q_mean, td_abs_mean, _, grad_norm = values[:6].tolist()
-            if skipped:
-                self.skipped_updates += 1
-                self.dropped_transitions += self.replay.drop(step.context[~np.isfinite(values[6:])])
-                metrics.append({})
-                continue
-            indices.append(step.context)
-            priorities.append(values[6:])
-            self.updates += 1
-            metrics.append({"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm})
-        if indices:  # a repeated index: the later step's priority wins, as if written one by one
-            self.replay.update_priorities(np.concatenate(indices), np.concatenate(priorities))
-        return metrics
+        values = collect(pending)  # a row a step: skipped, loss, q_mean, td_abs_mean, priorities' sum, grad_norm, priorities
+        skipped = values[:, 0] != 0
+        for step, priorities in zip(itertools.compress(pending, skipped), values[skipped, 6:]):
+            self.dropped_transitions += self.replay.drop(step.context[~np.isfinite(priorities)])
+        trained = ~skipped
+        self.skipped_updates += int(np.count_nonzero(skipped))
+        self.updates += int(np.count_nonzero(trained))
+        if trained.any():  # a repeated index: the later step's priority wins, as if written one by one
+            indices = np.concatenate([step.context for step in itertools.compress(pending, trained)])
+            self.replay.update_priorities(indices, values[trained, 6:].reshape(-1))
+        return [{} if bad else {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
+                for bad, (loss, q_mean, td_abs_mean, _, grad_norm) in zip(skipped.tolist(), values[:, 1:6].tolist())]
 
     def step(self) -> dict[str, float]:
         """One whole update in a row, whatever the rate limiter says (tests, benchmarks)."""

@@ -33,7 +33,7 @@ from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
 from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, log_prob_and_entropy, numpy_weights
-from apex.pipeline import DeviceStager, Pending, Staged, fetch
+from apex.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.replay import UnrollQueue
 from apex.schema import FINITE, FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 
@@ -274,8 +274,7 @@ class Learner:
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
         """The trained steps' metrics, in order: {} (counted) for one skipped as non-finite."""
         metrics = []
-        for step in pending:
-            skipped, *figures = step.result().tolist()
+        for skipped, *figures in collect(pending).tolist():
             if skipped:
                 self.skipped_updates += 1
                 metrics.append({})

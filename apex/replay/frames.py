@@ -152,9 +152,9 @@ class StackedReplay(LockedRing):
             raise ValueError(f"beta must be >= 0, got {beta!r}")
         with self.lock:
             slots, indices, priorities, min_priority = self.ring.draw(batch_size * batches)
-            if batches > 1:  # stratum j goes to batch j % batches
-                order = np.arange(batch_size * batches).reshape(batch_size, batches).T.reshape(-1)
-                slots, indices, priorities = slots[order], indices[order], priorities[order]
+            if batches > 1:  # stratum j goes to batch j % batches (a strided copy, not a gather)
+                slots, indices, priorities = (np.ascontiguousarray(a.reshape(batch_size, batches).T).reshape(-1)
+                                              for a in (slots, indices, priorities))
             batch = self.ring.gather(slots)
             obs = self.frames.gather(batch.pop("obs_frame")[:, None] + self._offsets)
             next_obs = self.frames.gather(batch.pop("next_obs_frame")[:, None] + self._offsets)
