@@ -283,11 +283,11 @@ class Pipeline:
             except Exception as e:
                 self._failed(e)
                 continue
-            for batch in batches:
-                self.times.add("sample", batch.sample_s)
-                self.times.add("to_device", batch.copy_s)
-                self._staged.put(batch)
             if batches:
+                self.times.add("sample", sum(batch.sample_s for batch in batches))
+                self.times.add("to_device", sum(batch.copy_s for batch in batches))
+                for batch in batches:
+                    self._staged.put(batch)
                 self.on_ready()
 
     def _failed(self, error: Exception) -> None:
