@@ -85,6 +85,7 @@ class DeviceStager:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def stage(self, arrays: dict[str, np.ndarray], context: Any = None, sample_s: float = 0.0) -> Staged:
+        """One batch (``stage_batches`` of one)."""
         return self.stage_batches(arrays, [context], sample_s)[0]
 
     def stage_batches(self, arrays: dict[str, np.ndarray], contexts: list, sample_s: float = 0.0) -> list[Staged]:

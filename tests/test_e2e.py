@@ -61,8 +61,9 @@ def processes_mentioning(text: str) -> list[str]:
 
 def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     logdir = tmp_path / "run"
+    # Rows every 0.1 s: the run may reach its 20,000 env steps within the first 0.5 s.
     proc = apex("run", "--actors", "2", "--logdir", str(logdir), "--port", str(free_base_port()),
-                "--stop-env-steps", "20000", *FAST)
+                "--stop-env-steps", "20000", *FAST, "--set", "learner.metrics_interval_s=0.1")
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     summary = json.loads((logdir / "summary.json").read_text())
