@@ -76,8 +76,9 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     assert rows[-1]["env_steps"] == summary["env_steps"]
     # the pipelined learner's time per step by section, in every row that covers steps
     stepped = [r for r in rows if "time_train_ms" in r]
-    assert stepped and all(r["time_train_ms"] > 0 and r["time_sample_ms"] > 0 and r["time_write_back_ms"] >= 0
+    assert stepped and all(r["time_train_ms"] > 0 and r["time_sample_ms"] >= 0 and r["time_write_back_ms"] >= 0
                            and r["time_idle_ms"] >= 0 for r in stepped)
+    assert any(r["time_sample_ms"] > 0 for r in stepped)  # a row may train on batches a refill staged before it
     assert list((logdir / "checkpoints").glob("ckpt-*.pt"))
     time.sleep(0.5)
     assert processes_mentioning(str(logdir)) == []
