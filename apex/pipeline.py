@@ -89,11 +89,15 @@ class DeviceStager:
         return self.stage_batches(arrays, [context], sample_s)[0]
 
     def stage_batches(self, arrays: dict[str, np.ndarray], contexts: list, sample_s: float = 0.0) -> list[Staged]:
-        """``len(contexts)`` batches laid one after the other in each array, staged together
-        (one copy a field on CUDA) and split into views, one Staged each: per batch no more
-        work than a dict of views, which the prefetch thread does with the GIL held."""
+        """``len(contexts)`` batches laid one after the other along each array's first
+        dimension, staged together (one copy a field on CUDA) and split into views, one Staged
+        each: per batch no more work than a dict of views, which the prefetch thread does with
+        the GIL held."""
         start = time.perf_counter()
         count = len(contexts)
+        if any(len(array) % count for array in arrays.values()):
+            raise ValueError(f"cannot split arrays of lengths {sorted({len(a) for a in arrays.values()})} "
+                             f"into {count} batches of one size")
         if self.stream is None:
             parts = {name: torch.from_numpy(array).tensor_split(count) for name, array in arrays.items()}
             ready = None
@@ -122,8 +126,8 @@ def fetch(parts: list[torch.Tensor], context: Any = None) -> Pending:
 
 
 def collect(pending: list[Pending]) -> np.ndarray:
-    """The results of steps of one kind (each as ``Pending.result`` gives it), as the rows
-    of one float64 array: one copy for them all, not one each."""
+    """The results of steps of one kind (each as ``Pending.result`` gives it; one step at
+    least), as the rows of one float64 array: one copy for them all, not one each."""
     for step in pending:
         if step.done is not None:
             step.done.synchronize()
