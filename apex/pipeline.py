@@ -71,9 +71,7 @@ class Pending:
     context: Any = None
 
     def result(self) -> np.ndarray:
-        if self.done is not None:
-            self.done.synchronize()
-        return np.concatenate([part.numpy() for part in self.parts], dtype=np.float64)
+        return collect([self])[0]
 
 
 class DeviceStager:
@@ -126,8 +124,8 @@ def fetch(parts: list[torch.Tensor], context: Any = None) -> Pending:
 
 
 def collect(pending: list[Pending]) -> np.ndarray:
-    """The results of steps of one kind (each as ``Pending.result`` gives it; one step at
-    least), as the rows of one float64 array: one copy for them all, not one each."""
+    """The results of steps of one kind (one step at least), as the rows of one float64
+    array: one copy for them all, not one each."""
     for step in pending:
         if step.done is not None:
             step.done.synchronize()

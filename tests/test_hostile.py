@@ -134,6 +134,19 @@ def checkpoint_is_finite(logdir: Path) -> str:
     return newest.stem
 
 
+def trains_on_with_finite_weights(run: Run, peer: LearnerClient) -> str:
+    """After hostile input: the learner still updates, publishes finite weights and exits 0
+    with a finite checkpoint, whose name this returns."""
+    run.wait_updating()
+    time.sleep(0.5)
+    peer.tick()
+    weights = peer.take_weights()
+    assert weights is not None and all(np.isfinite(a).all() for a in weights.arrays.values())
+    peer.close()
+    assert run.stop() == 0
+    return checkpoint_is_finite(run.logdir)
+
+
 @pytest.fixture(scope="module")
 def apex_run(tmp_path_factory):
     run = Run(tmp_path_factory.mktemp("apex"), "apex_dqn")
@@ -173,14 +186,7 @@ def test_01_02_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_
         wait_for(lambda: run.row().get("skipped_updates", 0) >= 1, 30, "a skipped update")
         if algo == "apex_dqn":
             assert run.row()["dropped_transitions"] >= 1  # never sampled again
-        run.wait_updating()
-        time.sleep(0.5)
-        peer.tick()
-        weights = peer.take_weights()
-        assert weights is not None and all(np.isfinite(a).all() for a in weights.arrays.values())
-        peer.close()
-        assert run.stop() == 0
-        name = checkpoint_is_finite(run.logdir)
+        name = trains_on_with_finite_weights(run, peer)
         # The exit checkpoint resumes into a learner that trains.
         resumed = Run(tmp_path / "resumed", algo, "--resume", str(run.logdir), "--stop-seconds", "600")
         try:
@@ -218,14 +224,7 @@ def test_01_02_a_recurrent_continuous_learner_counts_forged_states_and_actions_a
         run.wait_rejected("fields", 1)
         for _ in range(3):
             send(peer, {**batch, "core_c": np.full_like(batch["core_c"], 1e30)})
-        run.wait_updating()
-        time.sleep(0.5)
-        peer.tick()
-        weights = peer.take_weights()
-        assert weights is not None and all(np.isfinite(a).all() for a in weights.arrays.values())
-        peer.close()
-        assert run.stop() == 0
-        checkpoint_is_finite(run.logdir)
+        trains_on_with_finite_weights(run, peer)
     finally:
         run.stop()
 
