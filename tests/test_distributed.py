@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from apex import config as config_module
 from apex.algos.apex_dqn import Learner as ApexLearner
+from apex.bench.transport import free_port
 from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
 from apex.envs import EnvSpec
 from apex.errors import ApexError
@@ -18,12 +18,6 @@ from apex.pipeline import Staged
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
 BATCH = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bandit_learner(grad_clip: float) -> ApexLearner:

@@ -7,42 +7,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from apex.bench.transport import free_base_port
 from apex.checkpoint import find_latest
 from apex.transport.sessions import SessionSigner, SignedSessions
 from tests.test_e2e import metrics, wait_for
 
 FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
         "--set", "learner.metrics_interval_s=0.5"]
-
-
-def free_ports(count: int) -> int:
-    """A base port P with P .. P+count-1 free."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            probes = []
-            for p in range(base, base + count):
-                probe = socket.socket()
-                probes.append(probe)
-                probe.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for probe in probes:
-                probe.close()
-    raise RuntimeError("no free port range")
 
 
 def apex(*args: str) -> subprocess.Popen:
@@ -91,7 +68,7 @@ def test_signed_sessions_take_the_group_tokens_only():
 def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
     """`apex learner --ranks 2` with two actors (one sends to each rank) reaches 475; its
     checkpoints hold rank 1's replay shard, and the group resumed on 2 ranks restores it."""
-    port = free_ports(6)
+    port = free_base_port(span=6)
     logdir = tmp_path / "run"
     learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
                    "--stop-return", "475", "--stop-seconds", "150", *FAST)
@@ -124,7 +101,7 @@ def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
 
 
 def test_a_rank_that_dies_stops_the_group_and_apex_run_starts_it_again(tmp_path):
-    port = free_ports(6)
+    port = free_base_port(span=6)
     logdir = tmp_path / "run"
     run = apex("run", "--ranks", "2", "--actors", "2", "--port", str(port), "--logdir", str(logdir),
                "--stop-seconds", "240", "--stop-env-steps", "150000", "--set", "learner.checkpoint_interval_s=1", *FAST)
@@ -173,7 +150,7 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
 
     from apex import protocol
 
-    port = free_ports(6)
+    port = free_base_port(span=6)
     logdir = tmp_path / "run"
     learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "60", *FAST)
     actors = [apex("actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "4") for _ in range(2)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -19,6 +20,7 @@ from apex.transport import (
     TransportConfig,
     generate_keys,
 )
+from apex.bench import transport as bench_transport
 from apex.bench.transport import free_base_port
 
 FAST = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
@@ -305,3 +307,23 @@ def test_bind_conflict_is_a_clear_error(learner, port):
 
     with pytest.raises(ApexError, match="cannot bind .* pick another with --port"):
         LearnerEndpoint("127.0.0.1", port, welcome_all, FAST)
+
+
+def test_free_base_port_hands_out_disjoint_free_ranges_below_the_kernels_ephemeral_ports():
+    # A port the kernel hands out for an outgoing connection can take a learner's port between
+    # choosing it and binding it (CI saw "Address already in use"): tests draw theirs below that range.
+    first = free_base_port(span=6)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first + 8))  # inside the range the next call tries first
+        second = free_base_port(span=6)
+    assert first + 6 <= second or second + 6 <= first  # not yet bound, yet never handed out twice
+    assert not second <= first + 8 < second + 6
+    assert max(first, second) + 6 <= bench_transport._ephemeral_low()
+    for base in (first, second):
+        probes = [socket.socket() for _ in range(6)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", base + offset))
+        finally:
+            for probe in probes:
+                probe.close()

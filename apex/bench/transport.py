@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -158,21 +159,47 @@ def run(seconds: float = 2.0) -> dict:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; macOS and Windows start theirs higher still
 
 
-def free_base_port() -> int:
-    """A free port whose two successors are free too (a learner binds P, P+1, P+2)."""
-    for _ in range(100):
-        base = free_port()
+# Where the next search starts: each call hands out ports past the last one's, so two ranges taken
+# in a row (a learner's and a front end's) never overlap although neither is bound yet.
+_next_port: int | None = None
+
+
+def free_base_port(span: int = 3) -> int:
+    """A port P with P .. P+span-1 free on 127.0.0.1 (a learner binds P, P+1, P+2; its ranks the
+    next ones). Drawn below the kernel's ephemeral range: a port the kernel hands out (bind to 0)
+    is free when checked, but any outgoing connection (an actor's, another process's) may take it
+    again before the learner binds, which CI saw as "Address already in use"."""
+    global _next_port
+    low, high = 10000, _ephemeral_low() - span
+    if high <= low:
+        low, high = 1024, 65535 - span
+    if _next_port is None or not low <= _next_port <= high:
+        _next_port = random.SystemRandom().randint(low, high)  # not the seeded global generator
+    for _ in range(200):
+        base = _next_port
+        _next_port = base + span if base + span <= high else low
+        probes: list[socket.socket] = []
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base + 1))
-                b.bind(("127.0.0.1", base + 2))
+            for port in range(base, base + span):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
             return base
         except OSError:
             continue
-    raise RuntimeError("no three consecutive free ports found")
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {span} consecutive free ports found on 127.0.0.1 in {low}-{high + span - 1}")
+
+
+def free_port() -> int:
+    return free_base_port(span=1)
