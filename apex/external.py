@@ -301,6 +301,11 @@ class ExternalEpisodes:
         if not np.isfinite(wide).all():
             raise RequestError(400, "observation", "observations must be finite numbers (no NaN or infinity)")
         target = np.dtype(self.spec.frame_dtype)
+        if target.kind == "f" and (np.abs(wide) > np.finfo(target).max).any():
+            # checked before the cast: a float64 1e300 is inf as float32, and the learner
+            # would refuse the whole batch, honest episodes' steps with it
+            raise RequestError(400, "observation", f"observations of this run are {target.name}: at most "
+                               f"{np.finfo(target).max:g} in size")
         if target.kind in "iu" and not (wide == np.round(wide)).all():
             raise RequestError(400, "observation", f"observations of this run are {target.name}: whole numbers")
         if self._bounded and ((wide < self._low).any() or (wide > self._high).any()):
@@ -333,7 +338,7 @@ class ExternalEpisodes:
     def _rewards(self, rewards: Any, count: int) -> np.ndarray:
         try:
             values = np.asarray(rewards, np.float64).reshape(-1)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, OverflowError):  # OverflowError: JSON's 1e400 written as an integer
             raise RequestError(400, "reward", f"rewards must be numbers, got {str(rewards)[:80]!r}") from None
         if values.shape != (count,):
             raise RequestError(400, "reward", f"{values.size} rewards for {count} episodes")

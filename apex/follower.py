@@ -198,7 +198,7 @@ class FollowerProcess:
                 log.warning("%s was written by %d rank(s), this group has %d: rank %d starts with an empty replay",
                             name, checkpoint.ranks, self.group.world_size, rank)
                 return
-            checkpoint.load_shard(rank, replay)
+            checkpoint.load_shard(rank, replay, self.learner.schema)
             log.info("rank %d restored its replay shard of %s: %d transitions", rank, name, len(replay))
         except (CorruptCheckpoint, IncompatibleCheckpoint) as e:
             log.warning("rank %d starts with an empty replay: its shard of %s cannot be loaded (%s)", rank, name, e)

@@ -4,6 +4,7 @@ and knows nothing of sockets, fed by the ingest thread (``apex.ingest``)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import resource
@@ -166,20 +167,29 @@ class LearnerProcess:
         resume with an ApexError: every one would say the same."""
         first_loadable(newest.manifest_path.parent, self._restore, first=newest)
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _fitting(checkpoint: Checkpoint):
+        """torch's errors of a state that does not fit this run's networks, as one line."""
+        try:
+            yield
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise ApexError(f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
+                            f"({str(e).splitlines()[0]}): resume without changing algo, env or model") from None
+
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continues from a verified checkpoint: networks, optimizer, counters, episode
         returns and, when it holds one, the replay. Raises CorruptCheckpoint if it cannot
         be loaded, ApexError if it does not fit this run's configuration."""
         start = time.monotonic()
         state = checkpoint.load_state()
+        with self._fitting(checkpoint):
+            self.learner.check_state(state)  # before the replay: a refused checkpoint leaves it empty
         replay = self.learner.checkpoint_replay
         if replay is not None and checkpoint.replay_path is not None:
-            checkpoint.load_replay(replay)  # IncompatibleCheckpoint (the user's to fix) goes up as it is
-        try:
+            checkpoint.load_replay(replay, self.learner.schema)  # IncompatibleCheckpoint (the user's to fix) goes up
+        with self._fitting(checkpoint):
             self.learner.load_state_dict(state)
-        except (KeyError, RuntimeError, ValueError) as e:
-            raise ApexError(f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
-                            f"({str(e).splitlines()[0]}): resume without changing algo, env or model") from None
         self.counters.load_state_dict(state)
         self._elapsed_before = state["time"]
         self._version = self.learner.updates

@@ -89,3 +89,62 @@ def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameter
         else:
             step(optimizer)
         return torch.cat([packed.new_tensor([float(skipped)]), packed])
+
+
+def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+    """The per-parameter state this optimizer keeps (names, shapes, dtypes), from a throwaway
+    copy stepped once on zeros of its parameters' shapes."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [torch.zeros_like(p, device="cpu", requires_grad=True) for p in group["params"]]
+        options = {k: v for k, v in group.items() if k != "params"}
+        options.update({k: False for k in ("fused", "foreach", "capturable") if k in options})  # the plain loop
+        groups.append({**options, "params": params})
+    probe = type(optimizer)(groups)
+    for group in probe.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    step(probe)
+    return probe.state_dict()["state"]
+
+
+def check_state(optimizer: torch.optim.Optimizer, saved: object, source: str = "") -> None:
+    """Whether ``saved`` (a checkpoint's ``optimizer.state_dict()``) fits ``optimizer``: each
+    parameter's state holds what this optimizer keeps, of its shape and dtype. torch's
+    load_state_dict does not check, and fused Adam writes past a moment of the wrong shape (a
+    segfault, not an error). CorruptCheckpoint if a tensor does not fit (the file disagrees with
+    its own networks); ValueError if the optimizer differs (another learner.optimizer)."""
+    from apex.checkpoint.common import CorruptCheckpoint, show  # not at import: checkpoint code needs no torch
+
+    source = f"{source}: " if source else ""  # the caller's log line may name the file already
+    state = saved.get("state") if isinstance(saved, dict) else None
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint(f"{source}the optimizer's state is not a dict of per-parameter states")
+    if not state:
+        return  # an optimizer that never stepped
+    expected = _fresh_state(optimizer)
+    for index, entry in state.items():
+        want = expected.get(index) if isinstance(index, int) and not isinstance(index, bool) else None
+        if want is None or not isinstance(entry, dict):
+            raise CorruptCheckpoint(f"{source}optimizer state for parameter {show(index)}, which this model "
+                                    f"lacks (it has {len(expected)})")
+        if entry.keys() != want.keys():
+            raise ValueError(f"the optimizer state holds {sorted(map(str, entry))}, this run's optimizer keeps "
+                             f"{sorted(want)}")
+        for key, value in entry.items():
+            ref = want[key]
+            if not (isinstance(value, torch.Tensor) and value.shape == ref.shape and value.dtype == ref.dtype):
+                got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise CorruptCheckpoint(f"{source}optimizer state {key!r} of parameter {index} is {got}, "
+                                        f"expected {tuple(ref.shape)} {ref.dtype}")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise CorruptCheckpoint(f"{source}optimizer state {key!r} of parameter {index} holds NaN or infinity")
+
+
+def load_state(optimizer: torch.optim.Optimizer, saved: dict, source: str = "") -> None:
+    """Restores a checkpoint's per-parameter state (Adam's moments and step counts), checked by
+    ``check_state``, and keeps ``optimizer``'s own hyper-parameters: this run's config (a resume
+    with another learner.lr takes it; a checkpoint's lr, NaN or a string, is never used)."""
+    check_state(optimizer, saved, source)
+    _run_wrapped_methods_eagerly()
+    optimizer.load_state_dict({"state": saved["state"], "param_groups": optimizer.state_dict()["param_groups"]})

@@ -117,6 +117,7 @@ class BatchSchema:
     def __init__(self, rules: tuple[ArrayRule, ...]) -> None:
         self.rules = rules
         self.names = frozenset(rule.name for rule in rules)
+        self._by_name = {rule.name: rule for rule in rules}
         # What _check_layout found for a layout blob: its sizes, or its rejection. Actors send
         # the same few layouts again and again; checking one costs a sixth of a CartPole
         # batch's validation. Bounded like the codec's own cache of parsed layouts.
@@ -173,6 +174,13 @@ class BatchSchema:
                     array = array.astype(rule.store)
             out[rule.name] = array
         return out, sizes
+
+    def check_values(self, name: str, array: np.ndarray) -> None:
+        """``array`` (stored values, e.g. a saved replay's) against array ``name``'s value rule,
+        where it has one that does not depend on a message's sizes; RejectedMessage."""
+        rule = self._by_name.get(name)
+        if rule is not None and rule.values is not None and rule.values.high_size is None and array.size:
+            _check_range(rule, array, {})
 
     def _check_layout(self, arrays: Mapping[str, Any]) -> dict[str, int]:
         """Names, dtypes and shapes from what the layout declares; returns the sizes."""

@@ -103,19 +103,30 @@ class Server:
         self.stop_reason: str | None = None
         self.error: BaseException | None = None  # the learner thread's, if it failed
         self._bad_log = RateLimitedLog(log, interval_s=5.0)
+        self._internal_log = RateLimitedLog(log, interval_s=5.0)
         self._last_data = time.monotonic()
 
     # -- what the frontends call (main thread)
 
     def authorised(self, presented: str | None) -> bool:
         token = self.options.token
-        return token is None or (presented is not None and hmac.compare_digest(presented.encode(), token.encode()))
+        # surrogateescape: a header's undecodable bytes (aiohttp keeps them as surrogates) compare, not raise
+        return token is None or (presented is not None and hmac.compare_digest(
+            presented.encode("utf-8", "surrogateescape"), token.encode()))
 
     def refused(self, error: RequestError | str, reason: str | None = None, peer: str = "?") -> None:
         """Counts (and, rate-limited, logs) a refused request."""
         key = reason or getattr(error, "reason", "other")
         self.rejected[key] += 1
         self._bad_log.warning("refused a request from %s (%s): %s", peer, key, error)
+
+    def internal_error(self) -> RequestError:
+        """Counts and logs (rate-limited, with its traceback) an exception that a request
+        raised in apex's own code, and returns the 500 error to answer it with: the frontend
+        serves on."""
+        self.rejected["internal"] += 1
+        self._internal_log.exception("a request failed in apex serve itself (answered 500, serving on)")
+        return RequestError(500, "internal", "apex serve failed on this request: its log says why")
 
     async def wait_for_room(self) -> None:
         """Requests that make data wait while the learner is behind (as local actors do)."""

@@ -73,9 +73,15 @@ def make_app(server) -> web.Application:
                                    "POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end, "
                                    "POST /v1/batch/action|log_action|rewards|end")
             return _error(e.status, e.reason)
+        except Exception:  # noqa: BLE001  a bug of ours that a request found: answered in JSON, serving on
+            error = server.internal_error()
+            return _error(error.status, str(error))
 
     async def body(request: web.Request) -> dict:
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except ConnectionError:  # the client went away mid-body: counted, not aiohttp's traceback
+            raise RequestError(400, "disconnected", "the connection closed before the body arrived") from None
         try:
             data = json.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError) as e:

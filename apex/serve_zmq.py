@@ -69,7 +69,7 @@ def decode_array(value, what: str) -> np.ndarray:
     """A msgpack array of numbers, or ``{"dtype", "shape", "data"}`` (raw little-endian bytes)."""
     if isinstance(value, dict):
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
-        if dtype not in ARRAY_DTYPES:
+        if not isinstance(dtype, str) or dtype not in ARRAY_DTYPES:
             raise RequestError(400, "fields", f"{what}: dtype must be one of {', '.join(sorted(ARRAY_DTYPES))}")
         if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in shape)
                 and len(shape) <= 8):
@@ -112,6 +112,8 @@ class Handler:
         except RequestError as e:
             server.refused(e)
             return _error_reply(request_id, e)
+        except Exception:  # noqa: BLE001  a bug of ours that a request found: answered, and the loop serves on
+            return _error_reply(request_id, server.internal_error())
 
     async def dispatch(self, request: dict) -> dict:
         server = self.server

@@ -29,6 +29,7 @@ from apex.checkpoint import (
 )
 from apex.errors import ApexError
 from apex.replay import StackedReplay
+from tests.test_learner import bandit_chunk
 from tests.test_replay import assert_stacks_are_their_own, fill, new_like
 
 
@@ -316,7 +317,6 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
     from apex import config as config_module
     from apex.envs import EnvSpec
     from apex.metrics import EpisodeStats
-    from tests.test_learner import bandit_chunk
 
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     for algo in ("apex_dqn", "impala"):
@@ -352,6 +352,10 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
         (lambda s: s.update(config={"algo": ["apex_dqn"]}), "config.algo"),
         (lambda s: s.update(env_steps_by_host="ab"), "env_steps_by_host"),
         (lambda s: s.update(limiter={"inserts": 1}), "limiter"),
+        (lambda s: s.update(limiter={"inserts": 10, "samples": 2**60}), "limiter"),
+        (lambda s: s.update(updates=2**70), "at most 2**53"),
+        (lambda s: s["online"]["weight"].view(-1).__setitem__(0, float("nan")), "online.weight holds NaN"),
+        (lambda s: s["optimizer"]["state"][1]["exp_avg_sq"].fill_(float("inf")), "optimizer.state.1.exp_avg_sq"),
     ],
 )
 def test_a_state_without_what_every_checkpoint_holds_is_refused(tmp_path, change, missing):
@@ -473,3 +477,87 @@ def test_a_stale_temporary_link_is_removed_not_followed(tmp_path):
     (directory / "ckpt-000000100.pt.tmp").symlink_to(target)
     CheckpointWriter(directory, keep=3)
     assert os.listdir(directory) == [] and target.read_text() == "precious\n"
+
+
+def _trained_apex_learner(config_overrides: tuple[str, ...] = ()):
+    from apex import config as config_module
+    from apex.algos.apex_dqn import Learner as ApexLearner
+    from apex.envs import EnvSpec
+
+    config = config_module.load(None, ["replay.capacity=1000", "replay.min_size=100", *config_overrides])
+    learner = ApexLearner(config, EnvSpec((3,), np.dtype(np.float32), 1, 2), torch.device("cpu"))
+    learner.insert(bandit_chunk(500))
+    for _ in range(3):
+        learner.step()
+    return learner, lambda: ApexLearner(config, learner.spec, torch.device("cpu"))
+
+
+def test_an_optimizer_state_that_does_not_fit_its_networks_is_refused_before_anything_changes():
+    # torch loads an Adam moment of the wrong shape, and fused Adam then writes past it: a
+    # segfault at the first update of a resumed run, not an error.
+    learner, fresh = _trained_apex_learner()
+    saved = learner.state_dict()
+    saved["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+    target = fresh()
+    before = [p.clone() for p in target.online.parameters()]
+    with pytest.raises(CorruptCheckpoint, match=r"optimizer state 'exp_avg' of parameter 0 is \(7,\)"):
+        target.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, target.online.parameters()))
+    assert target.optimizer.state_dict()["state"] == {}
+    saved["optimizer"]["state"][0] = {"step": saved["optimizer"]["state"][0]["step"], "square_avg": torch.zeros(7)}
+    with pytest.raises(ValueError, match="this run's optimizer keeps"):  # another learner.optimizer
+        target.check_state(saved)
+
+
+def test_a_resumed_learner_keeps_its_configs_hyper_parameters_and_the_checkpoints_moments():
+    learner, _ = _trained_apex_learner()
+    saved = learner.state_dict()
+    saved["optimizer"]["param_groups"][0]["lr"] = "fast"  # a forged or older run's: never used
+    _, fresh = _trained_apex_learner(("learner.lr=0.0005",))
+    resumed = fresh()
+    resumed.insert(bandit_chunk(500))
+    resumed.load_state_dict(saved)
+    assert resumed.optimizer.param_groups[0]["lr"] == 0.0005
+    moments = resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(moments[i]["exp_avg"], saved["optimizer"]["state"][i]["exp_avg"]) for i in moments)
+    resumed.step()  # trains on from there (a string lr would raise in Adam)
+
+
+def test_a_restored_limiter_stays_within_its_slack_of_what_the_inserts_allow():
+    # Counters from a forged checkpoint (or one of other replay settings) would otherwise stop
+    # sampling for good (samples far ahead) or let it run unbounded (inserts far ahead).
+    learner, fresh = _trained_apex_learner()
+    for inserts, samples in ((500, 10**15), (10**12, 0), (500, learner.limiter.samples)):
+        saved = {**learner.state_dict(), "limiter": {"inserts": inserts, "samples": samples}}
+        resumed = fresh()
+        resumed.insert(bandit_chunk(200))
+        resumed.load_state_dict(saved)
+        limiter = resumed.limiter
+        allowed = (inserts - limiter.min_size) * limiter.samples_per_insert
+        assert limiter.inserts == inserts and abs(limiter.samples - allowed) <= limiter.slack
+        assert limiter.can_sample(1) or limiter.can_insert()
+    assert resumed.limiter.samples == learner.limiter.samples  # an honest one as it was
+
+
+def test_a_saved_replay_with_values_no_batch_could_bring_is_corrupt_and_leaves_the_replay_empty(tmp_path):
+    learner, fresh = _trained_apex_learner()
+    replay = learner.replay
+    for updates, poison in ((100, None), (200, ("action", 10**6)), (300, ("reward", np.nan))):
+        if poison is not None:  # one field of one transition each, the rest as it was
+            name, value = poison
+            honest = replay.ring.storage[name][3].copy()
+            replay.ring.storage[name][3] = value
+        assert CheckpointWriter(tmp_path, keep=5).save(f"ckpt-{updates:09d}", state(updates), replay)
+        if poison is not None:
+            replay.ring.storage[name][3] = honest
+    for name, words in (("ckpt-000000300", "reward holds NaN"), ("ckpt-000000200", "action holds values outside")):
+        restored = fresh()
+        newest = find_latest(tmp_path)
+        assert newest.name == name
+        with pytest.raises(CorruptCheckpoint, match=f"does not hold the replay.*saved replay's {words}"):
+            newest.load_replay(restored.replay, restored.schema)
+        assert len(restored.replay) == 0 and restored.replay.total_added == 0
+        mark_corrupt(newest, "poisoned")
+    restored = fresh()
+    find_latest(tmp_path).load_replay(restored.replay, restored.schema)
+    assert len(restored.replay) == len(learner.replay)

@@ -9,6 +9,7 @@ conditions untouched by forged data, no code run by a forged checkpoint.
 from __future__ import annotations
 
 import functools
+import io
 import json
 import os
 import pickle
@@ -241,9 +242,13 @@ class _Marker:
 
 
 def forge(pt: Path, marker: Path) -> None:
-    """Replaces a checkpoint's state with a pickle that would create ``marker`` if run,
-    and makes its manifest match (size and CRC-32 detect accidents, not attackers)."""
-    data = pickle.dumps({"config": {}, "x": _Marker(str(marker))})
+    """Replaces a checkpoint's state with a pickle that would create ``marker`` if run."""
+    rewrite(pt, pickle.dumps({"config": {}, "x": _Marker(str(marker))}))
+
+
+def rewrite(pt: Path, data: bytes) -> None:
+    """Replaces a checkpoint's state and makes its manifest match (size and CRC-32 detect
+    accidents, not attackers)."""
     pt.write_bytes(data)
     manifest_path = pt.with_suffix(".json")
     manifest = json.loads(manifest_path.read_text())
@@ -269,6 +274,29 @@ def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
     finally:
         resumed.stop()
     assert not marker.exists()
+
+
+def test_04_a_checkpoint_whose_optimizer_state_does_not_fit_is_set_aside_not_a_segfault(tmp_path):
+    # torch loads an Adam moment of any shape, and fused Adam writes past one that is too
+    # small: the resumed learner died of SIGSEGV at its first update, without a word.
+    run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1")
+    wait_for(lambda: len(list((run.logdir / "checkpoints").glob("ckpt-*.json"))) >= 2, 30, "two checkpoints")
+    assert run.stop() == 0
+    checkpoints = sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
+    state = torch.load(checkpoints[-1], weights_only=True)
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    rewrite(checkpoints[-1], buffer.getvalue())
+    resumed = Run(tmp_path / "resumed", "apex_dqn", "--resume", str(run.logdir), "--stop-seconds", "600")
+    try:
+        resumed.wait_updating()  # its first row: the checkpoint's updates
+        resumed.wait_updating()  # then more: it trains
+        log = resumed.learner_log.read_text()
+        assert f"checkpoint {checkpoints[-1].stem} refused: optimizer state 'exp_avg' of parameter 0 is (7,)" in log
+        assert f"resumed from {checkpoints[-2].stem}" in log
+    finally:
+        assert resumed.stop() == 0
 
 
 # -- 6: frozen main loop

@@ -165,6 +165,11 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
         ("POST", action, {"observation": [[0.0] * 4] * 2}, 400, "does not match"),
         ("POST", action, {"observation": ["a", "b", "c", "d"]}, 400, "numbers"),
         ("POST", action, {"observation": [0.0, 1e400, 0.0, 0.0]}, 400, "finite"),
+        # finite as float64, inf as the run's float32: the learner would refuse the batch it went
+        # into, honest episodes' steps with it
+        ("POST", action, {"observation": [0.0, 1e300, 0.0, 0.0]}, 400, "float32: at most"),
+        ("POST", action, '{"observation": [0.0, 0.0, 0.0, 0.0], "reward": 1' + "0" * 400 + "}", 400,
+         "rewards must be numbers"),
         ("POST", action, {"observation": [0.0] * 4, "reward": "lots"}, 400, "rewards must be numbers"),
         ("POST", action, {"observation": [0.0] * 4, "reward": 1e300}, 400, "max_abs_reward"),
         ("POST", "/v1/episodes/0123456789abcdef01234567/action", {"observation": [0.0] * 4}, 404, "no open episode"),
@@ -177,9 +182,14 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
     for method, path, body, status, words in cases:
         got, reply = served.http(method, path, body)
         assert (got, words in reply.get("error", "")) == (status, True), (method, path, str(body)[:60], got, reply)
+    # a token header that is not UTF-8 (aiohttp keeps its bytes as surrogates)
+    got, reply = served.http("POST", action, {"observation": [0.0] * 4}, token=None,
+                             headers={"Authorization": b"Bearer " + TOKEN.encode() + b"\xff"})
+    assert got == 401 and "bearer token" in reply["error"], reply
     after = served.health()
     assert after["env_steps"] == before["env_steps"]  # not one step taken by a bad request
-    assert sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values()) == len(cases)
+    assert sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values()) == len(cases) + 1
+    assert "internal" not in after["rejected_by_reason"]
     # and the episode goes on
     assert served.http("POST", action, {"observation": [0.01, 0.0, 0.0, 0.0], "reward": 1.0})[0] == 200
     assert served.health()["env_steps"] == before["env_steps"] + 1
@@ -261,6 +271,13 @@ def test_each_hostile_zmq_request_gets_its_error(served):
         (msgpack.packb({"op": "spaces", "token": "wrong"}), 401, "token"),
         (msgpack.packb({**request, "op": "fly"}), 400, "unknown op"),
         (msgpack.packb({**request, "observations": {**array, "dtype": "object"}}), 400, "dtype must be one of"),
+        # unhashable dtypes once ended the frontend's loop: no reply to anyone after
+        (msgpack.packb({**request, "observations": {**array, "dtype": ["float32"]}}), 400, "dtype must be one of"),
+        (msgpack.packb({**request, "observations": array, "end": {"episode_ids": [episode],
+                                                                 "observations": {**array, "dtype": {}}}}), 400,
+         "end.observations: dtype must be one of"),
+        (msgpack.packb({**request, "observations": {**array, "dtype": "float64", "data": np.array(
+            [[0.0, 1e300, 0.0, 0.0]]).tobytes()}}), 400, "float32: at most"),
         (msgpack.packb({**request, "observations": {**array, "data": b"\0" * 15}}), 400, "data must be 16 bytes"),
         (msgpack.packb({**request, "observations": {**array, "shape": [1, -4]}}), 400, "shape must be"),
         (msgpack.packb({**request, "observations": {**array, "shape": [1, 3], "data": b"\0" * 12}}), 400, "shape"),
@@ -280,6 +297,51 @@ def test_each_hostile_zmq_request_gets_its_error(served):
             client.get_actions(["nope"], [[0.0] * 4])
         assert error.value.status == 404
         assert client.get_actions([episode], [[0.0] * 4], [1.0]).shape == (1,)  # the episode goes on
+
+
+def test_a_client_that_leaves_mid_body_is_counted_not_a_traceback(served):
+    import socket
+
+    before = served.health()["rejected_by_reason"].get("disconnected", 0)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", served.http_port)) as sock:
+            sock.sendall(f"POST /v1/episodes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                         "Content-Length: 100\r\n\r\n{".encode())
+    wait_for(lambda: served.health()["rejected_by_reason"].get("disconnected", 0) == before + 3, 10,
+             "the three to be counted")
+    assert "Error handling request" not in served.log.read_text()
+
+
+def test_a_request_that_finds_a_bug_is_answered_500_counted_and_the_frontend_serves_on():
+    import asyncio
+    import logging
+    from collections import Counter
+
+    from apex.logs import RateLimitedLog
+    from apex.serve import Server
+    from apex.serve_zmq import Handler
+
+    class Broken:  # a server whose episode code fails as a bug would
+        rejected: Counter = Counter()
+        _internal_log = RateLimitedLog(logging.getLogger("test"))
+        internal_error = Server.internal_error
+        refused = Server.refused
+        _bad_log = _internal_log
+
+        def authorised(self, presented):
+            return True
+
+        def call(self, *args):
+            raise IndexError("a bug")
+
+        async def wait_for_room(self):
+            pass
+
+    handler = Handler(Broken())
+    for op in ("start", "rewards"):
+        reply = asyncio.run(handler(msgpack.packb({"op": op, "id": 3, "episode_ids": [], "rewards": []})))
+        assert reply == {"id": 3, "ok": False, "status": 500, "error": reply["error"]} and "its log" in reply["error"]
+    assert handler.server.rejected["internal"] == 2
 
 
 def test_a_flood_from_one_client_does_not_stop_another_from_training(served):

@@ -260,12 +260,23 @@ class Learner:
         """Networks, optimizer and counters of a checkpoint. Call after the replay was
         restored (if it was): the sample-to-insert limit then goes on where it was instead of
         waiting for replay.min_size new transitions."""
+        self.check_state(state)
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optim.load_state(self.optimizer, state["optimizer"])
         self.updates = self.steps = state["updates"]
         if len(self.replay) > 0:
-            self.limiter.inserts, self.limiter.samples = state["limiter"]["inserts"], state["limiter"]["samples"]
+            limiter, inserts = self.limiter, state["limiter"]["inserts"]
+            # Samples within the slack of what the inserts allow: a checkpoint of other replay
+            # settings (or a forged one) could otherwise stop sampling, or inserting, for good.
+            allowed = (inserts - limiter.min_size) * limiter.samples_per_insert
+            samples = min(max(state["limiter"]["samples"], allowed - limiter.slack), allowed + limiter.slack)
+            limiter.inserts, limiter.samples = inserts, max(0, int(samples))
+
+    def check_state(self, state: dict) -> None:
+        """What load_state_dict checks before it changes anything (the learner calls it before
+        restoring the replay, so that a refused checkpoint leaves that empty)."""
+        optim.check_state(self.optimizer, state["optimizer"])
 
     @property
     def checkpoint_replay(self) -> StackedReplay | None:

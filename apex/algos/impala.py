@@ -294,9 +294,14 @@ class Learner:
         return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
+        self.check_state(state)
         self.net.load_state_dict(state["net"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optim.load_state(self.optimizer, state["optimizer"])
         self.updates = state["updates"]
+
+    def check_state(self, state: dict) -> None:
+        """What load_state_dict checks before it changes anything."""
+        optim.check_state(self.optimizer, state["optimizer"])
 
     checkpoint_replay = None  # the unroll queue is short-lived: not worth saving
 

@@ -64,7 +64,7 @@ class Checkpoint:
         """Where rank ``rank`` (> 0) of a learner group keeps its replay shard of this checkpoint."""
         return self.manifest_path.with_name(shard_file_name(self.name, rank))
 
-    def load_shard(self, rank: int, replay) -> None:
+    def load_shard(self, rank: int, replay, schema=None) -> None:
         """Fills ``replay`` (new and empty) from rank ``rank``'s shard, after checking the
         file's size and CRC-32; the errors of ``load_replay``."""
         entry = self.manifest["shards"][rank - 1]
@@ -73,21 +73,22 @@ class Checkpoint:
         _check_replay_fits(entry["replay_header"], replay, self.name)
         try:
             with open(path, "rb") as f:
-                replay.load(f, entry["replay_header"])
+                replay.load(f, entry["replay_header"], schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpoint(f"{path.name} does not hold the replay shard its manifest describes "
                                     f"({load_failure(e)})") from None
 
-    def load_replay(self, replay) -> None:
+    def load_replay(self, replay, schema=None) -> None:
         """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file.
         IncompatibleCheckpoint if this run's replay has another shape; CorruptCheckpoint if
-        the file does not hold what its header says. After either, ``replay`` is still empty
-        (its counters are set last), so the one before may be loaded into it."""
+        the file does not hold what its header says, or (given the algorithm's batch
+        ``schema``) values that a batch could not bring. After either, ``replay`` is still
+        empty (its counters are set last), so the one before may be loaded into it."""
         header = self.manifest["replay_header"]
         _check_replay_fits(header, replay, self.name)
         try:
             with open(self.replay_path, "rb") as f:
-                replay.load(f, header)
+                replay.load(f, header, schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpoint(f"{self.replay_path.name} does not hold the replay its manifest describes "
                                     f"({load_failure(e)})") from None

@@ -15,6 +15,7 @@ from apex.checkpoint.common import CorruptCheckpoint, is_int, show
 # (weights_only) returns it; bool is excluded where an int is wanted.
 _STATE_KEYS: dict[str, type | tuple[type, ...]] = {
     "updates": int, "env_steps": int, "time": (int, float), "episode_stats": dict, "config": dict}
+MAX_COUNT = 2**53  # counters beyond it are no run's (and 2**64 would not go on the wire as a weights version)
 _DEFAULT_ALGO = "apex_dqn"  # Config.algo's default: a config written without one means it
 _WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -54,9 +55,10 @@ def check_state(state: Any, source: str) -> dict:
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CorruptCheckpoint(f"{source}: {key!r} is a {type(value).__name__}, expected {_type_names(kind)}")
-    if state["updates"] < 0 or state["env_steps"] < 0 or not 0 <= state["time"] < float("inf"):
-        raise CorruptCheckpoint(f"{source}: updates, env_steps and time must be finite and >= 0, got "
-                                f"{state['updates']}, {state['env_steps']}, {state['time']}")
+    if not (0 <= state["updates"] <= MAX_COUNT and 0 <= state["env_steps"] <= MAX_COUNT
+            and 0 <= state["time"] < float("inf")):
+        raise CorruptCheckpoint(f"{source}: updates, env_steps and time must be finite, >= 0 and at most 2**53, got "
+                                f"{show(state['updates'])}, {show(state['env_steps'])}, {show(state['time'])}")
     _check_episode_stats(state["episode_stats"], source)
     _check_optional(state, source)
     algo = state["config"].get("algo", _DEFAULT_ALGO)
@@ -65,7 +67,28 @@ def check_state(state: Any, source: str) -> dict:
     for key in REGISTRY[algo].state_keys:
         if not isinstance(state.get(key), dict):
             raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
+        try:
+            where = _not_finite(state[key], key)
+        except RecursionError:
+            raise CorruptCheckpoint(f"{source}: {key!r} is nested too deep for a state_dict") from None
+        if where is not None:
+            raise CorruptCheckpoint(f"{source}: {where} holds NaN or infinity (the learner never writes such a "
+                                    "checkpoint: a damaged or forged file)")
     return state
+
+
+def _not_finite(value: Any, where: str) -> str | None:
+    """Where in a state_dict (nested dicts and lists of tensors) a float tensor holds NaN or
+    infinity, or None."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for key, item in items:
+        if (found := _not_finite(item, f"{where}.{key}")) is not None:
+            return found
+    return None
 
 
 def _check_episode_stats(stats: dict, source: str) -> None:
@@ -80,11 +103,13 @@ def _check_episode_stats(stats: dict, source: str) -> None:
 def _check_optional(state: dict, source: str) -> None:
     """Keys that older checkpoints may lack, checked when present (the learner reads them)."""
     hosts = state.get("env_steps_by_host", {})
-    if not (isinstance(hosts, dict) and all(isinstance(k, str) and is_int(v) for k, v in hosts.items())):
+    if not (isinstance(hosts, dict) and all(isinstance(k, str) and is_int(v) and v <= MAX_COUNT
+                                            for k, v in hosts.items())):
         raise CorruptCheckpoint(f"{source}: 'env_steps_by_host' must map host names to ints >= 0")
     limiter = state.get("limiter", {"inserts": 0, "samples": 0})
-    if not (isinstance(limiter, dict) and is_int(limiter.get("inserts")) and is_int(limiter.get("samples"))):
-        raise CorruptCheckpoint(f"{source}: 'limiter' must hold ints 'inserts' and 'samples' >= 0")
+    if not (isinstance(limiter, dict) and all(is_int(limiter.get(k)) and limiter[k] <= MAX_COUNT
+                                              for k in ("inserts", "samples"))):
+        raise CorruptCheckpoint(f"{source}: 'limiter' must hold ints 'inserts' and 'samples' in 0..2**53")
 
 
 def _type_names(kind: type | tuple[type, ...]) -> str:

@@ -171,6 +171,7 @@ class StackedReplay(LockedRing):
     def shape_mismatch(self, header: dict) -> str | None:
         return snapshot.shape_mismatch(self, header)
 
-    def load(self, f: BinaryIO, header: dict) -> None:
-        """Restores what ``save`` wrote into this (new, empty) replay of the same shape."""
-        snapshot.load(self, f, header)
+    def load(self, f: BinaryIO, header: dict, schema=None) -> None:
+        """Restores what ``save`` wrote into this (new, empty) replay of the same shape;
+        ``schema``: the batch schema its contents are checked against (``snapshot.load``)."""
+        snapshot.load(self, f, header, schema)

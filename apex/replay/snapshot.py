@@ -18,6 +18,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from apex.replay.frames import StackedReplay
+    from apex.schema import BatchSchema
 
 
 def slot_runs(first: int, last: int, capacity: int) -> list[tuple[int, int]]:
@@ -124,8 +125,11 @@ def shape_mismatch(replay: StackedReplay, header: dict) -> str | None:
     return None
 
 
-def load(replay: StackedReplay, f: BinaryIO, header: dict) -> None:
-    """Restores what ``save`` wrote into ``replay`` (new, empty, of the same shape)."""
+def load(replay: StackedReplay, f: BinaryIO, header: dict, schema: BatchSchema | None = None) -> None:
+    """Restores what ``save`` wrote into ``replay`` (new, empty, of the same shape). With
+    ``schema`` (the algorithm's batch schema) the transitions and frames kept are held to the
+    rules actors' batches are: a replay file is as untrusted as a message (ValueError; the
+    replay stays empty)."""
     if (mismatch := shape_mismatch(replay, header)) is not None:
         raise ValueError(f"{mismatch}: resume with the configuration the checkpoint was made with")
     ring, frames = replay.ring, replay.frames
@@ -149,9 +153,29 @@ def load(replay: StackedReplay, f: BinaryIO, header: dict) -> None:
     keep = first_frame >= frames_valid  # frame ids only grow with insertion: a suffix
     live, slots = live[keep], slots[keep]
     kept_from = int(live[0]) if len(live) else items_end
+    if schema is not None:
+        _check_values(replay, schema, slots, frames_valid, frames_end)
     with replay.lock:
         frames.added = frames_end
         ring.added = items_end
         ring.evicted_until = kept_from
         ring.tree.update(slots, priorities[slots])
         replay.chunks = deque((end, first) for end, first in header["chunks"] if end > kept_from)
+
+
+def _check_values(replay: StackedReplay, schema: BatchSchema, slots: np.ndarray, frames_valid: int,
+                  frames_end: int) -> None:
+    """The kept transitions' fields and frame ids, and the frames they may refer to."""
+    storage = replay.ring.storage
+    if len(slots):
+        last_frame = max(int(storage["obs_frame"][slots].max()), int(storage["next_obs_frame"][slots].max()))
+        if last_frame + replay.stack > frames_end:
+            raise ValueError(f"the saved replay's transitions refer to frame {last_frame}, beyond the {frames_end} "
+                             "it holds")
+    try:
+        for name in replay.ring.fields:
+            schema.check_values(name, storage[name][slots])
+        for a, b in slot_runs(frames_valid, frames_end, replay.frames.capacity):
+            schema.check_values("frames", replay.frames.storage[a:b])
+    except ValueError as e:  # RejectedMessage: the same words as for a batch
+        raise ValueError(f"the saved replay's {e}") from None
