@@ -263,3 +263,17 @@ def numpy_weights(model: nn.Module) -> dict:
 def load_numpy_weights(model: nn.Module, arrays: dict) -> None:
     state = {name: torch.from_numpy(arrays[name].copy()) for name in model.state_dict()}
     model.load_state_dict(state)
+
+
+def check_fits(model: nn.Module, saved: dict, name: str) -> None:
+    """ValueError (one line) unless ``saved`` holds ``model``'s state_dict keys with its
+    shapes: the run's model or env is not the checkpoint's."""
+    ours = model.state_dict()
+    if saved.keys() != ours.keys():
+        missing, extra = sorted(ours.keys() - saved.keys()), sorted(map(str, saved.keys() - ours.keys()))
+        raise ValueError(f"{name}: missing {missing[:3]}, unexpected {extra[:3]}")
+    for key, tensor in ours.items():
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{name}.{key} is {got}, this run's model has {tuple(tensor.shape)}")

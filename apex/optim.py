@@ -108,25 +108,25 @@ def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
     return probe.state_dict()["state"]
 
 
-def check_state(optimizer: torch.optim.Optimizer, saved: object, source: str = "") -> None:
+def check_state(optimizer: torch.optim.Optimizer, saved: object) -> None:
     """Whether ``saved`` (a checkpoint's ``optimizer.state_dict()``) fits ``optimizer``: each
     parameter's state holds what this optimizer keeps, of its shape and dtype. torch's
     load_state_dict does not check, and fused Adam writes past a moment of the wrong shape (a
     segfault, not an error). CorruptCheckpoint if a tensor does not fit (the file disagrees with
-    its own networks); ValueError if the optimizer differs (another learner.optimizer)."""
+    networks that fit this run's); ValueError if the optimizer differs (another
+    learner.optimizer). Whether its tensors are finite, checkpoint/state.py has said already."""
     from apex.checkpoint.common import CorruptCheckpoint, show  # not at import: checkpoint code needs no torch
 
-    source = f"{source}: " if source else ""  # the caller's log line may name the file already
     state = saved.get("state") if isinstance(saved, dict) else None
     if not isinstance(state, dict):
-        raise CorruptCheckpoint(f"{source}the optimizer's state is not a dict of per-parameter states")
+        raise CorruptCheckpoint("the optimizer's state is not a dict of per-parameter states")
     if not state:
         return  # an optimizer that never stepped
     expected = _fresh_state(optimizer)
     for index, entry in state.items():
         want = expected.get(index) if isinstance(index, int) and not isinstance(index, bool) else None
         if want is None or not isinstance(entry, dict):
-            raise CorruptCheckpoint(f"{source}optimizer state for parameter {show(index)}, which this model "
+            raise CorruptCheckpoint(f"optimizer state for parameter {show(index)}, which this model "
                                     f"lacks (it has {len(expected)})")
         if entry.keys() != want.keys():
             raise ValueError(f"the optimizer state holds {sorted(map(str, entry))}, this run's optimizer keeps "
@@ -135,16 +135,13 @@ def check_state(optimizer: torch.optim.Optimizer, saved: object, source: str = "
             ref = want[key]
             if not (isinstance(value, torch.Tensor) and value.shape == ref.shape and value.dtype == ref.dtype):
                 got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise CorruptCheckpoint(f"{source}optimizer state {key!r} of parameter {index} is {got}, "
+                raise CorruptCheckpoint(f"optimizer state {key!r} of parameter {index} is {got}, "
                                         f"expected {tuple(ref.shape)} {ref.dtype}")
-            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise CorruptCheckpoint(f"{source}optimizer state {key!r} of parameter {index} holds NaN or infinity")
 
 
-def load_state(optimizer: torch.optim.Optimizer, saved: dict, source: str = "") -> None:
-    """Restores a checkpoint's per-parameter state (Adam's moments and step counts), checked by
-    ``check_state``, and keeps ``optimizer``'s own hyper-parameters: this run's config (a resume
+def load_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Restores a checkpoint's per-parameter state (Adam's moments and step counts), which
+    ``check_state`` passed (call it first: torch checks nothing), and keeps ``optimizer``'s own hyper-parameters: this run's config (a resume
     with another learner.lr takes it; a checkpoint's lr, NaN or a string, is never used)."""
-    check_state(optimizer, saved, source)
     _run_wrapped_methods_eagerly()
     optimizer.load_state_dict({"state": saved["state"], "param_groups": optimizer.state_dict()["param_groups"]})

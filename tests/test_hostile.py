@@ -256,11 +256,16 @@ def rewrite(pt: Path, data: bytes) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
+def stopped_run_with_two_checkpoints(tmp_path: Path) -> tuple[Run, list[Path]]:
+    """An Ape-X run that wrote two checkpoints or more and stopped; their state files."""
     run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1")
     wait_for(lambda: len(list((run.logdir / "checkpoints").glob("ckpt-*.json"))) >= 2, 30, "two checkpoints")
     assert run.stop() == 0
-    checkpoints = sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
+    return run, sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
+
+
+def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
+    run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
     marker = tmp_path / "pwned"
     forge(checkpoints[-1], marker)
     evaluated = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(checkpoints[-1])],
@@ -279,10 +284,7 @@ def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
 def test_04_a_checkpoint_whose_optimizer_state_does_not_fit_is_set_aside_not_a_segfault(tmp_path):
     # torch loads an Adam moment of any shape, and fused Adam writes past one that is too
     # small: the resumed learner died of SIGSEGV at its first update, without a word.
-    run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1")
-    wait_for(lambda: len(list((run.logdir / "checkpoints").glob("ckpt-*.json"))) >= 2, 30, "two checkpoints")
-    assert run.stop() == 0
-    checkpoints = sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
+    run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
     state = torch.load(checkpoints[-1], weights_only=True)
     state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
     buffer = io.BytesIO()

@@ -31,7 +31,7 @@ from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
-from apex.models import QNetwork, numpy_weights
+from apex.models import QNetwork, check_fits, numpy_weights
 from apex.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.replay import RateLimiter, StackedReplay
 from apex.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
@@ -275,7 +275,11 @@ class Learner:
 
     def check_state(self, state: dict) -> None:
         """What load_state_dict checks before it changes anything (the learner calls it before
-        restoring the replay, so that a refused checkpoint leaves that empty)."""
+        restoring the replay, so that a refused checkpoint leaves that empty): networks that do
+        not fit this run's model are ValueError, an optimizer state that does not fit them is
+        CorruptCheckpoint."""
+        check_fits(self.online, state["online"], "online")
+        check_fits(self.target, state["target"], "target")
         optim.check_state(self.optimizer, state["optimizer"])
 
     @property

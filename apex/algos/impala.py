@@ -32,7 +32,7 @@ from apex.compression import Compressed
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
-from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, log_prob_and_entropy, numpy_weights
+from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, check_fits, log_prob_and_entropy, numpy_weights
 from apex.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.replay import UnrollQueue
 from apex.schema import FINITE, FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
@@ -300,7 +300,8 @@ class Learner:
         self.updates = state["updates"]
 
     def check_state(self, state: dict) -> None:
-        """What load_state_dict checks before it changes anything."""
+        """What load_state_dict checks before it changes anything (as Ape-X's)."""
+        check_fits(self.net, state["net"], "net")
         optim.check_state(self.optimizer, state["optimizer"])
 
     checkpoint_replay = None  # the unroll queue is short-lived: not worth saving
