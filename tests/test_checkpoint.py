@@ -509,6 +509,18 @@ def test_an_optimizer_state_that_does_not_fit_its_networks_is_refused_before_any
         target.check_state(saved)
 
 
+def test_a_checkpoint_of_another_model_does_not_fit_rather_than_being_corrupt():
+    # ValueError: the learner stops the resume with "does not fit this run's model" instead of
+    # renaming every checkpoint of the run *.corrupt (its optimizer's moments are of the old
+    # model's shapes too, which alone would look like a damaged file).
+    learner, _ = _trained_apex_learner()
+    _, wider = _trained_apex_learner(("model.hidden=[32]",))
+    target = wider()
+    with pytest.raises(ValueError, match=r"^online") as refused:
+        target.check_state(learner.state_dict())
+    assert not isinstance(refused.value, CorruptCheckpoint)
+
+
 def test_a_resumed_learner_keeps_its_configs_hyper_parameters_and_the_checkpoints_moments():
     learner, _ = _trained_apex_learner()
     saved = learner.state_dict()
