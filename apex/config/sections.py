@@ -257,6 +257,21 @@ class TransportConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """`apex serve`'s own limits (its --config and --set serve.*; a learner's are unused)."""
+
+    max_connections: int = 1024
+    """HTTP connections open at once; one more is answered 503 and closed (counted)."""
+    idle_timeout_s: float = 30.0
+    """An HTTP connection that starts no request for this long, or sends a body more slowly
+    than within it, is closed (counted)."""
+    max_body_bytes_in_flight: int = 16 * 1024 * 1024
+    """Request bytes (by Content-Length) that the HTTP connections may hold at once, all
+    together; a request past it is answered 503 (counted). At least one body of the largest
+    size the environment's observations need is always let in."""
+
+
+@dataclass(frozen=True)
 class StopConditions:
     """When `apex learner` / `apex run` stop (None: never by this one)."""
 
@@ -284,6 +299,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     impala: ImpalaConfig = field(default_factory=ImpalaConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     @property
     def frame_capacity(self) -> int:
@@ -385,6 +401,11 @@ class Config:
         check(t.max_abs_reward > 0 and t.max_abs_reward < float("inf"),
               f"transport.max_abs_reward must be a positive finite number, got {t.max_abs_reward}")
         check(t.max_message_bytes >= 1 << 20, f"transport.max_message_bytes must be >= 1048576 (1 MiB), got {t.max_message_bytes}")
+        sv = self.serve
+        check(sv.max_connections >= 1, f"serve.max_connections must be >= 1, got {sv.max_connections}")
+        check(0 < sv.idle_timeout_s <= 3600, f"serve.idle_timeout_s must be in (0, 3600], got {sv.idle_timeout_s}")
+        check(sv.max_body_bytes_in_flight >= 1 << 16,
+              f"serve.max_body_bytes_in_flight must be >= 65536 (64 KiB), got {sv.max_body_bytes_in_flight}")
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 
