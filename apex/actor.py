@@ -12,7 +12,7 @@ import logging
 import time
 
 from apex import algos
-from apex import config as config_module
+from apex.config.trust import from_elsewhere
 from apex.errors import ProtocolError
 from apex.logs import RateLimitedLog
 from apex.signals import StopSignals
@@ -30,9 +30,11 @@ def run_actor(
     actor_index: int | None = None,
     num_envs: int | None = None,
     options: TransportConfig = TransportConfig(),
+    allow_imports: tuple[str, ...] = (),
 ) -> int:
     """The actor process: connect, act, send, until the learner says stop or a signal
-    arrives. Returns 0 (130 after SIGINT)."""
+    arrives. Returns 0 (130 after SIGINT). The learner's config may import only the modules
+    of ``allow_imports`` (apex.config.trust): ConfigError otherwise, before anything is made."""
     # gymnasium first, under the default signal handlers (a signal ends the process at
     # once): after the welcome the actor has only a heartbeat timeout to build its
     # environments and say it is alive. torch is imported only for image observations
@@ -44,7 +46,7 @@ def run_actor(
                                should_stop=lambda: signals.received)
         try:
             try:
-                _act(client, signals)
+                _act(client, signals, f"the welcome of the learner at {host}:{port}", allow_imports)
             except Stopped:
                 pass
             except HandshakeRejected:
@@ -57,10 +59,10 @@ def run_actor(
             client.close()
 
 
-def _act(client: LearnerClient, signals: StopSignals) -> None:
+def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports: tuple[str, ...]) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
     setup = client.handshake().fields["setup"]
-    config = config_module.from_dict(setup["config"])
+    config = from_elsewhere(setup["config"], allow_imports, source)
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
     core = algos.get(config.algo).actor().Actor(config, setup, setup["seed"], tick=client.tick)

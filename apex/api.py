@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,10 +167,10 @@ class Policy:
     one ``act`` to the next, a row per observation of the batch: call ``reset()`` when
     episodes start (a batch of another size starts afresh too)."""
 
-    def __init__(self, state: dict, source: Path) -> None:
+    def __init__(self, state: dict, source: Path, allow_imports: Collection[str] = ()) -> None:
         from apex.evaluation import network_from_checkpoint
 
-        self.config, self.spec, self._net = network_from_checkpoint(state)
+        self.config, self.spec, self._net = network_from_checkpoint(state, allow_imports, f"checkpoint {source}")
         self.source = source
         self.env_config = self.config.env
         self.stack = self.spec.stack
@@ -224,19 +224,30 @@ class Policy:
         return self.spec.env_action(actions[0]) if single else actions
 
 
-def load_policy(path: str | Path, which: str = "best") -> Policy:
+def load_policy(path: str | Path, which: str = "best", *, allow_imports: Iterable[str] = ()) -> Policy:
     """The policy of a checkpoint: a ckpt-*.pt file, or a run directory's best (by
-    return_mean_100; the newest where none was scored) or newest checkpoint."""
+    return_mean_100; the newest where none was scored) or newest checkpoint. Its config may
+    import only the modules of ``allow_imports`` (and APEX_ALLOW_IMPORTS): a checkpoint
+    may come from elsewhere, and importing a module runs its code (apex.config.trust)."""
+    from apex.config.trust import allowed_imports
     from apex.evaluation import load_state
 
+    allowed = allowed_imports(_names(allow_imports))
     state, source, _ = load_state(path, which)
-    return Policy(state, source)
+    return Policy(state, source, allowed)
 
 
 def evaluate(path: str | Path, episodes: int = 10, *, which: str = "best", epsilon: float = 0.0,
-             seed: int = 12345) -> dict:
+             seed: int = 12345, allow_imports: Iterable[str] = ()) -> dict:
     """Plays ``episodes`` episodes of a checkpoint (as ``apex eval``); returns what it prints:
-    returns, their mean and std, the checkpoint played, env, algorithm, updates."""
+    returns, their mean and std, the checkpoint played, env, algorithm, updates.
+    ``allow_imports`` as for ``load_policy``."""
+    from apex.config.trust import allowed_imports
     from apex.evaluation import evaluate as play
 
-    return play(path, episodes, epsilon, seed, which=which)
+    return play(path, episodes, epsilon, seed, which=which, allow_imports=allowed_imports(_names(allow_imports)))
+
+
+def _names(modules: Iterable[str]) -> list[str]:
+    """allow_imports as a list of names: a lone string is one name, not its characters."""
+    return [modules] if isinstance(modules, str) else list(modules)

@@ -21,7 +21,9 @@ import numpy as np
 
 from apex import spaces
 from apex.config import ATARI_PREFIX, EnvConfig
+from apex.config.trust import split_path
 from apex.errors import ConfigError
+from apex.schema import observation_bound
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class EnvSpec:
     max_episode_steps: int | None = None  # the environment's time limit, where it has one
     action_nvec: tuple[int, ...] | None = None  # MultiDiscrete: choices per component; None: Discrete
     continuous: bool = False  # Box actions: D float32 values (a Gaussian's sample; the adapter bounds it)
+    # The observation space's bound on the magnitude of each value of a vector frame (one for
+    # all of an image's; inf where it sets none; (): not known): what batches are held to.
+    frame_bound: tuple[float, ...] = ()
+
+    def obs_bound(self, max_abs_obs: float | None) -> np.ndarray:
+        """The largest magnitude a batch's frames may hold, per value (transport.max_abs_obs,
+        or the space's finite bounds and 1e6 elsewhere: ``apex.schema.observation_bound``)."""
+        return observation_bound(self.frame_bound, max_abs_obs)
 
     @property
     def is_image(self) -> bool:
@@ -97,9 +107,7 @@ def import_env_modules(config: EnvConfig) -> None:
 
 def resolve(path: str, what: str) -> Any:
     """The object at a dotted path (``pkg.mod.Name`` or ``pkg.mod:Name``); ConfigError if none."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
+    module_name, attr = split_path(path)
     if not module_name or not attr:
         raise ConfigError(f"{what} {path!r} is not a dotted path such as gymnasium.wrappers.TimeAwareObservation")
     try:
@@ -229,9 +237,12 @@ def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.
         if algo is not None:
             spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
         limit = env.spec.max_episode_steps if env.spec is not None else None
+        low, high = np.asarray(obs.space.low, np.float64), np.asarray(obs.space.high, np.float64)
+        magnitude = np.maximum(np.abs(low), np.abs(high))
+        frame_bound = tuple(magnitude.tolist()) if obs.kind != "image" else (float(magnitude.max()),)
         spec = EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
                        sum(act.nvec), config.max_episode_steps or limit,
-                       act.nvec if act.kind == "MultiDiscrete" else None, act.kind == "Box")
+                       act.nvec if act.kind == "MultiDiscrete" else None, act.kind == "Box", frame_bound)
         return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
     finally:
         env.close()

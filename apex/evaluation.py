@@ -8,6 +8,7 @@ best checkpoint (the highest return_mean_100 the learner recorded) or its newest
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 
 from apex import algos
 from apex import config as config_module
+from apex.config.trust import from_elsewhere
 from apex.checkpoint import (
     ORDERS,
     Checkpoint,
@@ -63,10 +65,12 @@ def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
     return checkpoint.load_state(), checkpoint.state_path, checkpoint.score
 
 
-def network_from_checkpoint(state: dict) -> tuple[config_module.Config, Any, torch.nn.Module]:
+def network_from_checkpoint(state: dict, allow_imports: Collection[str] = (),
+                            source: str = "the checkpoint") -> tuple[config_module.Config, Any, torch.nn.Module]:
     """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
-    line) if the state lacks its algorithm's network or the network does not fit."""
-    config = config_module.from_dict(state["config"])
+    line) if the state lacks its algorithm's network or the network does not fit, or if its
+    config (from ``source``) would import a module ``allow_imports`` does not allow."""
+    config = from_elsewhere(state["config"], allow_imports, source)
     spec = env_spec(config.env)
     policy = algos.get(config.algo).learner().policy
     key, what = policy.checkpoint_key, policy.description
@@ -91,12 +95,11 @@ def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torc
     return algos.get(config.algo).learner().policy.greedy(net, obs, state)
 
 
-def policy_from_checkpoint(state: dict):
+def policy_from_checkpoint(state: dict, allow_imports: Collection[str] = (), source: str = "the checkpoint"):
     """(config, spec, act) where act(obs [1, ...] uint8/float32, core state) -> (an action
     as the (adapted) environment takes it, the next core state; pass None at an episode's
-    start); ApexError (one line) if the state lacks its algorithm's network or the network
-    does not fit."""
-    config, spec, net = network_from_checkpoint(state)
+    start); ApexError (one line) as ``network_from_checkpoint``."""
+    config, spec, net = network_from_checkpoint(state, allow_imports, source)
 
     def act(obs: torch.Tensor, core: Any = None) -> tuple[int | np.ndarray, Any]:
         actions, core = greedy_actions(config, net, obs, core)
@@ -112,9 +115,10 @@ def load_state(path: str | Path, which: str = "best") -> tuple[dict, Path, float
 
 
 def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: int = 12345,
-             video_dir: str | None = None, which: str = "best") -> dict:
+             video_dir: str | None = None, which: str = "best", allow_imports: Collection[str] = ()) -> dict:
     """Plays ``episodes`` episodes of ``checkpoint`` (a ckpt-*.pt file, or a run directory's
-    best or newest checkpoint: ``which``); returns the returns and their mean and std, the
+    best or newest checkpoint: ``which``), its config importing only what ``allow_imports``
+    allows (apex.config.trust); returns the returns and their mean and std, the
     .pt file played ("checkpoint"), how it was chosen ("which": best, newest or file) and
     the return_mean_100 the learner recorded with it ("recorded_return_mean_100", or None)."""
     if episodes < 1:
@@ -122,7 +126,7 @@ def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: 
     if not 0 <= epsilon <= 1:
         raise ApexError(f"--epsilon must be in [0, 1], got {epsilon}")
     state, source, recorded = _load(Path(checkpoint), which)
-    config, spec, act = policy_from_checkpoint(state)
+    config, spec, act = policy_from_checkpoint(state, allow_imports, f"checkpoint {source}")
     if video_dir is None:
         env = make_env(config.env, seed)
     else:  # the same environment, rendered and recorded

@@ -104,6 +104,9 @@ class ExternalEpisodes:
         self._low = np.broadcast_to(np.asarray(low, np.float64), spec.frame_shape)
         self._high = np.broadcast_to(np.asarray(high, np.float64), spec.frame_shape)
         self._bounded = bool(np.isfinite(self._low).any() or np.isfinite(self._high).any())
+        # What the learner's batch schema holds frames to (transport.max_abs_obs): a value the
+        # learner would refuse is refused here, before it is queued with honest episodes' steps.
+        self._max_abs = np.broadcast_to(spec.obs_bound(config.transport.max_abs_obs), spec.frame_shape)
         self.spaces = describe_spaces(spec, low, high)
         # The learner refuses a batch that reports an episode longer than this (the env's time
         # limit): an episode is stopped at it, not allowed to spoil the batch it would end in.
@@ -284,7 +287,8 @@ class ExternalEpisodes:
 
     def frames(self, observations: Any, count: int) -> np.ndarray:
         """``count`` observations as frames [count, *frame_shape], checked against the space:
-        shape, finite numbers, bounds, and whole numbers in range for integer frames."""
+        shape, finite numbers, bounds (transport.max_abs_obs too), and whole numbers in range
+        for integer frames."""
         shape = (count, *self.spec.frame_shape)
         try:
             values = np.asarray(observations)
@@ -313,6 +317,12 @@ class ExternalEpisodes:
             raise RequestError(400, "observation",
                                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is outside the "
                                f"observation space [{self._low[tuple(bad[1:])]:g}, {self._high[tuple(bad[1:])]:g}]")
+        if (over := np.abs(wide) > self._max_abs).any():
+            bad = np.argwhere(over)[0]
+            raise RequestError(400, "observation",
+                               f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is over "
+                               f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
+                               "bounds, 1e6 where it has none)")
         return wide.astype(target, copy=False) if values.dtype != target else values
 
     def actions(self, actions: Any, count: int) -> np.ndarray:

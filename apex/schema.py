@@ -37,15 +37,18 @@ from apex.errors import RejectedMessage
 class Range:
     """The values an array may hold: ``low <= v <= high`` (NaN never is), where ``high`` may
     be relative to one of the message's sizes (``high_size``): ``sizes[high_size] + high``,
-    e.g. the last stack start within its frames; or one bound per index of the array's last
-    axis (a tuple: the components of a MultiDiscrete action)."""
+    e.g. the last stack start within its frames; or bounds per index of the array's
+    flattened trailing values (tuples: the components of a MultiDiscrete action, the values
+    of an observation)."""
 
-    low: float
+    low: float | tuple[float, ...]
     high: float | tuple[float, ...]
     high_size: str | None = None
 
-    def bounds(self, sizes: Mapping[str, int]) -> tuple[float, float | tuple[float, ...]]:
-        return self.low, self.high if self.high_size is None else sizes[self.high_size] + self.high
+    def bounds(self, sizes: Mapping[str, int]) -> tuple[float | tuple[float, ...], float | tuple[float, ...]]:
+        if self.high_size is None or isinstance(self.high, tuple):  # a size-relative bound is one number
+            return self.low, self.high
+        return self.low, sizes[self.high_size] + self.high
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,28 @@ def below_each(nvec: tuple[int, ...]) -> Range:
     return Range(0, tuple(float(n - 1) for n in nvec))
 
 
-def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype) -> ArrayRule:
-    """Frames as the run stores them: images exactly as sent (uint8), vectors finite floats."""
+DEFAULT_MAX_ABS_OBS = 1e6  # observation values where the space sets no finite bound
+
+
+def observation_bound(space_bound: tuple[float, ...], max_abs_obs: float | None) -> np.ndarray:
+    """The largest magnitude each observation value may have (one per value of a vector
+    frame, or one for all of an image's: ``space_bound``'s length, where () is one): the
+    observation space's own bound where it is finite, DEFAULT_MAX_ABS_OBS where it is not;
+    ``max_abs_obs`` (transport.max_abs_obs) for every value where it is set. Finite floats
+    alone are no defence: 1e30 in CartPole's unbounded velocities is finite and makes most
+    updates non-finite."""
+    if max_abs_obs is not None:
+        return np.full(max(len(space_bound), 1), max_abs_obs)
+    bound = np.asarray(space_bound or (np.inf,), np.float64)
+    return np.where(np.isfinite(bound), bound, DEFAULT_MAX_ABS_OBS)
+
+
+def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype, bound: np.ndarray | None = None) -> ArrayRule:
+    """Frames as the run stores them: images exactly as sent (uint8), float frames finite
+    and, with ``bound`` (``observation_bound``), at most that in magnitude."""
     if frame_dtype.kind == "f":
-        return ArrayRule("frames", "f", frame_dtype, ("frames", *frame_shape), FINITE)
+        values = FINITE if bound is None else Range(tuple(-bound), tuple(bound))
+        return ArrayRule("frames", "f", frame_dtype, ("frames", *frame_shape), values)
     return ArrayRule("frames", frame_dtype.kind, frame_dtype, ("frames", *frame_shape), exact=True)
 
 
@@ -212,13 +233,17 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
     if rule.values is None:
         return
     low, high = rule.values.bounds(sizes)
-    if isinstance(high, tuple):  # per component (integers): each one's own bound
+    if isinstance(high, tuple):  # per component, or per value of a frame: each one's own bound
         rows = array.reshape(-1, len(high))
-        bad = (rows.min(axis=0) < low) | (rows.max(axis=0) > np.asarray(high))
+        lows = np.broadcast_to(np.asarray(low, np.float64), len(high))
+        # written to refuse NaN too: NaN >= x and NaN <= x are both false
+        bad = ~(rows.min(axis=0) >= lows) | ~(rows.max(axis=0) <= np.asarray(high))
         if bad.any():
-            i = int(np.argmax(bad))
-            raise RejectedMessage("out_of_range", f"{rule.name} component {i} holds values outside [{low:g}, "
-                                  f"{high[i]:g}] (min {rows[:, i].min()}, max {rows[:, i].max()})")
+            finite = array.dtype.kind != "f" or bool(np.isfinite(rows).all())
+            i = int(np.argmax(bad if finite else ~np.isfinite(rows).all(axis=0)))
+            raise RejectedMessage("out_of_range" if finite else "nonfinite",
+                                  f"{rule.name} component {i} holds {'values outside' if finite else 'NaN or infinity, not in'} "
+                                  f"[{lows[i]:g}, {high[i]:g}] (min {rows[:, i].min()}, max {rows[:, i].max()})")
         return
     # min and max: NaN fails both comparisons, infinities are out of every range
     if not (array.min() >= low and array.max() <= high):

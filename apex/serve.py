@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from apex import algos
-from apex import config as config_module
+from apex.config.sections import ServeConfig
+from apex.config.trust import from_elsewhere
 from apex.errors import ApexError, ProtocolError
 from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
@@ -49,6 +50,8 @@ class ServeOptions:
     max_episodes: int = 1024
     episode_timeout_s: float = 60.0
     curve_dir: str | None = None  # CURVE on the ZeroMQ frontend too (serve.key_secret, serve-clients/)
+    limits: ServeConfig = ServeConfig()  # the HTTP frontend's: the local config's serve section
+    allow_imports: tuple[str, ...] = ()  # what the learner's config may import here (apex.config.trust)
 
 
 def read_token(token_file: str | None) -> str | None:
@@ -88,7 +91,8 @@ class Server:
         self.client = client
         self.options = options
         setup = client.welcome.fields["setup"]
-        self.config = config_module.from_dict(setup["config"])
+        self.config = from_elsewhere(setup["config"], options.allow_imports,
+                                     f"the welcome of the learner at {client.host}:{client.ports.control}")
         from apex.envs import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)

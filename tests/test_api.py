@@ -76,7 +76,11 @@ def test_train_from_a_thread_on_an_imported_env_then_act(tmp_path):
     assert {r["what"] for r in actor_records} == {"env", "wrapper-a"}, records
     assert all(r["tag"] == "from-kwargs" for r in actor_records if r["what"] == "env")
 
-    policy = apex.load_policy(result.best_checkpoint)
+    # The checkpoint's config names modules: a loader imports them only where it allows them.
+    with pytest.raises(ApexError, match="module 'tests.probe_envs'.*--allow-import tests.probe_envs"):
+        apex.load_policy(result.best_checkpoint)
+    trusted = ["tests.probe_envs", "gymnasium.wrappers"]
+    policy = apex.load_policy(result.best_checkpoint, allow_imports=trusted)
     assert policy.env_config.id == "apex-test/ProbeCartPole-v0" and policy.observation_shape == (4,)
     env = policy.make_env(seed=0)
     obs, _ = env.reset(seed=0)
@@ -88,6 +92,6 @@ def test_train_from_a_thread_on_an_imported_env_then_act(tmp_path):
     assert batch.shape == (5,) and set(batch.tolist()) <= {0, 1}
     with pytest.raises(ApexError, match=r"shape \(4,\)"):
         policy.act(np.zeros(3))
-    assert apex.load_policy(result.logdir, which="newest").source.suffix == ".pt"
-    report = apex.evaluate(result.logdir, episodes=2)
+    assert apex.load_policy(result.logdir, which="newest", allow_imports=trusted).source.suffix == ".pt"
+    report = apex.evaluate(result.logdir, episodes=2, allow_imports=trusted)
     assert report["episodes"] == 2 and report["env"] == "apex-test/ProbeCartPole-v0"

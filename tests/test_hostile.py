@@ -19,6 +19,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -32,7 +33,7 @@ import zmq
 
 from apex import algos, protocol
 from apex import config as config_module
-from apex.bench.transport import free_base_port
+from apex.bench.transport import free_base_port, free_port
 from apex.transport import LearnerClient, TransportConfig, generate_keys
 from tests.test_e2e import FAST, metrics, processes_mentioning, wait_for
 
@@ -675,3 +676,186 @@ def test_07_small_messages_declaring_large_arrays_cost_no_memory(fixture, reques
     assert row.get("queue_unrolls", 0) <= 2 * 128
     assert rss_mb(run.learner.pid) - before < 200
     run.wait_updating()
+
+
+# -- Round two (issue 30). 1, 2: code named by a config from elsewhere
+
+
+def pipepager_wrapper(marker: Path) -> dict:
+    """A wrapper that runs a shell command when called: pydoc.pipepager(env, cmd)."""
+    return {"type": "pydoc.pipepager", "kwargs": {"cmd": f"touch {marker}"}}
+
+
+def forge_config(pt: Path, edit) -> None:
+    """Edits the config saved in a checkpoint (its state and its manifest), manifest made to match."""
+    state = torch.load(pt, map_location="cpu", weights_only=True)
+    edit(state["config"])
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    rewrite(pt, buffer.getvalue())
+    manifest_path = pt.with_suffix(".json")
+    manifest = json.loads(manifest_path.read_text())
+    edit(manifest["config"])
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def apex_command(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apex", *args], capture_output=True, text=True, timeout=timeout,
+                          **kwargs)
+
+
+def refused_import(result: subprocess.CompletedProcess, command: str, module: str) -> None:
+    """The command exited 2 with one line naming the module and the flag that allows it."""
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"apex {command}: error: ") and f"module {module!r}" in last, last
+    assert f"--allow-import {module}" in last, last
+
+
+def test_hostile2_01_a_checkpoint_whose_config_names_code_runs_none_of_it(tmp_path):
+    import apex
+
+    run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
+    marker = tmp_path / "pwned"
+    forge_config(checkpoints[-1], lambda config: config["env"].update(wrappers=[pipepager_wrapper(marker)]))
+
+    evaluated = apex_command("eval", "--checkpoint", str(checkpoints[-1]), "--episodes", "1")
+    refused_import(evaluated, "eval", "pydoc")
+    assert len(evaluated.stderr.strip().splitlines()) == 1, evaluated.stderr
+    refused_import(apex_command("eval", "--checkpoint", str(run.logdir), "--which", "newest"), "eval", "pydoc")
+    with pytest.raises(config_module.ConfigError, match="module 'pydoc'.*--allow-import pydoc"):
+        apex.load_policy(checkpoints[-1])
+    refused_import(apex_command("learner", "--resume", str(run.logdir), "--port", str(free_base_port()),
+                                "--stop-seconds", "600"), "learner", "pydoc")
+    refused_import(apex_command("run", "--resume", str(run.logdir), "--port", str(free_base_port()),
+                                "--stop-seconds", "600"), "run", "pydoc")
+    assert not marker.exists()
+    # The same checkpoint, allowed by the one who loads it: the wrapper runs (the check above
+    # is what stopped it, not something else on the way).
+    allowed = apex_command("eval", "--checkpoint", str(checkpoints[-1]), "--allow-import", "pydoc")
+    assert marker.exists(), allowed.stderr[-2000:]
+
+
+class ForgedLearner:
+    """A learner's control channel (apex's own endpoint) whose welcome carries ``config``."""
+
+    def __init__(self, config: dict) -> None:
+        from apex.transport import LearnerEndpoint
+
+        self.port = free_base_port()
+        setup = {"config": config, "num_envs": 1, "seed": 0}
+        self.endpoint = LearnerEndpoint("127.0.0.1", self.port, lambda hello, index: setup, OPTIONS)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping:
+            self.endpoint.poll(50)
+
+    def close(self) -> None:
+        self.stopping = True
+        self.thread.join(5)
+        self.endpoint.close()
+
+
+EVIL_MODULE = "from pathlib import Path\nPath({marker!r}).touch()\n"
+
+
+@pytest.mark.parametrize("forgery", ["wrapper", "imports", "env_id"])
+def test_hostile2_02_a_forged_welcome_makes_actors_and_serve_run_no_code(tmp_path, forgery):
+    marker = tmp_path / "pwned"
+    (tmp_path / "evil_module.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    config = config_module.load(None, ["algo=impala"]).to_dict()
+    module = {"wrapper": "pydoc", "imports": "evil_module", "env_id": "evil_module"}[forgery]
+    if forgery == "wrapper":
+        config["env"]["wrappers"] = [pipepager_wrapper(marker)]
+    elif forgery == "imports":
+        config["env"]["imports"] = ["evil_module"]
+    else:
+        config["env"]["id"] = "evil_module:Evil-v0"
+    config["env"]["allow_imports"] = [module]  # the other side's word: ignored here
+    environment = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    learner = ForgedLearner(config)
+    try:
+        link = ["--learner", f"127.0.0.1:{learner.port}", "--set", "transport.give_up_after_s=20"]
+        refused_import(apex_command("actor", *link, env=environment), "actor", module)
+        refused_import(apex_command("serve", *link, "--http", f"127.0.0.1:{free_port()}", env=environment),
+                       "serve", module)
+        assert not marker.exists()
+        # Allowed by the actor's own side, the same welcome runs the code: the check stopped it.
+        allowed = subprocess.Popen([sys.executable, "-m", "apex", "actor", *link, "--allow-import", module],
+                                   env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for(marker.exists, 60, "the allowed module's code to run")
+        finally:
+            allowed.kill()
+            allowed.wait()
+    finally:
+        learner.close()
+
+
+# -- 3: finite poison
+
+
+def http_json(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def update_rate(run: Run, seconds: float) -> float:
+    before, started = run.updates(), time.monotonic()
+    time.sleep(seconds)
+    return (run.updates() - before) / (time.monotonic() - started)
+
+
+def test_hostile2_03_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
+    """1e30 in CartPole's unbounded velocity is finite as float32: before, most updates went
+    non-finite while it came (3-29% applied) and after. Now it is refused at the door, by
+    the batch schema (an admitted actor) and by apex serve (HTTP), counted, and the learner
+    trains on at its unloaded rate."""
+    run = Run(tmp_path, "apex_dqn")
+    serve_port = free_port()
+    served = start("serve", "--learner", f"127.0.0.1:{run.port}", "--http", f"127.0.0.1:{serve_port}", *FAST[:4],
+                   log=tmp_path / "serve.log")
+    try:
+        unloaded = update_rate(run, 4)
+        peer = run.session()
+        batch = honest_batch(peer)
+        poisoned = {**batch, "frames": batch["frames"].copy()}
+        poisoned["frames"][:, 1] = 1e30
+        before = run.rejected("out_of_range")
+        started, sent = time.monotonic(), 0
+        updates_before = run.updates()
+        while time.monotonic() - started < 5:
+            send(peer, poisoned)
+            sent += 1
+            time.sleep(0.05)
+        loaded = (run.updates() - updates_before) / (time.monotonic() - started)
+        run.wait_rejected("out_of_range", before + sent)
+        assert loaded >= 0.5 * unloaded, (loaded, unloaded)
+        assert run.row()["skipped_updates"] == 0
+
+        wait_for(lambda: (tmp_path / "serve.log").exists() and "serving" in (tmp_path / "serve.log").read_text(), 60,
+                 "apex serve to serve")
+        status, opened = http_json(serve_port, "POST", "/v1/episodes", {})
+        assert status in (200, 201), opened
+        action = f"/v1/episodes/{opened['episode_id']}/action"
+        status, reply = http_json(serve_port, "POST", action, {"observation": [0.0, 1e30, 0.0, 0.0]})
+        assert status == 400 and "over 1e+06 in size" in json.dumps(reply), reply
+        assert http_json(serve_port, "POST", action, {"observation": [0.0, 0.5, 0.0, 0.0]})[0] == 200
+        assert http_json(serve_port, "GET", "/v1/health")[1]["rejected_by_reason"].get("observation") == 1
+        trains_on_with_finite_weights(run, peer)
+    finally:
+        served.terminate()
+        served.wait(30)
+        run.stop()

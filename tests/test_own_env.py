@@ -75,7 +75,8 @@ def test_an_actor_that_cannot_import_the_env_module_says_which(tmp_path):
         # from a directory where tests.probe_envs is not importable
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         start = time.monotonic()
-        actor = subprocess.run([sys.executable, "-m", "apex", "actor", "--learner", f"127.0.0.1:{port}"],
+        actor = subprocess.run([sys.executable, "-m", "apex", "actor", "--learner", f"127.0.0.1:{port}",
+                                "--allow-import", "tests.probe_envs"],
                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False)
         assert actor.returncode == 2, actor.stderr
         last = actor.stderr.strip().splitlines()[-1]

@@ -62,7 +62,8 @@ def bench(args: argparse.Namespace) -> int:
 
 def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
     """The config of --config (or the embedded default) with --set; when resuming without
-    --config, the checkpoint's with --set. An actor's --num-envs is its own, not a shorthand
+    --config, the checkpoint's with --set, importing only what --allow-import allows (the
+    checkpoint may have come from elsewhere: apex.config.trust). An actor's --num-envs is its own, not a shorthand
     (``shorthands=False``)."""
     from apex import config
 
@@ -70,7 +71,10 @@ def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
     if args.curve_dir:
         overrides.append(f"transport.curve_dir={json.dumps(args.curve_dir)}")
     if resume is not None and not args.config:
-        return config.load_dict(resume.config, overrides)
+        from apex.config.trust import allowed_imports, from_elsewhere
+
+        return from_elsewhere(resume.config, allowed_imports(args.allow_imports), f"checkpoint {resume.state_path}",
+                              overrides)
     return config.load(args.config, overrides)
 
 
@@ -183,8 +187,10 @@ def learner(args: argparse.Namespace) -> int:
 
 def learner_link(args: argparse.Namespace, who: str):
     """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
-    (--learner HOST[:PORT]), --num-envs, and transport options (only transport.* may be set).
-    Returns (host, port, TransportConfig)."""
+    (--learner HOST[:PORT]), --num-envs, transport options (only transport.* may be set), and
+    what the learner's config may import here (--allow-import, the local env.allow_imports,
+    APEX_ALLOW_IMPORTS). Returns (host, port, TransportConfig, allowed modules)."""
+    from apex.config.trust import allowed_imports
 
     if not args.learner:
         raise ApexError(f"--learner HOST[:PORT] is required (or set {ENV['learner']})")
@@ -195,18 +201,22 @@ def learner_link(args: argparse.Namespace, who: str):
         raise ApexError(f"--learner {args.learner!r}: port must be a number, e.g. 10.0.0.5:{DEFAULT_PORT}") from None
     if args.num_envs is not None and args.num_envs < 1:
         raise ApexError(f"--num-envs must be >= 1, got {args.num_envs}")
+    settable = ("transport.", "serve.") if who == "apex serve" else ("transport.",)
     for override in args.overrides:
-        if not override.startswith("transport."):
-            raise ApexError(f"--set {override}: {who} takes only transport.* settings; the environment, model and "
+        if not override.startswith(settable):
+            raise ApexError(f"--set {override}: {who} takes only {' and '.join(s + '*' for s in settable)} settings; "
+                            "the environment, model and "
                             "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
-    return host, port, load_config(args, shorthands=False).transport
+    local = load_config(args, shorthands=False)
+    return host, port, local.transport, allowed_imports(args.allow_imports, local.env)
 
 
 def actor(args: argparse.Namespace) -> int:
     from apex.actor import run_actor
 
-    host, port, options = learner_link(args, "an actor")
-    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options)
+    host, port, options, allowed = learner_link(args, "an actor")
+    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options,
+                     allow_imports=allowed)
 
 
 def parse_address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -223,7 +233,7 @@ def parse_address(flag: str, text: str, default_host: str = "127.0.0.1") -> tupl
 def serve(args: argparse.Namespace) -> int:
     from apex.serve import ServeOptions, read_token, run_serve
 
-    learner_host, port, transport = learner_link(args, "apex serve")
+    learner_host, port, transport, allowed = learner_link(args, "apex serve")
     http = None if args.http in ("off", "none", "") else parse_address("--http", args.http)
     zmq_address = None if args.zmq is None else parse_address("--zmq", args.zmq if ":" in args.zmq else f":{args.zmq}")
     if http is None and zmq_address is None:
@@ -234,7 +244,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
     options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
                            max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
-                           curve_dir=transport.curve_dir)
+                           curve_dir=transport.curve_dir, allow_imports=allowed,
+                           limits=load_config(args, shorthands=False).serve)
     return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
                      transport=transport)
 
@@ -269,9 +280,11 @@ def run(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from apex.config.trust import allowed_imports
     from apex.evaluation import evaluate
 
-    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which)
+    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which,
+                      allow_imports=allowed_imports(args.allow_imports))
     print(f"{result['checkpoint']} ({result['which']})")
     print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
           f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "

@@ -83,6 +83,13 @@ def _add_resume(p: argparse.ArgumentParser) -> None:
                         f"(plus --set) unless --config is given; logs go on in DIR (env {ENV['resume']})")
 
 
+def _add_allow_import(p: argparse.ArgumentParser, whose: str) -> None:
+    p.add_argument("--allow-import", dest="allow_imports", action="append", default=[], metavar="MODULE",
+                   help=f"let {whose} config import MODULE and its submodules (env.imports, env.id module:Id, "
+                        "env.wrappers): a config from elsewhere imports nothing this side does not allow "
+                        "(repeatable; config env.allow_imports; env APEX_ALLOW_IMPORTS, comma-separated)")
+
+
 def _add_logdir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logdir", default=_env_default("logdir"), metavar="DIR",
                    help=f"where metrics.jsonl, summary.json and checkpoints/ go (default: runs/<time>-<env>; env {ENV['logdir']})")
@@ -167,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"control port; P+1 and P+2 are used too (default: transport.port, {DEFAULT_PORT}; env {ENV['port']})")
     _add_stop_flags(learner)
     _add_resume(learner)
+    _add_allow_import(learner, "the checkpoint's (--resume without --config)")
     learner.add_argument("--auto-resume", action="store_true",
                          help="resume from --logdir's newest valid checkpoint if it has one, else start afresh "
                               "(for a container or service manager that restarts the learner)")
@@ -192,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     actor.add_argument("--num-envs", type=int, default=_env_default("num_envs", int), metavar="K",
                        help=f"environments in this process (default: the learner's actor.num_envs; env {ENV['num_envs']})")
     _add_config_flags(actor, actor=True)
+    _add_allow_import(actor, "the learner's")
     actor.set_defaults(handler=cmd.actor)
 
     serve = commands.add_parser(
@@ -217,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Ape-X: rungs of the ladder its episodes take in turn; IMPALA: unrolls per batch "
                             "(default: the learner's actor.num_envs)")
     _add_config_flags(serve, actor=True)
+    _add_allow_import(serve, "the learner's")
     serve.set_defaults(handler=cmd.serve)
 
     run = commands.add_parser("run", help="run a learner and N actors on this machine",
@@ -229,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="learner control port on 127.0.0.1; P+1 and P+2 are used too (default: transport.port)")
     _add_stop_flags(run)
     _add_resume(run)
+    _add_allow_import(run, "the checkpoint's (--resume without --config)")
     run.add_argument("--learner-restarts", type=int, default=10, metavar="N",
                      help="times a learner that dies is restarted from its newest checkpoint (default: 10; 0: never)")
     run.add_argument("--ranks", type=int, default=1, metavar="N",
@@ -247,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
     evaluate.add_argument("--video", metavar="DIR", help="also record every episode to DIR (needs moviepy)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the result to FILE")
+    _add_allow_import(evaluate, "the checkpoint's")
     evaluate.set_defaults(handler=cmd.evaluate)
 
     plot = commands.add_parser("plot", help="draw learning curves and throughput of runs",

@@ -52,6 +52,12 @@ class EnvConfig:
     """Applied in order after gym.make: each a dotted path to a wrapper class or any callable
     taking an env (``gymnasium.wrappers.TimeAwareObservation``, ``mymod:wrap``), or a mapping
     ``{type: dotted.path, kwargs: {...}}``."""
+    allow_imports: list[str] = field(default_factory=list)
+    """Modules (and their submodules) that a config from elsewhere may make this process
+    import: the one in a learner's welcome (apex actor, apex serve) or in a checkpoint (apex
+    eval, a resume without --config). Read from the local config only (as --allow-import);
+    the one inside a config from elsewhere is ignored. A config given here imports what it
+    names without it."""
     max_episode_steps: int | None = None
     """Truncate episodes after this many steps (None: the environment's own limit)."""
     frame_stack: int = 4
@@ -250,6 +256,11 @@ class TransportConfig:
     max_abs_reward: float = 1e6
     """Largest reward magnitude the learner accepts in a batch (per step; an Ape-X n-step
     return may reach n times it); a batch with a larger one is rejected and counted."""
+    max_abs_obs: float | None = None
+    """Largest magnitude of an observation value that the learner accepts in a batch and
+    apex serve from a client (a batch or request with a larger one is refused and counted).
+    None: each value's own bound where the observation space gives a finite one, 1e6 where it
+    does not (finite alone is no defence: 1e30 poisons the updates it is sampled into)."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest trajectory message the learner accepts (ZMQ_MAXMSGSIZE on its socket). An
     actor whose batches could be larger (too many environments for the frame size) is
@@ -323,6 +334,9 @@ class Config:
         for i, wrapper in enumerate(self.env.wrappers):
             problem = wrapper_problem(wrapper)
             check(problem is None, f"env.wrappers[{i}]: {problem}")
+        for i, module in enumerate(self.env.allow_imports):
+            check(all(part.isidentifier() for part in module.split(".")),
+                  f"env.allow_imports[{i}] must be a module name such as mypackage.envs, got {module!r}")
         check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
         check(math.isfinite(self.env.reward_scale) and self.env.reward_scale > 0,
@@ -400,6 +414,8 @@ class Config:
               f"transport.give_up_after_s must be 0 (never) or exceed heartbeat_timeout_s ({t.heartbeat_timeout_s}), got {t.give_up_after_s}")
         check(t.max_abs_reward > 0 and t.max_abs_reward < float("inf"),
               f"transport.max_abs_reward must be a positive finite number, got {t.max_abs_reward}")
+        check(t.max_abs_obs is None or 0 < t.max_abs_obs < float("inf"),
+              f"transport.max_abs_obs must be a positive finite number or null (the space's bounds), got {t.max_abs_obs}")
         check(t.max_message_bytes >= 1 << 20, f"transport.max_message_bytes must be >= 1048576 (1 MiB), got {t.max_message_bytes}")
         sv = self.serve
         check(sv.max_connections >= 1, f"serve.max_connections must be >= 1, got {sv.max_connections}")
