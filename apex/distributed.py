@@ -4,15 +4,19 @@ bytes) and the gradient all-reduce that makes every rank take the same step.
 
 Each rank trains on its own batch (Ape-X: sampled from its own replay shard; IMPALA: its own
 unrolls) and, between backward and the optimizer, ``GradientAllReduce`` averages the gradients
-of all ranks in one collective (every gradient flattened into one buffer with the rank's
-"not finite" flag at its end). So the ranks' networks stay identical, and a step equals a
-single-process step on the ranks' batches concatenated (the losses are means over equal
-batches): the gradient is clipped after the average, and a step that is not finite on any
-rank is skipped on every rank.
+of the ranks that had a batch in one collective (every gradient flattened into one buffer with
+the rank's "not finite" flag and "had a batch" count at its end). The group never waits for a
+rank's data: each loop's agreement takes the most batches any rank has staged, and a rank with
+fewer takes the rest of the steps without a batch (``train_without_batch``: no gradient of its
+own, the group's applied). So the ranks' networks stay identical, and a step equals a
+single-process step on the batches of the ranks that had one, concatenated (the losses are
+means over equal batches): the gradient is clipped after the average, and a step that is not
+finite on any rank is skipped on every rank.
 
-Backends: gloo on the CPU, NCCL on CUDA. The group is reached through a TCP store at
-``--master HOST:PORT`` or the standard ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``
-variables (so ``torchrun`` works).
+Backends: gloo on the CPU, NCCL on CUDA. The group meets at a TCP store at ``--master
+HOST:PORT`` that rank 0 serves on that address alone (127.0.0.1 for ``--ranks N``), or through
+the standard ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables (so ``torchrun``
+works; its agent serves the store, where torchrun binds it).
 """
 
 from __future__ import annotations
@@ -20,17 +24,22 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 from dataclasses import dataclass
 
 import msgpack
 import torch
 import torch.distributed as dist
 
+from apex import optim
 from apex.errors import ApexError
 
 # A rank that stops answering (killed, hung) is noticed within this: the others' collective
 # fails and the group stops.
 COLLECTIVE_TIMEOUT_S = 60.0
+# The context of a step's results (``Pending``) when the rank had no batch for it: finished as
+# a step, with no priorities to write back and no metrics of its own.
+NO_BATCH = "no batch"
 
 
 @dataclass(frozen=True)
@@ -77,15 +86,48 @@ class Rank:
 def init_group(rank: Rank, device: torch.device) -> None:
     """Joins the group (blocks until every rank has joined, or COLLECTIVE_TIMEOUT_S)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     try:
-        # env://: torchrun's agent serves the store on MASTER_PORT already (a tcp:// init would
-        # try to serve it a second time).
-        init_method = "env://" if rank.by_environment else f"tcp://{rank.master}"
-        dist.init_process_group(backend, init_method=init_method, rank=rank.rank,
-                                world_size=rank.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        if rank.by_environment:  # torchrun's agent serves the store on MASTER_PORT already
+            dist.init_process_group(backend, init_method="env://", rank=rank.rank, world_size=rank.world_size,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=rendezvous_store(rank, timeout), rank=rank.rank,
+                                    world_size=rank.world_size, timeout=timeout)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError is a RuntimeError
         raise ApexError(f"rank {rank.rank} could not join the learner group at {rank.master}: "
                         f"{str(e).splitlines()[0]}") from None
+
+
+def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's TCP store: rank 0 serves it on --master's address alone, the others
+    connect to it. (torch's own ``tcp://`` rendezvous listens on every interface, where
+    anyone who reaches the port can write keys of any size into rank 0's memory.)"""
+    host, _, port = rank.master.rpartition(":")
+    host = host.strip("[]")
+    if not rank.is_leader:
+        return dist.TCPStore(host, int(port), rank.world_size, is_master=False, timeout=timeout)
+    return dist.TCPStore(host, int(port), rank.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listen_on(host, int(port)))
+
+
+def listen_on(host: str, port: int) -> int:
+    """A TCP socket listening on ``host``'s address alone (not every interface), as a file
+    descriptor for the store to take over."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ApexError(f"rank 0 cannot listen on --master {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ApexError(f"rank 0 cannot listen on --master {host}:{port} ({e.strerror}): run rank 0 on the host "
+                        "whose address --master names, on a port no other program uses") from None
+    return sock.detach()
 
 
 def leave_group() -> None:
@@ -94,30 +136,59 @@ def leave_group() -> None:
 
 
 class GradientAllReduce:
-    """``optim.guarded_step``'s ``all_reduce``: averages the gradients over the group and
-    tells whether any rank's step was not finite; one collective a step."""
+    """``optim.guarded_step``'s ``all_reduce``: averages the gradients over the ranks that
+    had a batch for this step and tells whether any rank's step was not finite; one
+    collective a step. A rank without a batch (``has_batch=False``) adds no gradient and is
+    not counted, and takes the average of the others like every rank."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
 
-    def __call__(self, parameters: list[torch.nn.Parameter], bad: torch.Tensor) -> torch.Tensor:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([*(g.reshape(-1).float() for g in grads), bad.reshape(1).float()])
+    def __call__(self, parameters: list[torch.nn.Parameter], bad: torch.Tensor, has_batch: bool = True) -> torch.Tensor:
+        grads = [p.grad if p.grad is not None and has_batch else torch.zeros_like(p) for p in parameters]
+        counted = bad.new_ones(1, dtype=torch.float32) if has_batch else bad.new_zeros(1, dtype=torch.float32)
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), bad.reshape(1).float() * counted, counted])
         try:
             dist.all_reduce(flat)  # sum
         except RuntimeError as e:
             raise GroupBroken(f"the learner group broke during a step (a rank stopped, died or cannot be reached: "
                               f"{_first_words(e)})") from None
+        with_batch = flat[-1:].clamp(min=1.0)  # every step has one rank with a batch at least (LearnerGroup.agree)
         offset = 0
         for p, g in zip(parameters, grads):
             n = g.numel()
-            averaged = flat[offset : offset + n].view_as(g).div_(self.world_size).to(g.dtype)
+            averaged = flat[offset : offset + n].view_as(g).div_(with_batch).to(g.dtype)
             if p.grad is None:
                 p.grad = averaged
             else:
                 p.grad.copy_(averaged)
             offset += n
-        return flat[-1] > 0
+        return flat[-2] > 0
+
+
+def step_without_batch(optimizer: torch.optim.Optimizer, parameters, grad_clip: float, figures: int,
+                       all_reduce: GradientAllReduce) -> torch.Tensor:
+    """``optim.guarded_step`` on a rank that has no batch for this step: a loss with no
+    gradient (nothing of this rank's goes into the average) and ``figures`` zeros; the
+    group's averaged gradient is applied as on every rank, so the networks stay the same."""
+    parameters = list(parameters)
+    zero = torch.zeros((), device=parameters[0].device, requires_grad=True)
+    return optim.guarded_step(optimizer, zero, parameters, grad_clip, [zero.detach()] * figures,
+                              lambda params, bad: all_reduce(params, bad, has_batch=False))
+
+
+def train_steps(pipeline, core, steps: int) -> int:
+    """A group's ``steps`` agreed steps on this rank: on its staged batches while it has
+    them, then without (``core.train_without_batch``); returns how many had no batch."""
+    without = 0
+    for _ in range(steps):
+        staged = pipeline.take()
+        if staged is None:
+            without += 1
+            pipeline.submit(core.train_without_batch())
+        else:
+            pipeline.submit(core.train(staged))  # written back by the prefetch thread
+    return without
 
 
 class GroupBroken(ApexError):
@@ -136,7 +207,7 @@ def _first_words(error: BaseException) -> str:
 class Agreement:
     """What every rank does next, agreed in one collective (``LearnerGroup.agree``)."""
 
-    steps: int  # batches every rank trains on now: the fewest any rank has staged
+    steps: int  # steps every rank takes now: the most batches any rank has staged
     stop: bool
     checkpoint: bool
     sync: bool  # exchange counts and sessions (``LearnerGroup.gather`` / ``broadcast``)
@@ -172,12 +243,13 @@ class LearnerGroup:
         return self.rank.world_size
 
     def agree(self, staged: int, *, stop: bool = False, checkpoint: bool = False, sync: bool = False) -> Agreement:
-        """One collective: the fewest batches staged on any rank, and whether any rank asks
-        to stop, checkpoint or sync."""
-        flags = torch.tensor([staged, -int(stop), -int(checkpoint), -int(sync)], dtype=torch.int64)
-        self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MIN)
+        """One collective: the most batches staged on any rank (a rank with none, e.g. whose
+        actors are silent, does not hold the others back: it steps without), and whether any
+        rank asks to stop, checkpoint or sync."""
+        flags = torch.tensor([staged, int(stop), int(checkpoint), int(sync)], dtype=torch.int64)
+        self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
         steps, stop_flag, checkpoint_flag, sync_flag = flags.tolist()
-        return Agreement(steps, stop_flag < 0, checkpoint_flag < 0, sync_flag < 0)
+        return Agreement(steps, stop_flag > 0, checkpoint_flag > 0, sync_flag > 0)
 
     def gather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, on every rank, in rank order."""

@@ -4,8 +4,9 @@ Rank 0 is the learner actors talk to (``apex.learner.LearnerProcess``): it welco
 publishes weights, writes metrics, summary and checkpoints, and decides when to stop. A
 follower binds one port, the trajectory stream of the actors rank 0 sends to it, keeps its own
 replay shard (Ape-X) or unroll queue (IMPALA), and trains in step with the others: each loop,
-one collective agrees how many batches every rank trains on now (the fewest any has staged),
-and whether to stop, sync or checkpoint (this rank's replay shard beside rank 0's files); each
+one collective agrees how many steps every rank takes now (the most batches any has staged: a
+rank with fewer takes the rest without a batch, adding no gradient), and whether to stop, sync
+or checkpoint (this rank's replay shard beside rank 0's files); each
 step all-reduces the gradients (``apex.distributed``). At a
 sync it hands rank 0 what its ingest counted (env steps, episodes, policy lags, refusals) and
 hears which sessions rank 0 closed and which weights it published.
@@ -26,7 +27,7 @@ from apex.checkpoint import Checkpoint, CorruptCheckpoint, IncompatibleCheckpoin
 from apex.checkpoint.manifest import read_manifest
 from apex.checkpoint.writer import write_shard
 from apex.config import Config
-from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
+from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
 from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
 from apex.learner import IDLE_WAIT_S, learner_runtime
@@ -89,7 +90,7 @@ class FollowerProcess:
         self.logdir = Path(logdir)
         self.group = group
         self.spec, self.device = learner_runtime(config)
-        self.sessions = SignedSessions(SessionSigner(group.secret))
+        self.sessions = SignedSessions(SessionSigner(group.secret), group.rank.rank)
         base = port if port is not None else config.transport.port
         own_port = group.addresses[group.rank.rank][1]
         self.endpoint = TrajectoryEndpoint(bind_host, own_port, Ports.from_base(base), config.transport, self.sessions)
@@ -104,6 +105,7 @@ class FollowerProcess:
         self.counters.stats = RecordedStats()
         self.counts = RankCounts(self.counters, self.endpoint.rejected)
         self._version = 0  # rank 0's published weights, as of the last sync
+        self.steps_without_batch = 0  # the group's steps this rank took without a batch of its own
         self.ingest = Ingest(self.endpoint.receiver, self.learner, config,
                              self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters, lambda: self._version)
         self.times = SectionTimes()
@@ -137,8 +139,7 @@ class FollowerProcess:
                     if agreed.stop:
                         stopped_together = True
                         break
-                    for _ in range(agreed.steps):
-                        self.pipeline.submit(self.learner.train(self.pipeline.take()))
+                    self.steps_without_batch += train_steps(self.pipeline, self.learner, agreed.steps)
                     self.pipeline.results()
                     if agreed.checkpoint:  # where rank 0 writes its part: after the steps
                         self._checkpoint()
@@ -205,7 +206,8 @@ class FollowerProcess:
 
     def _sync(self) -> None:
         """Tells rank 0 what was counted; hears the closed sessions and the weights version."""
-        self.group.gather(self.counts.take({"replay_size": self.learner.metrics().get("replay_size", 0)}))
+        self.group.gather(self.counts.take({"replay_size": self.learner.metrics().get("replay_size", 0),
+                                            "steps_without_batch": self.steps_without_batch}))
         news = msgpack.unpackb(self.group.broadcast(None))
         self._version = news["version"]
         self.sessions.close_tokens(news["closed"])

@@ -20,7 +20,7 @@ import torch
 from apex import algos
 from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_and_newest, first_loadable
 from apex.config import Config, StopConditions
-from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup
+from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
 from apex.envs import env_spec
 from apex.errors import ApexError
 from apex.ingest import Ingest, RunCounters
@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
 GROUP_SYNC_S = 0.25  # how often a learner group's ranks hand rank 0 their counts (episodes for stop-return)
-STARVED_RANK_S = 30.0  # a group that trains nothing this long while rank 0 has batches says why
 # An actor's seed from the run's and its index: far apart for neighbouring indices and runs
 # (two primes), so that no two actors' environments share a seed sequence.
 SEED_RUN_FACTOR = 1_000_003
@@ -118,6 +117,8 @@ class LearnerProcess:
         self.endpoint = LearnerEndpoint(
             bind_host, port if port is not None else config.transport.port, self._actor_setup,
             config.transport, signer=SessionSigner(group.secret) if group is not None else None,
+            # Where each rank takes trajectories: the endpoint routes each new session to one.
+            routes=[None, *({"host": host, "port": port} for host, port in group.addresses[1:])] if group else None,
         )
         try:
             self.learner = algos.get(self.config.algo).learner().Learner(self.config, self.spec, self.device)
@@ -129,6 +130,8 @@ class LearnerProcess:
         # The cores decompress frames themselves, straight into their storage.
         self.endpoint.receiver.lazy = True
         self.group_replay_size = 0  # the other ranks' replays (or queues), as of the last sync
+        # Each rank's group steps taken without a batch of its own (rank 0's now, the others' as of the last sync).
+        self.steps_without_batch = [0] * group.world_size if group is not None else []
         self._group_broken = False
         self.counters = RunCounters()
         self._metrics: MetricsWriter | None = None
@@ -215,16 +218,13 @@ class LearnerProcess:
             core = self.learner.actor_setup(index, num_envs)
         except ApexError as e:
             raise Rejected(str(e)) from None
-        setup = {
+        # (In a group the endpoint adds the rank its batches go to, which it chooses: not the hello.)
+        return {
             "config": self.config.to_dict(),
             "num_envs": num_envs,
             "seed": actor_seed(self.config.seed, index),
             **core,
         }
-        if self.group is not None and index % self.group.world_size:  # its batches go to another rank
-            host, port = self.group.addresses[index % self.group.world_size]
-            setup["trajectories"] = {"host": host, "port": port}
-        return setup
 
     # -- main loop
 
@@ -270,7 +270,6 @@ class LearnerProcess:
         next_sync = time.monotonic()
         # In a group: a checkpoint asked for in the next agreement, and agreed to in the last.
         checkpoint_asked = agreed_checkpoint = stopped_together = False
-        starved_since = None  # since when this rank has had batches and the group trained none
         try:
             while True:
                 self.endpoint.poll(0)
@@ -291,19 +290,16 @@ class LearnerProcess:
                         break
                     agreed_checkpoint, checkpoint_asked = agreed.checkpoint, False
                     steps = agreed.steps
-                    starved_since = None if steps or not self.pipeline.staged() else starved_since or now
-                    if starved_since is not None and now - starved_since > STARVED_RANK_S:
-                        starved_since = now
-                        log.warning("the group has not trained for %.0f s: a rank has no batches (each rank needs "
-                                    "actors: actor i sends to rank i mod %d, so %d ranks need %d actors or more)",
-                                    STARVED_RANK_S, self.group.world_size, self.group.world_size, self.group.world_size)
                 started = time.perf_counter()
                 if not steps:
                     self._wait_for_work()
                     self.times.add("idle", time.perf_counter() - started)
-                for _ in range(steps):
-                    self.pipeline.submit(self.learner.train(self.pipeline.take()))  # written back by the prefetch thread
-                    self.times.steps += 1
+                if self.group is None:
+                    for _ in range(steps):
+                        self.pipeline.submit(self.learner.train(self.pipeline.take()))  # written back by the prefetch thread
+                else:  # the group's steps: on this rank's batches while it has them, then without
+                    self.steps_without_batch[0] += train_steps(self.pipeline, self.learner, steps)
+                self.times.steps += steps
                 if steps:
                     self.times.add("train", time.perf_counter() - started)
                 for step_metrics in self.pipeline.results():
@@ -407,6 +403,7 @@ class LearnerProcess:
             for reason, count in report["rejected"].items():
                 self.endpoint.rejected.add(reason, count)
         self.group_replay_size = sum(report["replay_size"] for report in reports)
+        self.steps_without_batch[1:] = [report["steps_without_batch"] for report in reports]
         self.group.broadcast(msgpack.packb({"version": self._version, "closed": self.endpoint.sessions.take_closed()}))
 
     def _prefetch_failed(self, error: BaseException) -> None:
@@ -487,7 +484,8 @@ class LearnerProcess:
         row.update(self.times.take())
         row.update({
             "actors_connected": self.endpoint.actors_connected,
-            **({"ranks": self.group.world_size, "group_replay_size": self.group_replay_size + row.get("replay_size", 0)}
+            **({"ranks": self.group.world_size, "group_replay_size": self.group_replay_size + row.get("replay_size", 0),
+                "steps_without_batch_by_rank": list(self.steps_without_batch)}
                if self.group is not None else {}),
             "weights_version": self._version,
             "policy_lag_mean": round(float(np.mean(lags)), 1) if lags else None,

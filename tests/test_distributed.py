@@ -43,17 +43,42 @@ def grads(core: ApexLearner) -> dict[str, np.ndarray]:
     return {name: p.grad.numpy().copy() for name, p in core.online.named_parameters()}
 
 
-def _rank_main(rank: int, world: int, port: int, grad_clip: float, batch: dict, out: mp.Queue) -> None:
+def _rank_main(rank: int, world: int, port: int, grad_clip: float, batch: dict, out: mp.Queue,
+               without_batch: tuple[int, ...] = ()) -> None:
+    """One step of the group on a share of ``batch`` (ranks in ``without_batch`` have none)."""
     torch.set_num_threads(1)
     init_group(Rank(rank, world, f"127.0.0.1:{port}"), torch.device("cpu"))
     try:
         core = bandit_learner(grad_clip)
         core.all_reduce = GradientAllReduce(world)
-        size = BATCH // world
-        metrics = one_step(core, {k: v[rank * size : (rank + 1) * size] for k, v in batch.items()})
+        if rank in without_batch:
+            priorities = core.replay.priority_stats()
+            metrics = core.finish([core.train_without_batch()])[0]
+            assert core.replay.priority_stats() == priorities and core.updates == core.steps == 1
+        else:
+            ranks = [r for r in range(world) if r not in without_batch]
+            size = BATCH // len(ranks)
+            share = ranks.index(rank)
+            metrics = one_step(core, {k: v[share * size : (share + 1) * size] for k, v in batch.items()})
         out.put((rank, metrics, grads(core), {k: v.numpy().copy() for k, v in core.online.state_dict().items()}))
     finally:
         leave_group()
+
+
+def group_step(batch: dict, grad_clip: float, world: int, without_batch: tuple[int, ...] = ()) -> list:
+    """(rank, metrics, gradients, network) of each of ``world`` ranks after one step."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, grad_clip, batch, out, without_batch))
+             for r in range(world)]
+    for p in ranks:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return results
 
 
 @pytest.mark.parametrize("grad_clip", [1e6, 0.5])  # unclipped, and clipped after the average
@@ -66,22 +91,108 @@ def test_an_all_reduced_step_equals_one_step_on_the_concatenated_batch(grad_clip
     expected, expected_grads = reference.online.state_dict(), grads(reference)
     assert any(not torch.equal(before[k], expected[k]) for k in expected)  # the step moved the network
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    ranks = [ctx.Process(target=_rank_main, args=(r, 2, port, grad_clip, batch, out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    results = [out.get(timeout=120) for _ in ranks]
-    for p in ranks:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    for _, metrics, rank_grads, state in results:
+    for _, metrics, rank_grads, state in group_step(batch, grad_clip, 2):
         assert metrics  # applied, not skipped
         for name, value in expected_grads.items():  # the averaged (then clipped) gradient is the whole batch's
             np.testing.assert_allclose(rank_grads[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
         for name, value in expected.items():
             np.testing.assert_allclose(state[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_hostile2_04_a_rank_without_a_batch_adds_no_gradient_and_takes_the_groups_step():
+    """Of three ranks, rank 1 has no batch (its actors are silent): ranks 0 and 2 step on
+    theirs, rank 1 steps without one; every rank ends with the network of one step on the
+    batches of ranks 0 and 2 alone (the average is over the ranks that had a batch), and
+    rank 1's replay priorities are untouched."""
+    reference = bandit_learner(1e6)
+    sampled, _, weights = reference.replay.sample(BATCH, 0.4)
+    batch = {**sampled, "weights": weights}
+    one_step(reference, batch)
+    expected, expected_grads = reference.online.state_dict(), grads(reference)
+    results = group_step(batch, 1e6, 3, without_batch=(1,))
+    assert [rank for rank, *_ in results] == [0, 1, 2]
+    for rank, metrics, rank_grads, state in results:
+        assert bool(metrics) == (rank != 1)  # rank 1's step has no loss of its own to report
+        for name, value in expected_grads.items():
+            np.testing.assert_allclose(rank_grads[name], value, rtol=1e-5, atol=1e-7, err_msg=f"rank {rank} {name}")
+        for name, value in expected.items():
+            np.testing.assert_allclose(state[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The addresses TCP sockets of this host listen on at ``port`` (/proc/net/tcp, tcp6)."""
+    return listening_sockets().get(port, set())
+
+
+def listening_sockets(inodes: set[str] | None = None) -> dict[int, set[str]]:
+    """port -> the addresses listened on at it, of every listening TCP socket of this host
+    (of those with one of ``inodes`` only, when given)."""
+    import ipaddress
+    from pathlib import Path
+
+    found: dict[int, set[str]] = {}
+    for name in ("tcp", "tcp6"):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or (inodes is not None and inode not in inodes):  # 0A: LISTEN
+                continue
+            address, port = local.split(":")
+            raw = bytes.fromhex(address)
+            # The kernel writes each 32-bit word in host order (little-endian here).
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.setdefault(int(port, 16), set()).add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def non_loopback_address() -> str | None:
+    """An IPv4 address of this host that is not loopback (eth0's), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # no packet is sent: the route picks the address
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def _store_main(master: str, out) -> None:
+    init_group(Rank(0, 1, master), torch.device("cpu"))
+    try:
+        out.put(listening_addresses(int(master.rpartition(":")[2])))
+    finally:
+        leave_group()
+
+
+@pytest.mark.parametrize("where", ["loopback", "this host's address"])
+def test_hostile2_05_the_rendezvous_store_listens_on_the_master_address_alone(where):
+    """Rank 0 serves the group's store on --master's address, not on every interface (torch's
+    tcp:// rendezvous binds ::): 127.0.0.1 for one host, the host's own address across hosts."""
+    host = "127.0.0.1" if where == "loopback" else non_loopback_address()
+    if host is None:
+        pytest.skip("this host has no address but loopback")
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    rank = ctx.Process(target=_store_main, args=(f"{host}:{port}", out))
+    rank.start()
+    try:
+        assert out.get(timeout=120) == {host}
+    finally:
+        rank.join(timeout=30)
+    assert rank.exitcode == 0
+
+
+def test_hostile2_05_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
+    from apex.distributed import listen_on
+
+    with pytest.raises(ApexError, match="run rank 0 on the host whose address --master names"):
+        listen_on("192.0.2.1", free_port())  # TEST-NET-1: no host's own address
 
 
 @pytest.mark.parametrize("args, message", [

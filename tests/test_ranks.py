@@ -47,8 +47,8 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 def test_signed_sessions_take_the_group_tokens_only():
     signer = SessionSigner(b"s" * 32)
-    sessions = SignedSessions(signer)
-    token = signer.token(3, 16)
+    sessions = SignedSessions(signer, 1)
+    token = signer.token(3, 16, 1)
     batch = {"session": token, "actor_index": 3, "seq": 0}
     assert sessions.check_batch(batch).num_envs == 16
     with pytest.raises(Exception, match="again"):
@@ -56,7 +56,7 @@ def test_signed_sessions_take_the_group_tokens_only():
     with pytest.raises(Exception, match="actor 4"):
         sessions.check_batch({**batch, "actor_index": 4, "seq": 1})
     forged = token[:-1] + bytes([token[-1] ^ 1])
-    other_group = SessionSigner(b"t" * 32).token(3, 16)
+    other_group = SessionSigner(b"t" * 32).token(3, 16, 1)
     for bad in (forged, other_group, b"x" * 16, token[:8] + (2**31).to_bytes(4, "little") + token[12:]):
         with pytest.raises(Exception, match="without a live session"):
             sessions.check_batch({**batch, "session": bad, "seq": 5})
@@ -165,7 +165,7 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
                  "next_obs_frame": np.arange(1, n + 1, dtype=np.int32), "action": np.zeros(n, np.int64),
                  "reward": np.full(n, np.nan, np.float32), "discount": np.ones(n, np.float32),
                  "priority": np.ones(n, np.float32)}
-        foreign = SessionSigner(b"not the group's secret!!").token(1, 4)
+        foreign = SessionSigner(b"not the group's secret!!").token(1, 4, 1)
         for token in (foreign, b"x" * 16, foreign[:-1] + b"\0"):
             for _ in range(2):
                 fields = {"actor_index": 1, "weights_version": 0, "info": {}, "session": token, "seq": 1}
@@ -205,3 +205,218 @@ def test_an_actor_ignores_a_malformed_trajectories_address_in_its_welcome():
             assert client._route_of(bad) == default
     finally:
         client.close()
+
+
+# -- hostile input, round two: a learner group against hostile peers (real processes, real sockets)
+
+
+def logged(log, *args: str) -> subprocess.Popen:
+    """An apex process with its output in a file (a pipe nobody reads would block it)."""
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def last_row(logdir) -> dict:
+    rows = metrics(logdir)
+    return rows[-1] if rows else {}
+
+
+def peer(port: int, **kwargs):
+    """A hostile peer with a real session: it says hello like any actor (and keeps its
+    session alive by ticking, as a live actor would)."""
+    from tests.test_hostile import OPTIONS
+    from apex.transport import LearnerClient
+
+    client = LearnerClient("127.0.0.1", port, num_envs=4, options=OPTIONS, **kwargs)
+    client.handshake(timeout_s=60)
+    return client
+
+
+def routed_to_rank_1(client, port: int) -> bool:
+    return client.welcome.fields["setup"].get("trajectories", {}).get("port") == port + 3
+
+
+def updates_per_s(logdir, seconds: float, tick=lambda: None) -> float:
+    """The group's updates a second over the next ``seconds`` (rank 0's metrics rows)."""
+    first = last_row(logdir)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        tick()
+        time.sleep(0.05)
+    last = last_row(logdir)
+    return (last["learner_updates"] - first["learner_updates"]) / (last["time"] - first["time"])
+
+
+def test_hostile2_04_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
+    """`apex learner --ranks 2` with one actor a rank trains at some rate; then rank 1's actor
+    dies and a peer that says hello (routed to rank 1) and sends no batch holds its session,
+    while two honest actors feed rank 0: the group goes on at half that rate or more (before
+    the fix: at none, every rank waited for rank 1's batches)."""
+    port = free_base_port(span=6)
+    logdir = tmp_path / "run"
+    actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "4", *FAST[:4]]
+    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
+                     "--stop-seconds", "400", *FAST)
+    procs = [learner]
+    silent = None
+    try:
+        procs.append(logged(tmp_path / "actor-a.log", *actor_args))
+        wait_for(lambda: last_row(logdir).get("actors_connected") == 1, 120, "the first actor (rank 0's)")
+        procs.append(logged(tmp_path / "actor-b.log", *actor_args))
+        wait_for(lambda: "sending batches to the learner rank at 127.0.0.1:" in (tmp_path / "actor-b.log").read_text(),
+                 120, "the second actor to be sent to rank 1")
+
+        def rank_1_trains() -> bool:  # its replay past replay.min_size: it samples
+            row = last_row(logdir)
+            return row.get("group_replay_size", 0) - row.get("replay_size", 0) > 3000
+
+        wait_for(rank_1_trains, 180, "rank 1 to train on its actor's batches")
+        updates_per_s(logdir, 3)
+        unloaded = updates_per_s(logdir, 10)
+        assert unloaded > 0
+
+        os.killpg(procs[2].pid, signal.SIGKILL)  # rank 1's actor: its session expires
+        procs[2].wait()
+        wait_for(lambda: last_row(logdir).get("actors_connected") == 1, 30, "rank 1's actor to be dropped")
+        silent = peer(port)
+        assert routed_to_rank_1(silent, port)
+        procs.append(logged(tmp_path / "actor-c.log", *actor_args))
+        wait_for(lambda: (silent.tick(), last_row(logdir).get("actors_connected") == 3)[-1], 60,
+                 "the second honest actor")
+        assert "sending batches" not in (tmp_path / "actor-c.log").read_text()  # rank 0's
+        updates_per_s(logdir, 5, silent.tick)  # rank 1 trains out what its replay still allows
+        loaded = updates_per_s(logdir, 10, silent.tick)
+        print(f"group updates/s: {unloaded:.1f} with an actor a rank, {loaded:.1f} with rank 1's session silent")
+        assert loaded >= 0.5 * unloaded, (unloaded, loaded)
+        row = last_row(logdir)
+        assert row["actors_connected"] == 3 and set(ranks_of(port)) == {0, 1}  # the silent peer still holds its session
+        assert row["steps_without_batch_by_rank"][1] > 0  # rank 1 took the group's steps without a batch
+        assert learner.poll() is None
+    finally:
+        if silent is not None:
+            silent.close()
+        stop_all(procs)
+
+
+def listening_of(pids) -> dict[int, set[str]]:
+    """port -> addresses, of the listening TCP sockets of the processes ``pids``."""
+    from pathlib import Path
+
+    from tests.test_distributed import listening_sockets
+
+    inodes = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return listening_sockets(inodes)
+
+
+def refused(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_hostile2_05_a_groups_store_listens_on_loopback_or_on_the_master_address_alone(tmp_path):
+    """`apex learner --ranks 2`: every socket of its ranks listens on loopback, the rendezvous
+    store (P+2+N) too, and this host's own address is refused there. Across hosts (--rank R
+    --master HOST:PORT, HOST this host's address) the store listens on that address alone."""
+    from tests.test_distributed import non_loopback_address
+
+    port = free_base_port(span=6)
+    logdir = tmp_path / "run"
+    store = port + 4
+    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
+                     "--stop-seconds", "300", *FAST)
+    procs = [learner]
+    here = non_loopback_address()
+    try:
+        wait_for(lambda: metrics(logdir), 120, "the group to form")
+        sockets = listening_of(ranks_of(port).values())
+        assert sockets.get(store) == {"127.0.0.1"}, sockets
+        assert all(addresses <= {"127.0.0.1", "::1"} for addresses in sockets.values()), sockets  # gloo's, ZeroMQ's too
+        if here is not None:
+            assert refused(here, store)
+        stop_all(procs)
+        if here is None:
+            pytest.skip("this host has no address but loopback: the store across hosts was not tried")
+
+        port = free_base_port(span=6)
+        master = f"{here}:{port + 4}"
+        procs = [logged(tmp_path / f"rank-{r}.log", "learner", "--rank", str(r), "--world-size", "2", "--master", master,
+                        "--port", str(port), "--logdir", str(tmp_path / "hosts"), "--stop-seconds", "300", *FAST)
+                 for r in range(2)]
+        wait_for(lambda: metrics(tmp_path / "hosts"), 120, "the group across hosts to form")
+        sockets = listening_of(p.pid for p in procs)
+        assert sockets.get(port + 4) == {here}, sockets
+        assert refused("127.0.0.1", port + 4)
+    finally:
+        stop_all(procs)
+
+
+def test_hostile2_10_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_credited(tmp_path):
+    """Two peers with real sessions, one routed to each rank: each one's batch, accepted on
+    its rank, then sent to the other rank, is refused there (wrong_rank) and its env steps
+    are credited once."""
+    import zmq
+
+    from apex import protocol
+    from tests.test_hostile import honest_batch
+
+    port = free_base_port(span=6)
+    logdir = tmp_path / "run"
+    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
+                     "--stop-seconds", "300", *FAST)
+    context = zmq.Context()
+    peers = []
+    try:
+        peers.append(peer(port))
+        peers.append(peer(port))
+        on_rank_0, on_rank_1 = peers
+        assert not routed_to_rank_1(on_rank_0, port) and routed_to_rank_1(on_rank_1, port)
+
+        def tick():
+            for p in peers:
+                p.tick()
+
+        def env_steps() -> int:
+            tick()
+            return last_row(logdir).get("env_steps", 0)
+
+        def rejected(reason: str) -> int:
+            tick()
+            return last_row(logdir).get("rejected_by_reason", {}).get(reason, 0)
+
+        credited = 0
+        for sender, other_port in ((on_rank_1, port + 1), (on_rank_0, port + 3)):
+            batch = honest_batch(sender)
+            frames = protocol.encode("batch", {"actor_index": sender.actor_index, "weights_version": 0, "info": {},
+                                               "session": sender._session, "seq": sender._seq}, batch)
+            sender.tick()
+            assert sender.send_frames(frames, timeout_s=20)  # on its own rank
+            wait_for(lambda: env_steps() > credited, 60, "the batch to be credited on its rank")
+            time.sleep(1.0)  # a few syncs: all of it is counted
+            credited = env_steps()
+            wrong_rank = rejected("wrong_rank")
+            push = context.socket(zmq.PUSH)
+            push.connect(f"tcp://127.0.0.1:{other_port}")  # the other rank's trajectories
+            push.send_multipart(frames)
+            push.close(linger=5000)
+            wait_for(lambda: rejected("wrong_rank") > wrong_rank, 30, f"the batch refused on port {other_port}")
+            time.sleep(1.0)
+            assert env_steps() == credited, "a batch sent to a second rank was credited twice"
+        assert set(ranks_of(port)) == {0, 1} and learner.poll() is None
+    finally:
+        for p in peers:
+            p.close()
+        context.term()
+        stop_all([learner])

@@ -32,10 +32,11 @@ def welcome_all(hello, index):
 
 
 class Learner:
-    """A LearnerEndpoint whose control loop runs in a background thread."""
+    """A LearnerEndpoint whose control loop runs in a background thread (``endpoint``:
+    LearnerEndpoint's keyword arguments, e.g. a learner group's signer and routes)."""
 
-    def __init__(self, port, welcome=welcome_all, options=FAST):
-        self.endpoint = LearnerEndpoint("127.0.0.1", port, welcome, options)
+    def __init__(self, port, welcome=welcome_all, options=FAST, **endpoint):
+        self.endpoint = LearnerEndpoint("127.0.0.1", port, welcome, options, **endpoint)
         self.calls: list = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -327,3 +328,95 @@ def test_free_base_port_hands_out_disjoint_free_ranges_below_the_kernels_ephemer
         finally:
             for probe in probes:
                 probe.close()
+
+
+# Actors that hear the learner out longer than it waits for them: only the learner's clock counts.
+PATIENT = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=10)
+
+
+def group_learner(port: int, secret: bytes = b"g" * 32) -> Learner:
+    """Rank 0's endpoint of a learner group of 2: rank 1 takes trajectories on port + 3."""
+    from apex.transport.sessions import SessionSigner
+
+    return Learner(port, options=TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0),
+                   signer=SessionSigner(secret), routes=[None, {"host": None, "port": port + 3}])
+
+
+def routed_rank(welcome, port: int) -> int:
+    return 1 if welcome.fields["setup"].get("trajectories") == {"host": None, "port": port + 3} else 0
+
+
+def test_hostile2_04_rank_0_chooses_ranks_not_hellos_and_a_silent_sessions_place_comes_back(port):
+    """A hello asking for an index does not choose its rank: rank 0 routes each new session to
+    the rank with the fewest live ones; a session gone silent (no heartbeats) gives back its
+    index and its place on its rank to the next actor."""
+    learner = group_learner(port)
+    first, asks_for_1, quiet = (make_client(port, options=PATIENT), make_client(port, actor_index=1, options=PATIENT),
+                                make_client(port, options=PATIENT))
+    try:
+        assert routed_rank(first.handshake(timeout_s=5), port) == 0
+        # index 1 would be rank 1 by index mod 2; rank 0 holds one session and rank 1 none
+        welcome = asks_for_1.handshake(timeout_s=5)
+        assert welcome.fields["actor_index"] == 1 and routed_rank(welcome, port) == 1
+        welcome = quiet.handshake(timeout_s=5)  # a tie: the lowest rank
+        assert welcome.fields["actor_index"] == 2 and routed_rank(welcome, port) == 0
+
+        def tick():
+            first.tick()
+            asks_for_1.tick()
+
+        # `quiet` sends no heartbeats: dropped, its index and its place on rank 0 go back
+        assert wait_for(lambda: learner.endpoint.actors_connected == 2, tick=tick)
+        late = make_client(port, options=PATIENT)
+        try:
+            welcome = late.handshake(timeout_s=5)
+            assert welcome.fields["actor_index"] == 2 and routed_rank(welcome, port) == 0
+        finally:
+            late.close()
+    finally:
+        for client in (first, asks_for_1, quiet):
+            client.close()
+        learner.close()
+
+
+def test_hostile2_10_a_batch_goes_in_on_its_own_rank_alone(port):
+    """A session's token names its rank under the group's HMAC: rank 0 refuses the batches of
+    a session it routed to rank 1 (counted as wrong_rank), and a follower refuses tokens for
+    any rank but its own, so a batch accepted on one rank and sent to another is not credited
+    twice."""
+    from apex.errors import RejectedMessage
+    from apex.transport.sessions import SessionSigner, SignedSessions
+
+    secret = b"g" * 32
+    learner = group_learner(port, secret)
+    own, elsewhere = make_client(port, options=PATIENT), make_client(port, options=PATIENT)
+    try:
+        assert routed_rank(own.handshake(timeout_s=5), port) == 0
+        assert routed_rank(elsewhere.handshake(timeout_s=5), port) == 1
+        rank_1 = SignedSessions(SessionSigner(secret), 1)
+        fields = {"actor_index": elsewhere.actor_index, "session": elsewhere._session, "seq": 0}
+        assert rank_1.check_batch(fields).index == elsewhere.actor_index  # accepted on its rank
+        # ... and sent to rank 0 as well: refused there
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port + 1}")
+        push.send_multipart(protocol.encode("batch", {**fields, "weights_version": 0, "info": {}}, {"x": np.arange(3)}))
+        push.close(linger=5000)  # delivered before it closes
+        assert own.send_batch({"x": np.arange(4)}, weights_version=0, timeout_s=5)
+        received = []
+        rejected = learner.endpoint.rejected
+        assert wait_for(lambda: (m := learner.endpoint.receiver.recv(50)) is not None and received.append(m)
+                        or rejected.by_reason() == {"wrong_rank": 1} and received)
+        assert [m.arrays["x"].tolist() for m in received] == [[0, 1, 2, 3]]  # the honest one's, on its rank
+        # rank 0's own session's batch on rank 1, and a token for rank 2: refused by rank 1
+        for token in (own._session, SessionSigner(secret).token(5, 1, 2)):
+            with pytest.raises(RejectedMessage, match="whose batches go to rank") as refused:
+                rank_1.check_batch({"actor_index": 0, "session": token, "seq": 0})
+            assert refused.value.reason == "wrong_rank"
+        # the rank is under the HMAC: a token rewritten for rank 1 is no token at all
+        forged = own._session[:16] + (1).to_bytes(4, "little") + own._session[20:]
+        with pytest.raises(RejectedMessage, match="without a live session"):
+            rank_1.check_batch({"actor_index": 0, "session": forged, "seq": 0})
+    finally:
+        own.close()
+        elsewhere.close()
+        learner.close()

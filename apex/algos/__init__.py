@@ -45,6 +45,7 @@ class LearnerCore(Protocol):
     prefetch_batches: int  # batches the prefetch thread keeps staged ahead
     def prepare(self, timeout: float, most: int = 1) -> list[Staged]: ...  # batches sampled and staged on the device
     def train(self, staged: Staged) -> Pending: ...  # the update enqueued; no host synchronisation
+    def train_without_batch(self) -> Pending: ...  # a learner group's step on a rank without a batch
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]: ...  # their metrics; {} for a skipped one
     def step(self) -> dict[str, float]: ...
     def weights(self) -> dict[str, np.ndarray]: ...

@@ -29,6 +29,7 @@ from apex.algos.apex_dqn_actor import merge_chunks
 from apex.algos.exploration import actor_epsilons
 from apex.compression import Compressed
 from apex.config import Config
+from apex.distributed import NO_BATCH, step_without_batch
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 from apex.models import QNetwork, check_fits, numpy_weights
@@ -217,28 +218,44 @@ class Learner:
         # The priorities' sum: finite only if every priority is.
         results = optim.guarded_step(self.optimizer, out.loss, self.online.parameters(), self.config.learner.grad_clip,
                                      [out.loss, out.q_mean, out.td_abs_mean, out.priorities.sum()], self.all_reduce)
+        self._stepped()
+        return fetch([results, out.priorities], staged.context)
+
+    def train_without_batch(self) -> Pending:
+        """A learner group's step on this rank without a batch (``apex.distributed``): the
+        other ranks' gradient applied; finished with no priorities to write back."""
+        results = step_without_batch(self.optimizer, self.online.parameters(), self.config.learner.grad_clip, 4,
+                                     self.all_reduce)
+        self._stepped()
+        return fetch([results, results.new_zeros(self.config.learner.batch_size)], NO_BATCH)
+
+    def _stepped(self) -> None:
         self.steps += 1
         if self.steps % self.config.learner.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
-        return fetch([results, out.priorities], staged.context)
 
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
         """Reads the results of trained steps, in order: writes their new priorities back
         (together: one update of the tree) and returns each one's metrics; a skipped step is
-        counted, the transitions whose priority was not finite are dropped (never sampled
-        again), and its metrics are {}."""
+        counted, the transitions it trained on are dropped (never sampled again), and its
+        metrics are {}."""
         values = collect(pending)  # a row a step: skipped, loss, q_mean, td_abs_mean, priorities' sum, grad_norm, priorities
         skipped = values[:, 0] != 0
-        for step, priorities in zip(itertools.compress(pending, skipped), values[skipped, 6:]):
-            self.dropped_transitions += self.replay.drop(step.context[~np.isfinite(priorities)])
+        sampled = np.array([step.context is not NO_BATCH for step in pending])
+        # A step whose loss was not finite trained on a batch that poisons updates, and its
+        # priorities need not say which transition did (a finite 1e30 observation may give a
+        # finite, huge priority and be sampled first ever after): none of it is sampled again.
+        for step in itertools.compress(pending, skipped & sampled):
+            self.dropped_transitions += self.replay.drop(np.unique(step.context))
         trained = ~skipped
         self.skipped_updates += int(np.count_nonzero(skipped))
         self.updates += int(np.count_nonzero(trained))
-        if trained.any():  # a repeated index: the later step's priority wins, as if written one by one
-            indices = np.concatenate([step.context for step in itertools.compress(pending, trained)])
-            self.replay.update_priorities(indices, values[trained, 6:].reshape(-1))
-        return [{} if bad else {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
-                for bad, (loss, q_mean, td_abs_mean, _, grad_norm) in zip(skipped.tolist(), values[:, 1:6].tolist())]
+        if (trained & sampled).any():  # a repeated index: the later step's priority wins, as if written one by one
+            indices = np.concatenate([step.context for step in itertools.compress(pending, trained & sampled)])
+            self.replay.update_priorities(indices, values[trained & sampled, 6:].reshape(-1))
+        return [{} if bad or not own else {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
+                for bad, own, (loss, q_mean, td_abs_mean, _, grad_norm)
+                in zip(skipped.tolist(), sampled.tolist(), values[:, 1:6].tolist())]
 
     def step(self) -> dict[str, float]:
         """One whole update in a row, whatever the rate limiter says (tests, benchmarks)."""

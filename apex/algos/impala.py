@@ -30,6 +30,7 @@ from apex import optim
 from apex.algos import Policy
 from apex.compression import Compressed
 from apex.config import Config
+from apex.distributed import NO_BATCH, step_without_batch
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
 from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, check_fits, log_prob_and_entropy, numpy_weights
@@ -271,16 +272,25 @@ class Learner:
                                      [out.loss, out.pg_loss, out.baseline_loss, out.entropy], self.all_reduce)
         return fetch([results])
 
+    def train_without_batch(self) -> Pending:
+        """A learner group's step on this rank without a batch (``apex.distributed``): the
+        other ranks' gradient applied."""
+        results = step_without_batch(self.optimizer, self.net.parameters(), self.config.learner.grad_clip, 4,
+                                     self.all_reduce)
+        return fetch([results], NO_BATCH)
+
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
-        """The trained steps' metrics, in order: {} (counted) for one skipped as non-finite."""
+        """The trained steps' metrics, in order: {} (counted) for one skipped as non-finite,
+        {} for a group's step this rank took without a batch."""
         metrics = []
-        for skipped, *figures in collect(pending).tolist():
+        for step, (skipped, *figures) in zip(pending, collect(pending).tolist()):
             if skipped:
                 self.skipped_updates += 1
                 metrics.append({})
                 continue
             self.updates += 1
-            metrics.append(dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures)))
+            own = step.context is not NO_BATCH
+            metrics.append(dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures)) if own else {})
         return metrics
 
     def step(self) -> dict[str, float]:

@@ -45,6 +45,11 @@ class LearnerEndpoint:
     assigned; it returns the actor's setup, sent back in the welcome, or raises
     ``Rejected(reason)``.
 
+    In a learner group (``routes``: where each rank takes trajectories), this endpoint is rank
+    0's and decides which rank a new session's batches go to: the one with the fewest live
+    sessions (the lowest of those), whatever index the hello asks for; the session's token
+    names that rank under the group's HMAC, so every other rank refuses its batches.
+
     Weights go out over a ROUTER socket to the actors that registered their session on it,
     rather than over PUB/SUB: a PUB socket keeps every topic a subscriber sends, so any
     peer could grow the learner's memory at will.
@@ -57,10 +62,14 @@ class LearnerEndpoint:
         setup_for: Callable[[Message, int], Mapping[str, Any]],
         options: TransportConfig = TransportConfig(),
         signer: SessionSigner | None = None,
+        routes: list[Mapping[str, Any] | None] | None = None,
     ) -> None:
-        """``signer``: in a learner group, issues session tokens that every rank can check."""
+        """``signer``: in a learner group, issues session tokens that every rank can check;
+        ``routes``: the welcome's ``trajectories`` for each rank of the group (None for rank
+        0, this endpoint's own port)."""
         self.ports = Ports.from_base(port)
         self.signer = signer
+        self.routes = list(routes) if routes else [None]
         self.options = options
         self._setup_for = setup_for
         self.context = zmq.Context()
@@ -240,15 +249,19 @@ class LearnerEndpoint:
             log.info("rejected actor %s (pid %s): %s", fields["host"], fields["pid"], e)
             return
         if previous is not None and previous.index == index:
-            session = previous  # the same actor again (a retry): same session, same sequence
+            session = previous  # the same actor again (a retry): same session, same sequence, same rank
             session.last_seen = time.monotonic()
         else:
             if previous is not None:
                 self.sessions.close(previous)
             num_envs = setup.get("num_envs", fields["num_envs"])
-            token = os.urandom(TOKEN_BYTES) if self.signer is None else self.signer.token(index, num_envs)
-            session = Session(index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic())
+            rank = self._least_loaded_rank()
+            token = os.urandom(TOKEN_BYTES) if self.signer is None else self.signer.token(index, num_envs, rank)
+            session = Session(index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic(),
+                              rank=rank)
             self.sessions.open(session)
+        if self.routes[session.rank] is not None:  # its batches go to another rank of the group
+            setup["trajectories"] = dict(self.routes[session.rank])
         if not self._send(identity, "welcome", {"actor_index": index, "setup": setup, "session": session.token,
                                                 "incarnation": self.incarnation}):
             self.sessions.close(session)
@@ -279,6 +292,12 @@ class LearnerEndpoint:
             self._weights_socket.send_multipart([identity, packed], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:  # not reading (its queue holds a copy), or gone: heartbeats will tell
             pass
+
+    def _least_loaded_rank(self) -> int:
+        """The rank a new session's batches go to: the one with the fewest live sessions (a
+        silent one's place comes back when it expires)."""
+        counts = self.sessions.per_rank(len(self.routes))
+        return counts.index(min(counts))
 
     def _free_index(self) -> int:
         taken = {session.index for session in self.sessions}

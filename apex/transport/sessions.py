@@ -62,6 +62,7 @@ class Session:
     episodes: int = 0
     step_budget: int = 0  # env steps its episode records may still claim (apex.schema.check_episodes)
     limits: dict[str, int] = field(default_factory=dict)  # batch sizes allowed (set by the learner)
+    rank: int = 0  # of the learner group: the one rank its batches go to (rank 0 chose it)
 
 
 class Sessions:
@@ -109,14 +110,25 @@ class Sessions:
             closed, self._closed = self._closed, []
             return closed
 
+    def per_rank(self, ranks: int) -> list[int]:
+        """Live sessions routed to each of ``ranks`` ranks."""
+        counts = [0] * ranks
+        for session in self:
+            counts[session.rank] += 1
+        return counts
+
     def check_batch(self, fields: Mapping[str, Any]) -> Session:
         """The session a batch belongs to; raises RejectedMessage for a batch without a live
-        session, from another actor's index, or repeated (a sequence number not above the
-        last one accepted)."""
+        session, of a session routed to another rank of the group (its batches are counted
+        there), from another actor's index, or repeated (a sequence number not above the last
+        one accepted)."""
         with self._lock:
             session = self._by_token.get(fields["session"])
             if session is None:
                 raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
+            if session.rank != 0:
+                raise RejectedMessage("wrong_rank", f"a batch of actor {session.index}, whose batches go to rank "
+                                      f"{session.rank}, sent to rank 0")
             if fields["actor_index"] != session.index:
                 raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
             if fields["seq"] <= session.last_seq:
@@ -128,11 +140,12 @@ class Sessions:
 
 class SessionSigner:
     """Session tokens that every rank of a learner group can check without a shared table:
-    a nonce, the actor's index and environment count, and an HMAC of them under the group's
-    secret (shared when the group forms). Rank 0 issues them at the welcome; the rank an
-    actor sends its batches to verifies them (``SignedSessions``)."""
+    a nonce, the actor's index, environment count and rank (where its batches go), and an
+    HMAC of them under the group's secret (shared when the group forms). Rank 0 issues them at
+    the welcome; the rank an actor sends its batches to verifies them (``SignedSessions``),
+    and every other rank refuses them."""
 
-    _FIELDS = struct.Struct("<8sII")  # nonce, actor index, num_envs
+    _FIELDS = struct.Struct("<8sIII")  # nonce, actor index, num_envs, rank
     MAC_BYTES = 16
     TOKEN_BYTES = _FIELDS.size + MAC_BYTES
 
@@ -144,30 +157,32 @@ class SessionSigner:
     def _mac(self, fields: bytes) -> bytes:
         return hmac.new(self._secret, fields, hashlib.sha256).digest()[: self.MAC_BYTES]
 
-    def token(self, index: int, num_envs: int) -> bytes:
-        fields = self._FIELDS.pack(os.urandom(8), index, num_envs)
+    def token(self, index: int, num_envs: int, rank: int) -> bytes:
+        fields = self._FIELDS.pack(os.urandom(8), index, num_envs, rank)
         return fields + self._mac(fields)
 
-    def verify(self, token: bytes) -> tuple[int, int] | None:
-        """(actor index, num_envs) of a token this group issued, else None."""
+    def verify(self, token: bytes) -> tuple[int, int, int] | None:
+        """(actor index, num_envs, rank) of a token this group issued, else None."""
         if not isinstance(token, bytes) or len(token) != self.TOKEN_BYTES:
             return None
         fields, mac = token[: self._FIELDS.size], token[self._FIELDS.size :]
         if not hmac.compare_digest(mac, self._mac(fields)):
             return None
-        _, index, num_envs = self._FIELDS.unpack(fields)
-        return index, num_envs
+        _, index, num_envs, rank = self._FIELDS.unpack(fields)
+        return index, num_envs, rank
 
 
 class SignedSessions:
-    """A follower rank's sessions: any token the group issued is good (checked by its HMAC),
-    its session is made on the first batch; rank 0 tells which it closed (``close_tokens``),
-    and those stay refused. Batches must carry ever-growing sequence numbers, as on rank 0."""
+    """A follower rank's sessions: a token the group issued for this rank is good (checked by
+    its HMAC, which covers the rank), its session is made on the first batch; rank 0 tells
+    which it closed (``close_tokens``), and those stay refused. Batches must carry
+    ever-growing sequence numbers, as on rank 0."""
 
     MAX_CLOSED = 65_536  # closed tokens remembered (the oldest forgotten first)
 
-    def __init__(self, signer: SessionSigner) -> None:
+    def __init__(self, signer: SessionSigner, rank: int) -> None:
         self._signer = signer
+        self.rank = rank
         self._lock = threading.Lock()
         self._by_token: dict[bytes, Session] = {}
         self._closed: OrderedDict[bytes, None] = OrderedDict()
@@ -191,8 +206,11 @@ class SignedSessions:
                 issued = None if token in self._closed else self._signer.verify(token)
                 if issued is None:
                     raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
-                index, num_envs = issued
-                session = Session(index, b"", token, "", 0, num_envs, last_seen=time.monotonic())
+                index, num_envs, rank = issued
+                if rank != self.rank:  # e.g. a batch another rank accepted, sent here again
+                    raise RejectedMessage("wrong_rank", f"a batch of actor {index}, whose batches go to rank {rank}, "
+                                          f"sent to rank {self.rank}")
+                session = Session(index, b"", token, "", 0, num_envs, last_seen=time.monotonic(), rank=rank)
                 self._by_token[token] = session
             if fields["actor_index"] != session.index:
                 raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
