@@ -26,7 +26,6 @@ from pathlib import Path
 
 from apex.checkpoint import has_checkpoint
 from apex.config import Config, StopConditions, port_problem
-from apex.config.trust import named_modules
 from apex.errors import ApexError
 from apex.signals import StopSignals
 from apex.transport import DEFAULT_PORT
@@ -129,11 +128,10 @@ def run(
 
     learner = start_learner()
     learner_started = time.monotonic()
-    # The actors import what this run's own config names, and nothing else a welcome may name
-    # (whoever takes the port first answers their hellos: apex.config.trust).
-    allow = [arg for _, module in named_modules(config.env) for arg in ("--allow-import", module)]
-    actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file),
-                   *allow] for i in range(actors)]
+    # The run's config file is each actor's own: it may import what that names, and nothing
+    # else a welcome may name (whoever holds the port answers their hellos: apex.config.trust).
+    actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
+                  for i in range(actors)]
     # Actors start with the learner, not once it listens: they import and make their
     # environments while it imports torch (vector actors never do), and their hellos wait
     # in ZeroMQ's queue. Configuration errors were caught before this (the parent checks the

@@ -60,9 +60,10 @@ def test_local_overrides_apply_before_the_check():
 
 def test_the_allowance_comes_from_flags_the_variable_and_the_local_config(monkeypatch):
     monkeypatch.setenv(ALLOW_IMPORTS_ENV, " tests.envs, ,pydoc ")
-    local = config_module.load(None, ["env.allow_imports=[mypkg.envs]"]).env
+    local = config_module.load(None, ["env.allow_imports=[mypkg.envs]", "env.imports=[corridor]"]).env
+    # the local config is this side's own: what it names itself is allowed too
     assert allowed_imports(["gymnasium.wrappers", "pydoc"], local) == ("gymnasium.wrappers", "pydoc", "tests.envs",
-                                                                        "mypkg.envs")
+                                                                        "mypkg.envs", "corridor")
     with pytest.raises(ConfigError, match=r"^--allow-import 'a b' is not a module name"):
         allowed_imports(["a b"])
     monkeypatch.setenv(ALLOW_IMPORTS_ENV, "os;rm")

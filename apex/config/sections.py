@@ -56,8 +56,8 @@ class EnvConfig:
     """Modules (and their submodules) that a config from elsewhere may make this process
     import: the one in a learner's welcome (apex actor, apex serve) or in a checkpoint (apex
     eval, a resume without --config). Read from the local config only (as --allow-import);
-    the one inside a config from elsewhere is ignored. A config given here imports what it
-    names without it."""
+    the one inside a config from elsewhere is ignored. The modules a local config names
+    itself (an actor's --config, as apex run gives its actors) are allowed without it."""
     max_episode_steps: int | None = None
     """Truncate episodes after this many steps (None: the environment's own limit)."""
     frame_stack: int = 4

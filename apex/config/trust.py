@@ -8,8 +8,8 @@ a learner's welcome (``apex actor``, ``apex serve``; without CURVE anyone who ta
 learner's address can send one). Importing a module runs its code, and a wrapper is a
 callable that is then called (``pydoc.pipepager`` runs a shell command), so such a config may
 import only what this side allows: ``--allow-import MODULE``, ``env.allow_imports`` of the
-local config, or ``APEX_ALLOW_IMPORTS`` (comma-separated). Allowing a package allows its
-submodules. Gymnasium ids from installed packages (``CartPole-v1``, ``ALE/Pong-v5``, a
+local config (and what that config names itself), or ``APEX_ALLOW_IMPORTS``
+(comma-separated). Allowing a package allows its submodules. Gymnasium ids from installed packages (``CartPole-v1``, ``ALE/Pong-v5``, a
 plugin's ``MinAtar/Breakout-v1``) import nothing named by the config and need no allowance.
 """
 
@@ -55,8 +55,9 @@ def is_allowed(module: str, allowed: Collection[str]) -> bool:
 
 def allowed_imports(flags: Iterable[str] = (), local: EnvConfig | None = None) -> tuple[str, ...]:
     """What this side allows a config from elsewhere to import: ``--allow-import`` flags,
-    ``APEX_ALLOW_IMPORTS`` and the local config's env.allow_imports (never the one inside
-    the config from elsewhere: that is the other side's word)."""
+    ``APEX_ALLOW_IMPORTS``, and the local config's env.allow_imports and the modules it names
+    itself (it is this side's own: `apex run` hands its actors the run's config file); never
+    what the config from elsewhere says (that is the other side's word)."""
     given = [*((name, "--allow-import") for name in flags),
              *((name, ALLOW_IMPORTS_ENV) for name in os.environ.get(ALLOW_IMPORTS_ENV, "").split(",")),
              *((name, "env.allow_imports") for name in (local.allow_imports if local else ()))]
@@ -67,6 +68,7 @@ def allowed_imports(flags: Iterable[str] = (), local: EnvConfig | None = None) -
             raise ConfigError(f"{where} {name!r} is not a module name (give one such as mypackage.envs)")
         if name:
             names.append(name)
+    names += [module for _, module in (named_modules(local) if local else ())]
     return tuple(dict.fromkeys(names))
 
 
