@@ -102,8 +102,8 @@ def test_batches_drawn_together_each_span_the_whole_replay():
 
 @pytest.mark.parametrize("skipped", [None, 0, 1, 2])
 def test_finishing_several_steps_together_equals_finishing_them_one_by_one(skipped):
-    """Also with one step among them skipped (a NaN reward): its metrics {}, its NaN
-    priority's transition dropped, the others' priorities written back all the same."""
+    """Also with one step among them skipped (a NaN reward): its metrics {}, the transitions
+    it trained on dropped, the others' priorities written back all the same."""
     one_by_one, together = learner(), learner()
     pending = {}
     for core in (one_by_one, together):
@@ -119,7 +119,8 @@ def test_finishing_several_steps_together_equals_finishing_them_one_by_one(skipp
     counts = ("updates", "skipped_updates", "dropped_transitions")
     assert [getattr(together, c) for c in counts] == [getattr(one_by_one, c) for c in counts]
     assert together.updates == (3 if skipped is None else 2)
-    assert together.dropped_transitions == (0 if skipped is None else 1)
+    trained_on = 0 if skipped is None else len(np.unique(pending[id(together)][skipped].context))
+    assert together.dropped_transitions == trained_on
 
 
 @pytest.mark.parametrize("on_device", [False, True])
@@ -133,7 +134,9 @@ def test_a_non_finite_step_is_skipped_on_the_host_or_on_the_device_alike(monkeyp
     staged.tensors["reward"][3] = float("nan")
     (metrics,) = core.finish([core.train(staged)])
     assert metrics == {} and core.skipped_updates == 1 and core.updates == 0
-    assert core.dropped_transitions == 1  # the one whose priority came out NaN
+    trained_on = np.unique(staged.context)
+    assert core.dropped_transitions == len(trained_on) > 1  # all it trained on, not only the NaN one
+    assert (core.replay.priorities(trained_on) == 0).all()  # never sampled again
     for name, value in core.online.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
     assert core.step()["loss"] >= 0 and core.updates == 1  # and the next finite step goes through

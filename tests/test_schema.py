@@ -182,3 +182,28 @@ def test_honest_episode_records_pass():
     records, used = check_episodes({"episodes": [[200.0, 200, True], [-3, 10, False]]}, **EPISODES)
     assert records == [(200.0, 200, True), (-3.0, 10, False)] and used == 210
     assert check_episodes({}, **EPISODES) == ([], 0)
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_observations_are_held_to_the_spaces_bounds_and_1e6_where_it_has_none(algo):
+    """Issue 30 item 3: 1e30 in CartPole's unbounded velocities is finite as float32, and
+    made most updates non-finite; its position is bounded by the space (4.8)."""
+    batch, spec, config = actor_batch(algo)
+    assert spec.frame_bound[0] == pytest.approx(4.8) and spec.frame_bound[1] == np.inf
+
+    def with_value(column: int, value: float, max_abs_obs: float | None = None):
+        frames = np.array(batch["frames"])
+        frames[-1, column] = value
+        cfg = config if max_abs_obs is None else config_module.load_dict(
+            config.to_dict(), [f"transport.max_abs_obs={max_abs_obs}"])
+        return validate(algo, {**batch, "frames": frames}, spec, cfg)
+
+    with_value(1, 9e5)  # fast, not poison
+    for column, value, reason in ((1, 1e30, "out_of_range"), (1, -2e6, "out_of_range"), (0, 5.0, "out_of_range"),
+                                  (3, np.nan, "nonfinite")):
+        with pytest.raises(RejectedMessage, match=f"frames component {column} holds") as caught:
+            with_value(column, value)
+        assert caught.value.reason == reason
+    with pytest.raises(RejectedMessage, match=r"frames component 1 holds values outside \[-10, 10\]"):
+        with_value(1, 11.0, max_abs_obs=10)  # the key bounds every value, the space's bounds aside
+    with_value(0, 9.0, max_abs_obs=10)

@@ -46,7 +46,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     max_return = config.transport.max_abs_reward * config.learner.n_step
     transitions = ("transitions",)
     return BatchSchema((
-        frame_rule(spec.frame_shape, spec.frame_dtype),
+        frame_rule(spec.frame_shape, spec.frame_dtype, spec.obs_bound(config.transport.max_abs_obs)),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
         ArrayRule("next_obs_frame", "iu", np.dtype(np.int32), transitions, stack_starts),
         ArrayRule("action", "iu", np.dtype(np.int64), transitions, below(spec.num_actions)),

@@ -132,7 +132,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
         action = ArrayRule("action", "iu", np.dtype(np.int64), (*steps, *spec.action_shape), allowed)
         max_logp = 1e-6  # probabilities: log <= 0 (with float32 rounding)
     rules = [
-        frame_rule(spec.frame_shape, spec.frame_dtype),
+        frame_rule(spec.frame_shape, spec.frame_dtype, spec.obs_bound(config.transport.max_abs_obs)),
         ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
                   below("frames", 1 - spec.stack)),
         action,
