@@ -147,7 +147,7 @@ class GradientAllReduce:
     def __call__(self, parameters: list[torch.nn.Parameter], bad: torch.Tensor, has_batch: bool = True) -> torch.Tensor:
         grads = [p.grad if p.grad is not None and has_batch else torch.zeros_like(p) for p in parameters]
         counted = bad.new_ones(1, dtype=torch.float32) if has_batch else bad.new_zeros(1, dtype=torch.float32)
-        flat = torch.cat([*(g.reshape(-1).float() for g in grads), bad.reshape(1).float() * counted, counted])
+        flat = torch.cat([*(g.reshape(-1).float() for g in grads), bad.reshape(1).float(), counted])
         try:
             dist.all_reduce(flat)  # sum
         except RuntimeError as e:

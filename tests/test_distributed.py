@@ -189,10 +189,17 @@ def test_hostile2_05_the_rendezvous_store_listens_on_the_master_address_alone(wh
 
 
 def test_hostile2_05_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
+    import socket
+
     from apex.distributed import listen_on
 
-    with pytest.raises(ApexError, match="run rank 0 on the host whose address --master names"):
-        listen_on("192.0.2.1", free_port())  # TEST-NET-1: no host's own address
+    with pytest.raises(ApexError, match="rank 0 cannot listen on --master no-such-host.invalid:"):
+        listen_on("no-such-host.invalid", free_port())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ApexError, match="run rank 0 on the host whose address --master names, on a port no other"):
+            listen_on("127.0.0.1", taken.getsockname()[1])
 
 
 @pytest.mark.parametrize("args, message", [
