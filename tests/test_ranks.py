@@ -374,8 +374,9 @@ def test_hostile2_10_a_batch_accepted_by_one_rank_and_resent_to_another_is_refus
 
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
+    # The peers' sessions outlive a loaded machine's pauses (making a batch ticks nothing).
     learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
-                     "--stop-seconds", "300", *FAST)
+                     "--stop-seconds", "300", *FAST, "--set", "transport.heartbeat_timeout_s=30")
     context = zmq.Context()
     peers = []
     try:
