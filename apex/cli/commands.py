@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
     if args.ranks > args.actors:
-        raise ApexError(f"--ranks {args.ranks} needs at least as many actors (actor i sends to rank i mod N): "
+        raise ApexError(f"--ranks {args.ranks} needs at least as many actors (each rank trains on its actors' batches): "
                         f"give --actors {args.ranks} or more")
     resume = resume_checkpoint(args)
     config = load_config(args, resume)
