@@ -8,6 +8,7 @@ best checkpoint (the highest return_mean_100 the learner recorded) or its newest
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -44,14 +45,17 @@ def _load(path: Path, which: str) -> tuple[dict, Path, float | None]:
         raise ApexError(f"--which must be one of {', '.join(ORDERS)}, got {which!r}")
     if path.is_dir():
         return first_loadable(path, _loaded, which=which)
-    if not path.is_file():
+    if not path.exists():
         raise ApexError(f"checkpoint {path} not found: pass a ckpt-*.pt file from LOGDIR/checkpoints/ or a LOGDIR")
+    # A file named on the command line may be the user's own link; what it leads to, and the
+    # manifest beside that, must be regular files (a FIFO there would block the read).
+    real = path.resolve()
     score = None
     try:
-        if path.with_suffix(".json").is_file():
+        if os.path.lexists(real.with_suffix(".json")):
             # size and CRC-32: torch.load would not notice a flipped byte
-            score = verify(path.with_suffix(".json")).score
-        state = read_state(path)
+            score = verify(real.with_suffix(".json")).score
+        state = read_state(real)
     except CorruptCheckpoint as e:
         raise ApexError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):

@@ -1,10 +1,12 @@
-"""Files in a run directory: written whole or not at all, and never through a link.
+"""Files in a run directory: written whole or not at all, read and written never through a link.
 
 A run directory may be shared, or left where others can write. Whoever plants a symbolic
 link at a name apex writes (``metrics.jsonl``, a predictable ``*.tmp``) must not make apex
 write somewhere else: temporary files get unique names and are created exclusively
 (``O_EXCL`` refuses any existing name, a link included), and files appended to are opened
-with ``O_NOFOLLOW``.
+with ``O_NOFOLLOW``. Nor must what is planted at a name apex reads make it read without end
+(a link to ``/dev/zero``) or wait for ever (a FIFO): ``open_regular`` opens regular files
+only, of at most the size the caller expects.
 """
 
 from __future__ import annotations
@@ -81,6 +83,57 @@ def open_append(path: Path) -> int:
         raise ApexError(_not_written_through(path, "is not a regular file"))
     os.set_blocking(fd, True)
     return fd
+
+
+class RefusedFile(ApexError):
+    """A run-directory file that is a link, not a regular file, or larger than it may be. The
+    message names the file and what it is; the caller says what is done about it (a
+    checkpoint is set aside, the one before used)."""
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: Path, max_bytes: int) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file of at most ``max_bytes`` bytes;
+    RefusedFile (one line: what it is instead) if it is a symbolic link (its last component:
+    a linked run directory is the user's own), anything but a regular file, or larger;
+    OSError if it cannot be opened (missing, permissions). Never blocks on a FIFO, never
+    opens a device. The caller reads at most ``max_bytes`` (``read_regular``: the file may
+    grow after the check)."""
+    path = Path(path)
+    _check_regular(path, os.lstat(path), max_bytes)  # before opening: opening a device may do things
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK):  # a link put there since the lstat
+            raise RefusedFile(f"{path} is a symbolic link, not a regular file") from None
+        raise
+    try:
+        _check_regular(path, os.fstat(fd), max_bytes)  # what was opened, whatever lstat saw
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The whole of the regular file ``path`` (see ``open_regular``), at most ``max_bytes``."""
+    with open_regular(path, max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise RefusedFile(f"{path} grew past {max_bytes} bytes while it was read")
+    return data
+
+
+def _check_regular(path: Path, status: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(status.st_mode):
+        kind = next((name for is_kind, name in _KINDS if is_kind(status.st_mode)), "a special file")
+        raise RefusedFile(f"{path} is {kind}, not a regular file")
+    if status.st_size > max_bytes:
+        raise RefusedFile(f"{path} has {status.st_size} bytes, more than the {max_bytes} it may have")
 
 
 def refuse_link(path: Path) -> None:

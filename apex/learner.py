@@ -18,7 +18,8 @@ import psutil
 import torch
 
 from apex import algos
-from apex.checkpoint import Checkpoint, CheckpointWriter, RunCheckpoints, best_and_newest, first_loadable
+from apex.checkpoint import (Checkpoint, CheckpointWriter, CorruptCheckpoint, RunCheckpoints, best_and_newest,
+                             first_loadable)
 from apex.config import Config, StopConditions
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
 from apex.envs import env_spec
@@ -26,7 +27,7 @@ from apex.errors import ApexError
 from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
 from apex.malloc import keep_large_blocks
-from apex.metrics import MetricsWriter, Rate, closing_line, write_json_atomic
+from apex.metrics import EpisodeStats, MetricsWriter, Rate, closing_line, write_json_atomic
 from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.protocol import Message
 from apex.schema import UNKNOWN_STEP_LIMIT
@@ -186,6 +187,11 @@ class LearnerProcess:
         be loaded, ApexError if it does not fit this run's configuration."""
         start = time.monotonic()
         state = checkpoint.load_state()
+        # Held to what actors' episode records are (a forged return would stop the run as solved).
+        problem = EpisodeStats.problem(state["episode_stats"], self.ingest.step_limit,
+                                       self.config.transport.max_abs_reward)
+        if problem is not None:
+            raise CorruptCheckpoint(f"{checkpoint.state_path.name}: {problem}")
         with self._fitting(checkpoint):
             self.learner.check_state(state)  # before the replay: a refused checkpoint leaves it empty
         replay = self.learner.checkpoint_replay

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 import shlex
 import shutil
 import sys
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 from apex.errors import ApexError
 from apex.files import open_append, refuse_link, remove_stale_temps, write_atomic
 from apex.logs import RateLimitedLog
+from apex.schema import possible_return
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,20 @@ class EpisodeStats:
         self.train_returns.extend(state["train"])
         self.episodes = state["episodes"]
         self.best_return_mean = state["best"]
+
+    @staticmethod
+    def problem(state: dict, step_limit: int, max_abs_reward: float) -> str | None:
+        """Why ``state`` (a checkpoint's ``state_dict()``, its types checked) cannot be a run's
+        whose episodes last at most ``step_limit`` steps, or None: every return, and the best
+        mean, must be one an actor's episode record could bring (schema.possible_return)."""
+        returns = [*(("eval", r) for r in state["eval"]), *(("train", r) for r in state["train"])]
+        if state["best"] != -math.inf:  # no full window yet
+            returns.append(("best", state["best"]))
+        for key, value in returns:
+            if not possible_return(value, step_limit, max_abs_reward):
+                return (f"episode_stats.{key} holds a return of {reprlib.repr(value)}, which no episode of at most "
+                        f"{step_limit} steps of at most transport.max_abs_reward ({max_abs_reward:g}) can have")
+        return None
 
     @property
     def return_mean(self) -> float | None:

@@ -256,6 +256,12 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
 UNKNOWN_STEP_LIMIT = 100_000  # episode length bound for environments without a time limit
 
 
+def possible_return(episode_return: float, steps: int, max_abs_reward: float) -> bool:
+    """Whether an episode of ``steps`` steps could have returned ``episode_return``: at most
+    ``max_abs_reward`` (finite) a step, so not NaN nor infinite; an int of any size compares."""
+    return abs(episode_return) <= max_abs_reward * steps
+
+
 def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_reward: float,
                    step_budget: int) -> tuple[list[tuple[float, int, bool]], int]:
     """The episode records of a batch's ``info`` ({"episodes": [[return, length, is_eval],
@@ -277,7 +283,7 @@ def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_rew
         episode_return, length, is_eval = record
         if not 1 <= length <= step_limit:
             raise RejectedMessage("episodes", f"an episode of {length} steps, outside 1..{step_limit}")
-        if not (math.isfinite(episode_return) and abs(episode_return) <= max_abs_reward * length):
+        if not possible_return(episode_return, length, max_abs_reward):
             raise RejectedMessage("episodes", f"an episode return of {episode_return} over {length} steps")
         used += length
         records.append((float(episode_return), length, is_eval))

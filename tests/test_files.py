@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from apex.errors import ApexError
-from apex.files import remove_stale_temps, write_atomic
+from apex.files import RefusedFile, open_regular, read_regular, remove_stale_temps, write_atomic
 from apex.metrics import MetricsWriter, write_json_atomic
+from tests.test_checkpoint import within
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,6 +162,45 @@ def test_a_link_planted_at_the_tensorboard_directory_is_refused(tmp_path):
     with pytest.raises(ApexError, match="tb is a symbolic link"):
         MetricsWriter(tmp_path / "run", console=Quiet())
     assert os.listdir(target.parent) == ["precious.txt"]
+
+
+# -- reading: regular files only (issue 30, item 8)
+
+
+def test_read_regular_reads_a_regular_file_in_a_linked_run_directory(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "summary.json").write_text("{}\n")
+    (tmp_path / "runs").symlink_to(tmp_path / "real")  # the user's own: only the last component must be no link
+    assert read_regular(tmp_path / "runs" / "summary.json", 3) == b"{}\n"
+    with open_regular(tmp_path / "runs" / "summary.json", 3) as f:
+        assert f.read() == b"{}\n"
+
+
+@pytest.mark.parametrize("kind, said", [("link to /dev/zero", "is a symbolic link, not a regular file"),
+                                        ("fifo", "is a FIFO, not a regular file"),
+                                        ("directory", "is a directory, not a regular file")])
+def test_read_regular_refuses_what_is_not_a_regular_file_in_one_line_without_blocking(tmp_path, kind, said):
+    path = tmp_path / "metrics.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    for read in (read_regular, open_regular):
+        with pytest.raises(RefusedFile) as caught:
+            within(10, lambda: read(path, 1 << 20))
+        assert str(caught.value) == f"{path} {said}"
+
+
+def test_read_regular_refuses_a_file_larger_than_it_may_be_before_reading_it(tmp_path):
+    path = tmp_path / "ckpt-000000001.json"
+    with path.open("wb") as f:
+        f.truncate(1 << 40)  # a sparse terabyte: reading it would take minutes
+    with pytest.raises(RefusedFile, match=f"ckpt-000000001.json has {1 << 40} bytes, more than the 1024 it may have"):
+        within(10, lambda: read_regular(path, 1024))
+    path.write_bytes(b"x" * 1024)
+    assert read_regular(path, 1024) == b"x" * 1024
 
 
 # -- write errors

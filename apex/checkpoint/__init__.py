@@ -19,7 +19,10 @@ corrupted) is never loaded: ``candidates`` says so, renames its files to ``*.cor
 goes on with the one before. Size and CRC-32 only catch accidents, so loading trusts the
 files no further: ``torch.load(weights_only=True)`` never runs code, and what it returns is
 checked to be an apex state before anyone uses it. A checkpoint that verifies but does not
-load is set aside the same way with ``mark_corrupt``.
+load is set aside the same way with ``mark_corrupt``. Nor does a planted file make loading
+hang or run out of memory: each file is opened only if it is a regular file (not a link, a
+FIFO or a device; ``apex.files.open_regular``) of the size its manifest says, a manifest of
+at most 16 MiB, and the walk over a state visits each shared list once, a million values at most.
 """
 
 from apex.checkpoint.common import FORMAT, MANIFESTS, ORDERS, CorruptCheckpoint, IncompatibleCheckpoint

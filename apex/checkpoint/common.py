@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import reprlib
 from typing import Any
 
@@ -11,6 +12,9 @@ from apex.errors import ApexError
 FORMAT = 1
 MANIFESTS = "ckpt-*.json"  # one per complete checkpoint
 ORDERS = ("best", "newest")  # the ways of choosing among a run's checkpoints
+# A manifest lists its replay's chunks, a few tens of bytes each: 16 MiB hold some 600,000
+# (a replay of 100,000 transitions has had a few thousand), and parse in under a second.
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 class CorruptCheckpoint(ApexError):
@@ -30,6 +34,12 @@ def is_int(value: Any, minimum: int = 0) -> bool:
 def show(value: Any) -> str:
     """A short repr: a forged manifest may hold anything, of any size."""
     return reprlib.repr(value)
+
+
+def memory_bytes() -> int:
+    """This machine's memory: a checkpoint's files are loaded into it, so none can be larger
+    (and reading one that claims more, a sparse file of a terabyte, would take minutes)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def finite_or_none(value: Any) -> float | None:

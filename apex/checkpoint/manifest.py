@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from apex.checkpoint.common import (FORMAT, CorruptCheckpoint, IncompatibleCheckpoint, finite_or_none, is_int, score_of,
-                                    show)
+from apex.checkpoint.common import (FORMAT, MAX_MANIFEST_BYTES, CorruptCheckpoint, IncompatibleCheckpoint, finite_or_none,
+                                    is_int, memory_bytes, score_of, show)
 from apex.checkpoint.state import check_state, load_failure, read_state
+from apex.files import RefusedFile, open_regular, read_regular
 
 _READ_BYTES = 16 << 20
 
@@ -53,7 +55,8 @@ class Checkpoint:
     def load_state(self) -> dict:
         """The learner state (networks, optimizer, counters, config), loaded without running
         code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
-        return check_state(read_state(self.state_path), self.state_path.name)
+        return check_state(read_state(self.state_path, self.manifest["files"]["state"]["bytes"]),
+                           self.state_path.name)
 
     @property
     def ranks(self) -> int:
@@ -72,7 +75,7 @@ class Checkpoint:
         _check_file(path, entry)
         _check_replay_fits(entry["replay_header"], replay, self.name)
         try:
-            with open(path, "rb") as f:
+            with _open(path, entry["bytes"]) as f:
                 replay.load(f, entry["replay_header"], schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpoint(f"{path.name} does not hold the replay shard its manifest describes "
@@ -87,7 +90,7 @@ class Checkpoint:
         header = self.manifest["replay_header"]
         _check_replay_fits(header, replay, self.name)
         try:
-            with open(self.replay_path, "rb") as f:
+            with _open(self.replay_path, self.manifest["files"]["replay"]["bytes"]) as f:
                 replay.load(f, header, schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpoint(f"{self.replay_path.name} does not hold the replay its manifest describes "
@@ -116,7 +119,7 @@ def verify(manifest_path: Path) -> Checkpoint:
 
 def read_manifest(path: Path) -> dict:
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(_read(path, MAX_MANIFEST_BYTES))
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise CorruptCheckpoint(f"cannot read {path.name}: {e}") from e
     problems = _manifest_problems(manifest, path.stem)
@@ -173,6 +176,9 @@ def _file_entry_problems(kind: Any, entry: Any) -> list[str]:
     if not (isinstance(entry, dict) and is_int(entry.get("bytes"))
             and is_int(entry.get("crc32")) and entry["crc32"] < 2**32):
         return [f"files.{kind} must be {{bytes: int >= 0, crc32: int in [0, 2**32)}}, got {show(entry)}"]
+    if entry["bytes"] > (memory := memory_bytes()):
+        return [f"files.{kind} has {entry['bytes']} bytes, more than this machine's memory ({memory}) that it "
+                "would be loaded into"]
     return []
 
 
@@ -230,9 +236,30 @@ def _chunks_problems(header: dict) -> list[str]:
     return []
 
 
+def _open(path: Path, max_bytes: int) -> BinaryIO:
+    """A checkpoint's file opened if it is a regular file of at most ``max_bytes``;
+    CorruptCheckpoint if it is not (a link, a FIFO: a planted file, set aside like any)."""
+    try:
+        return open_regular(path, max_bytes)
+    except RefusedFile as e:
+        raise CorruptCheckpoint(str(e)) from None
+
+
+def _read(path: Path, max_bytes: int) -> bytes:
+    try:
+        return read_regular(path, max_bytes)
+    except RefusedFile as e:
+        raise CorruptCheckpoint(str(e)) from None
+
+
 def _check_file(path: Path, expected: dict) -> None:
     try:
-        size, crc = _file_crc(path)
+        # Any size opens, so that a short file is said to be truncated; no more than the
+        # manifest's is read (a file of another size fails either way).
+        with _open(path, memory_bytes()) as f:
+            size, crc = os.fstat(f.fileno()).st_size, 0
+            if size == expected["bytes"]:
+                size, crc = _crc(f, expected["bytes"] + 1)
     except OSError as e:
         raise CorruptCheckpoint(f"{path.name}: {e.strerror}") from e
     if size != expected["bytes"]:
@@ -241,10 +268,10 @@ def _check_file(path: Path, expected: dict) -> None:
         raise CorruptCheckpoint(f"{path.name} fails its CRC-32 check (corrupted on disk)")
 
 
-def _file_crc(path: Path) -> tuple[int, int]:
+def _crc(f: BinaryIO, max_bytes: int) -> tuple[int, int]:
+    """(bytes read, their CRC-32), of at most ``max_bytes``."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    while size < max_bytes and (chunk := f.read(min(_READ_BYTES, max_bytes - size))):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
     return size, crc

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from apex.algos import REGISTRY
-from apex.checkpoint.common import CorruptCheckpoint, is_int, show
+from apex.checkpoint.common import CorruptCheckpoint, is_int, memory_bytes, show
+from apex.files import RefusedFile, open_regular
 
 
 # What every apex learner state holds beside its algorithm's networks, as torch.load
@@ -18,17 +19,28 @@ _STATE_KEYS: dict[str, type | tuple[type, ...]] = {
 MAX_COUNT = 2**53  # counters beyond it are no run's (and 2**64 would not go on the wire as a weights version)
 _DEFAULT_ALGO = "apex_dqn"  # Config.algo's default: a config written without one means it
 _WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+# Values a state_dict walk visits at most. A learner's state holds a few hundred; pickle's
+# memo lets a file of kilobytes hold lists shared so often that walking every path through
+# them would take for ever (each is looked into once, and a million values is no state).
+MAX_STATE_NODES = 1_000_000
 
 
-def read_state(path: Path) -> Any:
-    """What ``torch.load`` finds in ``path``, loaded without running any code (tensors and
-    plain containers only); CorruptCheckpoint with a one-line reason if it cannot."""
+def read_state(path: Path, max_bytes: int | None = None) -> Any:
+    """What ``torch.load`` finds in ``path`` (a regular file of at most ``max_bytes``: by
+    default this machine's memory), loaded without running any code (tensors and plain
+    containers only); CorruptCheckpoint with a one-line reason if it cannot."""
     try:
-        with warnings.catch_warnings():
+        f = open_regular(path, memory_bytes() if max_bytes is None else max_bytes)
+    except RefusedFile as e:
+        raise CorruptCheckpoint(str(e)) from None
+    except OSError as e:
+        raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {load_failure(e)}") from None
+    try:
+        with f, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. a forged file's pickle protocol: the error says enough
             import torch  # here, not at import: `apex run` and the CLI start without torch
 
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  (untrusted bytes can fail the parser in any way, none our bug)
         raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {load_failure(e)}") from None
 
@@ -64,29 +76,45 @@ def check_state(state: Any, source: str) -> dict:
     algo = state["config"].get("algo", _DEFAULT_ALGO)
     if not isinstance(algo, str) or algo not in REGISTRY:
         raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(REGISTRY)}")
+    seen, budget = set(), [MAX_STATE_NODES]  # for all the state_dicts: they may share
     for key in REGISTRY[algo].state_keys:
         if not isinstance(state.get(key), dict):
             raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
         try:
-            where = _not_finite(state[key], key)
+            where = _not_finite(state[key], key, seen, budget)
         except RecursionError:
             raise CorruptCheckpoint(f"{source}: {key!r} is nested too deep for a state_dict") from None
+        except _TooLarge:
+            raise CorruptCheckpoint(f"{source}: the state_dicts up to {key!r} hold more than {MAX_STATE_NODES} "
+                                    "values, which no learner's do (a forged file?)") from None
         if where is not None:
             raise CorruptCheckpoint(f"{source}: {where} holds NaN or infinity (the learner never writes such a "
                                     "checkpoint: a damaged or forged file)")
     return state
 
 
-def _not_finite(value: Any, where: str) -> str | None:
+class _TooLarge(Exception):
+    pass
+
+
+def _not_finite(value: Any, where: str, seen: set[int], budget: list[int]) -> str | None:
     """Where in a state_dict (nested dicts and lists of tensors) a float tensor holds NaN or
-    infinity, or None."""
+    infinity, or None. Each container and tensor is looked into once however often it is
+    shared (``seen``: their ids; the state holds them all alive meanwhile); _TooLarge once
+    ``budget[0]`` values (and references to them) have been visited."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooLarge
+    is_tensor = isinstance(value, torch.Tensor)
+    if not (is_tensor or isinstance(value, (dict, list, tuple))) or id(value) in seen:
+        return None
+    seen.add(id(value))
+    if is_tensor:
         return where if value.is_floating_point() and not bool(torch.isfinite(value).all()) else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
-    for key, item in items:
-        if (found := _not_finite(item, f"{where}.{key}")) is not None:
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        if (found := _not_finite(item, f"{where}.{key}", seen, budget)) is not None:
             return found
     return None
 
