@@ -21,6 +21,11 @@ import numpy as np
 from apex import config as config_module
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
+from apex.files import RefusedFile, open_regular, read_regular
+
+MAX_SUMMARY_BYTES = 1 << 20
+MAX_METRICS_BYTES = 1 << 40  # a run's whole metrics.jsonl: a regular file, read a piece at a time
+TAIL_READ_BYTES = 16 << 20
 
 # Run in a fresh interpreter (as the learner and the actors are) to see that it can make
 # the environment: the config comes on stdin.
@@ -115,8 +120,8 @@ def train(
     if code != 0:
         raise ApexError(f"the learner exited with code {code}; its log is above, its files in {run_dir}")
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError) as e:
+        summary = json.loads(read_regular(run_dir / "summary.json", MAX_SUMMARY_BYTES))
+    except (OSError, ValueError, RefusedFile) as e:
         raise ApexError(f"the run ended but {run_dir / 'summary.json'} could not be read: {e}") from None
     checkpoints = best_and_newest(run_dir)
     return RunResult(summary, run_dir, checkpoints.best or checkpoints.newest)
@@ -145,9 +150,9 @@ class _MetricsTail:
 
     def __call__(self) -> None:
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, MAX_METRICS_BYTES) as f:
                 f.seek(self._offset)
-                data = f.read()
+                data = f.read(TAIL_READ_BYTES)  # a call's worth; the rest on the next call
         except FileNotFoundError:
             return
         whole = data[: data.rfind(b"\n") + 1]
