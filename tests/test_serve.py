@@ -443,3 +443,149 @@ def test_zmq_with_curve_lets_in_only_clients_with_an_authorised_key(tmp_path):
         for process in (serve, learner):
             process.terminate()
         kill_leftovers([serve, learner])
+
+
+def resident_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def body_limit(served: Served) -> int:
+    """The server's largest body, as its 413 says it."""
+    status, reply = served.http("POST", "/v1/batch/action", "[" + "0.0," * 400_000 + "0.0]")
+    assert status == 413, reply
+    return int(reply["error"].split("over ")[1].split()[0])
+
+
+def patient_request(served: Served, method: str, path: str, body=None, seconds: float = 20.0) -> dict:
+    """A request an honest client retries while the server says it is full (503) or drops
+    the connection at accept."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            status, reply = served.http(method, path, body)
+            if status == 200:
+                return reply
+            assert status == 503, (status, reply)
+        except (OSError, http.client.HTTPException):
+            pass
+        assert time.monotonic() < deadline, f"{method} {path} not served within {seconds} s"
+        time.sleep(0.1)
+
+
+def test_hostile2_06_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_served(tmp_path):
+    """Issue 30, item 6: 300 connections each holding a body one byte short of the limit and
+    100 slowloris connections (a request head dribbled a line a second) once grew apex serve
+    by 120 MiB (64 MiB bodies for image observations: gigabytes). Now the bytes of the bodies
+    being read are budgeted (serve.max_body_bytes_in_flight, default 8 MiB), the connections
+    capped (serve.max_connections, here below the 400 of the attack) and both kinds closed
+    after serve.idle_timeout_s; an honest client is served throughout."""
+    import socket
+
+    idle_s = 15
+    served = start_served(tmp_path, extra=("--set", "serve.max_connections=350", "--set", f"serve.idle_timeout_s={idle_s}"))
+    attack: list[socket.socket] = []
+    try:
+        limit = body_limit(served)
+        play_http(served, 2)
+        time.sleep(0.5)
+        base = resident_mib(served.serve.pid)
+        before = served.health()["rejected_by_reason"]
+
+        def connect() -> socket.socket | None:
+            try:
+                sock = socket.create_connection(("127.0.0.1", served.http_port), timeout=10)
+            except OSError:
+                return None
+            sock.setblocking(False)
+            attack.append(sock)
+            return sock
+
+        head = (f"POST /v1/batch/action HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {limit}\r\n\r\n").encode()
+        # All connect before any sends, so that the 400 are open at once.
+        holders = [s for s in (connect() for _ in range(300)) if s is not None]
+        slow = [s for s in (connect() for _ in range(100)) if s is not None]
+        pending = {s: memoryview(head + b" " * (limit - 1)) for s in holders}
+        slow_head = b"POST /v1/episodes HTTP/1.1\r\nHost: x\r\n"
+        stop_attack = threading.Event()
+
+        def pump() -> None:  # what the attackers send: as fast as the server takes it, and a line a second
+            next_line = 0.0
+            while not stop_attack.is_set():
+                for sock, data in list(pending.items()):
+                    try:
+                        sent = sock.send(data)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        sent = len(data)  # refused and closed: done
+                    if sent == len(data):
+                        del pending[sock]
+                    else:
+                        pending[sock] = data[sent:]
+                if time.monotonic() >= next_line:
+                    for sock in slow:
+                        try:
+                            sock.send(slow_head if next_line == 0.0 else b"X-Pad: 1\r\n")
+                        except OSError:
+                            pass
+                    next_line = time.monotonic() + 1.0
+                time.sleep(0.01)
+
+        def still_open(sock: socket.socket) -> bool:
+            try:
+                while sock.recv(65536):  # a 503 before the close
+                    pass
+                return False
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+
+        peak = base
+        sampling = threading.Event()
+
+        def sample() -> None:
+            nonlocal peak
+            while not sampling.is_set():
+                peak = max(peak, resident_mib(served.serve.pid))
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=pump), threading.Thread(target=sample)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(3.0)  # the bodies and heads arrive (a few MiB a second is enough to fill the budget)
+            # An honest episode, served while the slowloris connections are still open.
+            started = patient_request(served, "POST", "/v1/episodes", seconds=idle_s / 2)
+            reply = patient_request(served, "POST", f"/v1/episodes/{started['episode_id']}/action",
+                                    {"observation": [0.0] * 4}, seconds=idle_s / 2)
+            assert reply["action"] in (0, 1)
+            assert sum(still_open(s) for s in slow) >= 10, "the honest client came after the slowloris ones closed"
+            time.sleep(1.0)
+        finally:
+            sampling.set()
+        growth = peak - base
+        print(f"apex serve: {base:.0f} MiB resident, {peak:.0f} MiB at the peak of the attack (+{growth:.1f} MiB)")
+        assert growth < 30, f"apex serve grew by {growth:.0f} MiB under the attack"
+        rejected = served.health()["rejected_by_reason"]
+        assert rejected.get("connections", 0) - before.get("connections", 0) >= 1  # 400 > serve.max_connections
+        assert rejected.get("body_bytes", 0) - before.get("body_bytes", 0) >= 50  # past the 8 MiB of bodies
+        # Past the idle timeout the rest are closed and counted: the slow heads and bodies.
+        wait_for(lambda: not any(still_open(s) for s in slow + holders), idle_s + 30, "the server to close them all")
+        stop_attack.set()
+        for thread in threads:
+            thread.join()
+        rejected = served.health()["rejected_by_reason"]
+        assert rejected.get("incomplete", 0) - before.get("incomplete", 0) >= 10, rejected
+        assert rejected.get("body_timeout", 0) - before.get("body_timeout", 0) >= 1, rejected
+        assert served.serve.poll() is None
+        assert play_http(served, 1) >= 1
+        assert "Traceback" not in served.log.read_text()
+    finally:
+        for sock in attack:
+            sock.close()
+        stop(served)

@@ -276,7 +276,7 @@ class ServeConfig:
     idle_timeout_s: float = 30.0
     """An HTTP connection that starts no request for this long, or sends a body more slowly
     than within it, is closed (counted)."""
-    max_body_bytes_in_flight: int = 16 * 1024 * 1024
+    max_body_bytes_in_flight: int = 8 * 1024 * 1024
     """Request bytes (by Content-Length) that the HTTP connections may hold at once, all
     together; a request past it is answered 503 (counted). At least one body of the largest
     size the environment's observations need is always let in."""
