@@ -4,6 +4,8 @@ from their metrics.jsonl, each run named by its env and algorithm."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,23 +16,48 @@ from apex.config import Config
 from apex.errors import ApexError
 
 _MAX_TICKS = 6  # a 5-inch axis holds this many "1.25M"-wide labels with room between them
+_PLOTTED = ("time", "env_steps", "env_steps_per_s")  # what every row must have (return_mean_100 may be null)
+
+log = logging.getLogger("apex.plot")
 
 
 def read_metrics(logdir: str | Path) -> list[dict]:
     path = Path(logdir) / "metrics.jsonl"
     if not path.is_file():
         raise ApexError(f"{path} not found: pass a run's --logdir directory")
-    rows = []
+    rows, skipped = [], 0
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except (ValueError, RecursionError):  # ValueError: JSONDecodeError, or an integer past int()'s digits
             raise ApexError(f"{path}:{number} is not JSON: is this an apex metrics file?") from None
+        if _plottable(row):
+            rows.append(row)
+        else:
+            skipped += 1
+    if skipped:
+        log.warning("%s: skipped %d of %d rows: each must be a JSON object whose %s (and return_mean_100, "
+                    "or null) are finite numbers", path, skipped, skipped + len(rows), ", ".join(_PLOTTED))
     if not rows:
-        raise ApexError(f"{path} holds no metrics yet")
+        raise ApexError(f"{path} holds no metrics yet" if not skipped else f"{path} holds no row to plot")
     return surviving_timeline(rows)
+
+
+def _finite(value: Any) -> bool:
+    """A number that a curve can hold: JSON reads NaN, Infinity and 1e400 (inf) too."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past any float
+        return False
+
+
+def _plottable(row: Any) -> bool:
+    return (isinstance(row, dict) and all(_finite(row.get(key)) for key in _PLOTTED)
+            and (row.get("return_mean_100") is None or _finite(row["return_mean_100"])))
 
 
 def surviving_timeline(rows: list[dict]) -> list[dict]:

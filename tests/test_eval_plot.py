@@ -232,3 +232,36 @@ def test_plot_smoothing_is_an_ema_over_the_raw_curve(tmp_path):
         figure([logdir], smooth=1.0)
     output = plot([logdir], str(tmp_path / "smooth.png"), smooth=0.6)
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hostile2_11_plot_draws_the_good_rows_and_says_in_one_line_how_many_it_skipped(tmp_path):
+    """Issue 30, item 11: rows that are not objects, string times, NaN or 1e400 (inf to
+    Python's json) ended apex plot in a TypeError traceback."""
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    good = [json.dumps({"time": t, "env_steps": 1000 * t, "env_steps_per_s": 1000.0, "return_mean_100": t / 2})
+            for t in range(1, 6)]
+    bad = ["[1, 2]", '"a string"', "null", '{"time": "3", "env_steps": 1, "env_steps_per_s": 1}',
+           '{"time": NaN, "env_steps": 1, "env_steps_per_s": 1}', '{"time": 7, "env_steps": 1e400, "env_steps_per_s": 1}',
+           '{"time": 8, "env_steps": 1, "env_steps_per_s": 1, "return_mean_100": Infinity}',
+           '{"time": 9, "env_steps": 1' + "0" * 400 + ', "env_steps_per_s": 1}',  # an integer past any float
+           '{"time": true, "env_steps": 1, "env_steps_per_s": 1}', '{"env_steps": 1}']
+    (logdir / "metrics.jsonl").write_text("\n".join(good[:3] + bad + good[3:]) + "\n")
+    output = tmp_path / "run.png"
+    out = subprocess.run([sys.executable, "-m", "apex", "plot", str(logdir), "-o", str(output)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    [warning] = out.stderr.strip().splitlines()
+    assert f"skipped {len(bad)} of {len(bad) + len(good)} rows" in warning, warning
+    from apex.plot import read_metrics
+
+    assert [row["time"] for row in read_metrics(logdir)] == [1, 2, 3, 4, 5]
+    # nothing to plot: one line, exit 2
+    (logdir / "metrics.jsonl").write_text("\n".join(bad) + "\n")
+    out = subprocess.run([sys.executable, "-m", "apex", "plot", str(logdir), "-o", str(output)], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"apex plot: error: {logdir / 'metrics.jsonl'} holds no row to plot"
+    (logdir / "metrics.jsonl").write_text("[" * 100_000 + "\n")  # past json's recursion
+    assert main(["plot", str(logdir), "-o", str(output)]) == 2

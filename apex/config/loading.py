@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from pathlib import Path
@@ -19,6 +20,76 @@ from apex.config.sections import Config
 from apex.errors import ConfigError
 
 log = logging.getLogger("apex.config")
+
+MAX_YAML_VALUES = 100_000  # what a config's YAML may expand to, aliases followed: a 510-byte alias bomb makes 10**9
+MAX_INT = 2**53  # past it a config's integer is no count nor size (and JSON's doubles no longer hold it exactly)
+
+
+class _HugeInt:
+    """An integer literal past Python's 4,300 digits (int() refuses it): kept as its length,
+    for the one-line error that names its key."""
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+class _Loader(yaml.SafeLoader):
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:
+            return _HugeInt(len(node.value))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """``yaml.safe_load`` of a config's text, refusing (ConfigError, one line) what would
+    expand past MAX_YAML_VALUES values or into itself through aliases, and nesting past
+    Python's recursion limit; integers past int()'s digits come back as _HugeInt."""
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {' '.join(str(e).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"{source} is nested too deep to be a config") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root: yaml.Node, source: str) -> None:
+    """Counts the values ``root`` holds with every alias followed (each node once: the
+    count of a shared one is reused), without building them."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()  # the nodes whose values are being counted: an alias to one is a loop
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, counted = stack.pop()
+        children = ([v for pair in node.value for v in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if counted:
+            sizes[id(node)] = min(MAX_YAML_VALUES + 1, 1 + sum(sizes[id(c)] for c in children))
+            open_nodes.discard(id(node))
+            if sizes[id(node)] > MAX_YAML_VALUES:
+                raise ConfigError(f"{source}: its YAML aliases expand it past {MAX_YAML_VALUES} values (an alias "
+                                  "bomb?): write the values out, or use fewer aliases")
+            continue
+        if id(node) in sizes:
+            continue
+        if id(node) in open_nodes:
+            raise ConfigError(f"{source}: a YAML alias refers to a value that holds it (a loop): write the values out")
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in sizes)
 
 
 def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
@@ -35,10 +106,7 @@ def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
         source, text = f"preset {found.name}", found.read_text()
         if Path(f"{name}.yaml").is_file():
             log.warning("--config %s is the shipped preset; to read ./%s.yaml instead, pass it with .yaml", name, name)
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source} is not valid YAML: {e}") from None
+    raw = parse_yaml(text, source) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} must hold a mapping of sections, got {type(raw).__name__}")
     return source, raw
@@ -81,6 +149,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
     raw = _drop_retired(raw)
     problems: list[str] = []
     config = _build(Config, raw, "", problems)
+    if len(problems) == 1:
+        raise ConfigError(f"invalid configuration: {problems[0]}")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     config.validate()
@@ -91,10 +161,8 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise ConfigError(f"--set expects key=value (e.g. env.id=Acrobot-v1), got {override!r}")
-    try:
-        value = yaml.safe_load(text) if text else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {override!r}: value is not valid YAML ({e})") from None
+    shown = override if len(override) <= 80 else f"{override[:60]}... ({len(override)} characters)"
+    value = parse_yaml(text, f"--set {shown!r}: the value") if text else ""
     node = raw
     parts = key.strip().split(".")
     for part in parts[:-1]:
@@ -120,6 +188,10 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             problems.append(f"unknown key {name}{hint}")
             continue
         hint = hints[key]
+        number = None if dataclasses.is_dataclass(hint) else _number_problem(value)
+        if number is not None:
+            problems.append(f"{name} {number}")
+            continue
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value, f"{name}.", problems)
         else:
@@ -127,8 +199,30 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
             if ok:
                 kwargs[key] = converted
             else:
-                problems.append(f"{name} must be {_type_name(hint)}, got {value!r}")
+                shown = repr(value)
+                shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+                problems.append(f"{name} must be {_type_name(hint)}, got {shown}")
     return cls(**kwargs)
+
+
+def _number_problem(value: Any) -> str | None:
+    """What is wrong with an integer in ``value`` (itself, or one it holds), or None: every
+    integer of a config is within +-2**53."""
+    stack, seen = [value], 0
+    while stack and seen <= MAX_YAML_VALUES:  # from_dict may have anything: a bounded walk
+        item = stack.pop()
+        seen += 1
+        if isinstance(item, _HugeInt) or isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
+            shown = item if isinstance(item, _HugeInt) else f"{item}" if abs(item) < 10**30 else \
+                f"an integer of {len(str(abs(item)))} digits"
+            if item is value:
+                return f"must be within -2**53..2**53, got {shown}"
+            return f"holds an integer outside -2**53..2**53: {shown}"
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _convert(value: Any, hint: Any) -> tuple[Any, bool]:
@@ -151,14 +245,15 @@ def _convert(value: Any, hint: Any) -> tuple[Any, bool]:
         return value, isinstance(value, bool)
     if hint is int:
         return value, isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
+    if hint is float:  # finite: a rate, a size, a time (null where a key may mean "none")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value), True
+            return float(value), math.isfinite(value)
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
             try:
-                return float(value), True
+                number = float(value)
             except ValueError:
                 return value, False
+            return number, math.isfinite(number)
         return value, False
     if hint is str:
         return value, isinstance(value, str)
@@ -193,4 +288,4 @@ def _type_name(hint: Any) -> str:
         return "a plain value"
     if hint is type(None):
         return "null"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(hint, str(hint))
