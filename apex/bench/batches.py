@@ -29,15 +29,24 @@ def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple]:
     ]
 
 
+def _cartpole_states(rng: np.random.Generator, count: int) -> np.ndarray:
+    """CartPole-like observations within the space's bounds (the learner refuses others):
+    position and angle inside the episode's limits, velocities around zero."""
+    states = rng.standard_normal((count, 4)).astype(np.float32)
+    states[:, 0] = rng.uniform(-2.4, 2.4, count)
+    states[:, 2] = rng.uniform(-0.2, 0.2, count)
+    return states
+
+
 def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict, dict]:
     """(apex arrays, naive columns) for n CartPole transitions."""
     rng = np.random.default_rng(seed)
     arrays = {
-        "obs": rng.standard_normal((n, 4)).astype(np.float32),
+        "obs": _cartpole_states(rng, n),
         "action": rng.integers(0, 2, n).astype(np.int64),
         "reward": np.ones(n, np.float32),
         "discount": np.full(n, 0.99**N_STEP, np.float32),
-        "next_obs": rng.standard_normal((n, 4)).astype(np.float32),
+        "next_obs": _cartpole_states(rng, n),
         "priority": rng.random(n).astype(np.float32),
     }
     return arrays, dict(arrays)
@@ -48,7 +57,7 @@ def cartpole_chunk(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     first = np.arange(n, dtype=np.int32)
     return {
-        "frames": rng.standard_normal((n + N_STEP, 4)).astype(np.float32),
+        "frames": _cartpole_states(rng, n + N_STEP),
         "obs_frame": first,
         "next_obs_frame": first + N_STEP,
         "action": rng.integers(0, 2, n).astype(np.int64),
