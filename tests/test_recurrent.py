@@ -175,9 +175,9 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
 
     import apex
 
-    played = apex.evaluate(tmp_path / "lstm", episodes=100)
+    played = apex.evaluate(tmp_path / "lstm", episodes=100, allow_imports=["tests.envs"])  # its env.id's module
     assert played["return_mean"] >= 0.9, played
-    policy = apex.load_policy(tmp_path / "lstm")
+    policy = apex.load_policy(tmp_path / "lstm", allow_imports=["tests.envs"])
     assert policy.recurrent
     env = policy.make_env(seed=1)
     returns = []
@@ -192,7 +192,7 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
         returns.append(total)
     assert np.mean(returns) >= 0.9, returns
 
-    resumed = run(tmp_path / "lstm", "--resume", str(tmp_path / "lstm"), "--actors", "2",
+    resumed = run(tmp_path / "lstm", "--resume", str(tmp_path / "lstm"), "--allow-import", "tests.envs", "--actors", "2",
                   "--stop-seconds", str(summary["wall_seconds"] + 6), "--stop-return", "2.0")  # seconds count on
     assert resumed["learner_updates"] > summary["learner_updates"]
     # from this run's checkpoint (one that lacked the core's weights would not load)
