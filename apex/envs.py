@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -115,9 +116,17 @@ def resolve(path: str, what: str) -> Any:
     except Exception as e:
         raise ConfigError(f"{what} {path!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
     for part in attr.split("."):
+        # What the allowance (apex.config.trust) names is the module: a path may not walk out
+        # of it through a module it imports (gymnasium.wrappers:atari_preprocessing.np.f2py.
+        # subprocess...), nor through private or dunder attributes.
+        if part.startswith("_"):
+            raise ConfigError(f"{what} {path!r}: {part!r} is private; name a public class or function")
         if not hasattr(obj, part):
             raise ConfigError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
+        if isinstance(obj, types.ModuleType):
+            raise ConfigError(f"{what} {path!r}: {part!r} is a module; name it before the colon "
+                              f"({module_name}.{part}:...)")
     return obj
 
 

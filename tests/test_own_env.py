@@ -35,6 +35,10 @@ def test_module_colon_id_imports_the_module_first():
     (EnvConfig(wrappers=[{"type": "gymnasium.wrappers.ClipReward", "kwargs": {"nonsense": 1}}]),
      "env.wrappers[0] 'gymnasium.wrappers.ClipReward' failed"),
     (EnvConfig(wrappers=["builtins.repr"]), "returned str, not a gymnasium.Env"),
+    # an allowed module's path may not walk out of it (issue 30: this reached subprocess.Popen)
+    (EnvConfig(wrappers=["gymnasium.wrappers:atari_preprocessing.np.f2py.subprocess.Popen._execute_child"]),
+     "'atari_preprocessing' is a module"),
+    (EnvConfig(wrappers=["gymnasium.wrappers:TimeAwareObservation.__init__"]), "'__init__' is private"),
 ])
 def test_what_cannot_be_made_is_said_in_one_line(env, message):
     with pytest.raises(ConfigError) as error:
