@@ -21,6 +21,7 @@ metrics.jsonl's ``rejected_by_reason``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -44,6 +45,14 @@ class Range:
     low: float | tuple[float, ...]
     high: float | tuple[float, ...]
     high_size: str | None = None
+
+    @functools.cached_property
+    def per_component(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(low, high) as arrays, one entry per component (tuple bounds only), and whether
+        low == -high: made once, not per batch."""
+        high = np.asarray(self.high, np.float64)
+        low = np.broadcast_to(np.asarray(self.low, np.float64), high.shape).copy()
+        return low, high, bool((low == -high).all())
 
     def bounds(self, sizes: Mapping[str, int]) -> tuple[float | tuple[float, ...], float | tuple[float, ...]]:
         if self.high_size is None or isinstance(self.high, tuple):  # a size-relative bound is one number
@@ -235,9 +244,13 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
     low, high = rule.values.bounds(sizes)
     if isinstance(high, tuple):  # per component, or per value of a frame: each one's own bound
         rows = array.reshape(-1, len(high))
-        lows = np.broadcast_to(np.asarray(low, np.float64), len(high))
+        lows, highs, symmetric = rule.values.per_component
+        # |v| <= bound, for an observation's symmetric bounds: 5 us for a CartPole batch's frames,
+        # where NumPy's reductions along the rows of a narrow array take 30. NaN is refused too.
+        if symmetric and (np.abs(rows) <= highs).all():
+            return
         # written to refuse NaN too: NaN >= x and NaN <= x are both false
-        bad = ~(rows.min(axis=0) >= lows) | ~(rows.max(axis=0) <= np.asarray(high))
+        bad = ~(rows.min(axis=0) >= lows) | ~(rows.max(axis=0) <= highs)
         if bad.any():
             finite = array.dtype.kind != "f" or bool(np.isfinite(rows).all())
             i = int(np.argmax(bad if finite else ~np.isfinite(rows).all(axis=0)))
