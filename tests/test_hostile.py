@@ -861,3 +861,32 @@ def test_hostile2_03_finite_poison_is_refused_by_the_learner_and_by_apex_serve(t
         served.terminate()
         served.wait(30)
         run.stop()
+
+
+# -- An admitted peer's priorities (found by the pass after round two)
+
+
+def test_an_admitted_peers_huge_priorities_are_capped_and_do_not_take_every_sample(tmp_path):
+    """Initial priorities of FLOAT32_MAX (in the schema's range) took almost every sample
+    before, with importance weights near 0: the loss read 0.0 for every update while nothing
+    was skipped or refused. They are now held to twice the learner's largest |td|, counted,
+    and the honest replay goes on being learnt from (a loss that is not zero)."""
+    run = Run(tmp_path, "apex_dqn")
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        flood = {**batch, "priority": np.full_like(batch["priority"], np.finfo(np.float32).max)}
+        started, sent = time.monotonic(), 0
+        while time.monotonic() - started < 6:
+            send(peer, flood)
+            sent += len(flood["priority"])
+            time.sleep(0.02)
+        wait_for(lambda: run.row().get("capped_priorities", 0) >= sent, 20, f"{sent} capped priorities: {run.row()}")
+        run.wait_updating()
+        row = run.row()
+        assert row["skipped_updates"] == 0
+        assert row["loss"] > 1e-6, row  # the broken cap: importance weights of ~1e-20, a loss of 0.0
+        assert row["priority_mean"] < 1e6, row  # FLOAT32_MAX ** alpha is ~1e23
+        trains_on_with_finite_weights(run, peer)
+    finally:
+        run.stop()

@@ -56,6 +56,9 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
         ArrayRule("priority", "f", np.dtype(np.float32), transitions, Range(0.0, FLOAT32_MAX)),
     ))
 
+# How far over the learner's largest |td| an actor's initial priority may go (see Learner).
+PRIORITY_SLACK = 2.0
+
 
 def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]:
     """The most transitions and frames one batch of an actor with ``num_envs`` environments
@@ -133,6 +136,12 @@ class Learner:
         self.steps = 0  # trained, applied or skipped: the target network's clock
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.dropped_transitions = 0  # whose loss was not finite: never sampled again
+        # An actor's initial priorities are held to PRIORITY_SLACK times the largest |td| this
+        # learner has computed (1 before its first update): one admitted peer sending
+        # FLOAT32_MAX priorities otherwise took almost every sample, with importance weights
+        # near 0 (the loss read 0.0 for every update while the counts looked healthy).
+        self.largest_td = 0.0
+        self.capped_priorities = 0  # initial priorities an actor sent above that cap
         self.samples_per_update = config.learner.batch_size
         self.schema = batch_schema(spec, config)
 
@@ -151,11 +160,23 @@ class Learner:
     def wait_to_insert(self, timeout: float) -> bool:
         return self.limiter.wait_to_insert(timeout)
 
+    @property
+    def priority_cap(self) -> float:
+        """The most an actor's initial priority may be: PRIORITY_SLACK times the largest |td|
+        this learner computed (an actor's network lags the learner's, so its honest estimates
+        may run over), and at least 1."""
+        return max(1.0, PRIORITY_SLACK * self.largest_td)
+
     def insert(self, arrays: dict) -> int:
         """Stores a batch validated by ``self.schema``; frames may still be lz4-compressed
-        (decode(lazy=True)): the replay decompresses them straight into its frame ring."""
+        (decode(lazy=True)): the replay decompresses them straight into its frame ring.
+        Initial priorities above ``priority_cap`` are lowered to it (counted)."""
+        priority, cap = arrays["priority"], self.priority_cap
+        if priority.max(initial=0.0) > cap:
+            self.capped_priorities += int(np.count_nonzero(priority > cap))
+            arrays = {**arrays, "priority": np.minimum(priority, np.float32(cap))}
         self.replay.add(arrays)
-        count = len(arrays["priority"])
+        count = len(priority)
         self.limiter.inserted(count)
         return count
 
@@ -252,7 +273,9 @@ class Learner:
         self.updates += int(np.count_nonzero(trained))
         if (trained & sampled).any():  # a repeated index: the later step's priority wins, as if written one by one
             indices = np.concatenate([step.context for step in itertools.compress(pending, trained & sampled)])
-            self.replay.update_priorities(indices, values[trained & sampled, 6:].reshape(-1))
+            priorities = values[trained & sampled, 6:].reshape(-1)
+            self.replay.update_priorities(indices, priorities)
+            self.largest_td = max(self.largest_td, float(priorities.max()))
         return [{} if bad or not own else {"loss": loss, "q_mean": q_mean, "td_abs_mean": td_abs_mean, "grad_norm": grad_norm}
                 for bad, own, (loss, q_mean, td_abs_mean, _, grad_norm)
                 in zip(skipped.tolist(), sampled.tolist(), values[:, 1:6].tolist())]
@@ -318,6 +341,7 @@ class Learner:
             "inserted": self.limiter.inserts,
             "skipped_updates": self.skipped_updates,
             "dropped_transitions": self.dropped_transitions,
+            "capped_priorities": self.capped_priorities,
             "stale_priority_updates": self.replay.stale_priority_updates,
         }
 
