@@ -10,10 +10,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from apex.checkpoint.common import MAX_MANIFEST_BYTES, memory_bytes
 from apex.config import Config
+from apex.config.loading import parse_yaml
 from apex.errors import ApexError
+from apex.files import open_regular, read_regular
 
 _MAX_TICKS = 6  # a 5-inch axis holds this many "1.25M"-wide labels with room between them
 _PLOTTED = ("time", "env_steps", "env_steps_per_s")  # what every row must have (return_mean_100 may be null)
@@ -23,10 +24,16 @@ log = logging.getLogger("apex.plot")
 
 def read_metrics(logdir: str | Path) -> list[dict]:
     path = Path(logdir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ApexError(f"{path} not found: pass a run's --logdir directory")
+    try:  # a regular file only (RefusedFile says what else it is): a FIFO blocked, /dev/zero filled memory
+        metrics = open_regular(path, memory_bytes() // 4)
+    except FileNotFoundError:
+        raise ApexError(f"{path} not found: pass a run's --logdir directory") from None
+    except OSError as e:
+        raise ApexError(f"cannot read {path}: {e.strerror}") from None
     rows, skipped = [], 0
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    with metrics:
+        lines = metrics.read().decode("utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -105,18 +112,19 @@ def _env_and_algo(logdir: Path) -> tuple[str, str] | None:
 
 
 def _run_config(logdir: Path) -> dict[str, Any] | None:
-    """The run's config as a dict, or None: a plot is still worth drawing without it."""
+    """The run's config as a dict, or None: a plot is still worth drawing without it. Read
+    as any file of a run from elsewhere: regular files of bounded size, YAML aliases bounded."""
     try:
-        config = yaml.safe_load((logdir / "config.yaml").read_text())
+        config = parse_yaml(read_regular(logdir / "config.yaml", MAX_MANIFEST_BYTES).decode(), "config.yaml")
         if isinstance(config, dict):
             return config
-    except (OSError, ValueError, yaml.YAMLError):
+    except (OSError, ValueError, ApexError):  # RefusedFile and ConfigError are ApexErrors
         pass
     # `apex learner` alone writes no config.yaml; its checkpoints hold the config.
     for manifest in sorted((logdir / "checkpoints").glob("ckpt-*.json"), reverse=True):
         try:
-            config = json.loads(manifest.read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
+            config = json.loads(read_regular(manifest, MAX_MANIFEST_BYTES)).get("config")
+        except (OSError, ValueError, AttributeError, ApexError):
             continue
         if isinstance(config, dict):
             return config

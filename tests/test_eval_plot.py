@@ -265,3 +265,40 @@ def test_hostile2_11_plot_draws_the_good_rows_and_says_in_one_line_how_many_it_s
     assert out.stderr.strip().splitlines()[-1] == f"apex plot: error: {logdir / 'metrics.jsonl'} holds no row to plot"
     (logdir / "metrics.jsonl").write_text("[" * 100_000 + "\n")  # past json's recursion
     assert main(["plot", str(logdir), "-o", str(output)]) == 2
+
+
+def plot_command(*logdirs: Path, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "apex", "plot", *map(str, logdirs), "-o", str(output)],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_plot_reads_a_runs_files_only_when_they_are_regular_files(tmp_path):
+    """A metrics.jsonl linked to /dev/zero was read until MemoryError, a FIFO blocked apex plot
+    for ever; a config.yaml or manifest that is either did the same to the legend. Now a
+    metrics file that is not a regular file is one line and exit 2, and the legend falls back
+    to the run's directory name."""
+    import os
+
+    output = tmp_path / "run.png"
+    zero_metrics = tmp_path / "zero"
+    zero_metrics.mkdir()
+    (zero_metrics / "metrics.jsonl").symlink_to("/dev/zero")
+    fifo_metrics = tmp_path / "fifo"
+    fifo_metrics.mkdir()
+    os.mkfifo(fifo_metrics / "metrics.jsonl")
+    for logdir, kind in ((zero_metrics, "a symbolic link"), (fifo_metrics, "a FIFO")):
+        out = plot_command(logdir, output=output)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert out.stderr.strip().splitlines() == [f"apex plot: error: {logdir / 'metrics.jsonl'} is {kind}, "
+                                                   "not a regular file"]
+
+    logdir = Path(metrics_run(tmp_path / "planted"))
+    (logdir / "config.yaml").symlink_to("/dev/zero")
+    (logdir / "checkpoints").mkdir()
+    os.mkfifo(logdir / "checkpoints" / "ckpt-000000002.json")
+    (logdir / "checkpoints" / "ckpt-000000001.json").symlink_to("/dev/zero")
+    out = plot_command(logdir, output=output)
+    assert out.returncode == 0, out.stderr[-3000:]
+    from apex.plot import run_labels
+
+    assert run_labels([str(logdir)]) == ["planted"]
