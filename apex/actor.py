@@ -11,7 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
+from typing import Any
+
 from apex import algos
+from apex.config import MAX_ENVS_PER_ACTOR, Config
 from apex.config.trust import from_elsewhere
 from apex.errors import ProtocolError
 from apex.logs import RateLimitedLog
@@ -59,13 +62,33 @@ def run_actor(
             client.close()
 
 
+def welcome_setup(setup: dict[str, Any], allow_imports: tuple[str, ...], source: str) -> tuple[Config, algos.ActorSide]:
+    """The run's config and the algorithm's actor side from a welcome's setup, checked as data
+    from elsewhere (a welcome may be forged): the config imports only what this side allows
+    (ConfigError), sizes and the algorithm's part are in range (ProtocolError, one line)."""
+    for key, kind in (("config", dict), ("num_envs", int), ("seed", int)):
+        if type(setup.get(key)) is not kind:
+            raise ProtocolError(f"{source} is malformed: setup.{key} must be a {kind.__name__}, "
+                                f"got {type(setup.get(key)).__name__}")
+    if not 1 <= setup["num_envs"] <= MAX_ENVS_PER_ACTOR:
+        raise ProtocolError(f"{source} is malformed: setup.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, "
+                            f"got {setup['num_envs']}")
+    if not 0 <= setup["seed"] < 2**63:
+        raise ProtocolError(f"{source} is malformed: setup.seed must be in 0..2**63-1, got {setup['seed']}")
+    config = from_elsewhere(setup["config"], allow_imports, source)
+    side = algos.get(config.algo).actor()
+    if (problem := side.setup_problem(setup)) is not None:
+        raise ProtocolError(f"{source} is malformed: {problem}")
+    return config, side
+
+
 def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports: tuple[str, ...]) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
     setup = client.handshake().fields["setup"]
-    config = from_elsewhere(setup["config"], allow_imports, source)
+    config, side = welcome_setup(setup, allow_imports, source)
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = algos.get(config.algo).actor().Actor(config, setup, setup["seed"], tick=client.tick)
+    core = side.Actor(config, setup, setup["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)

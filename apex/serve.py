@@ -21,9 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from apex import algos
+from apex.actor import welcome_setup
 from apex.config.sections import ServeConfig
-from apex.config.trust import from_elsewhere
 from apex.errors import ApexError, ProtocolError
 from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
@@ -91,12 +90,12 @@ class Server:
         self.client = client
         self.options = options
         setup = client.welcome.fields["setup"]
-        self.config = from_elsewhere(setup["config"], options.allow_imports,
-                                     f"the welcome of the learner at {client.host}:{client.ports.control}")
+        self.config, side = welcome_setup(setup, options.allow_imports,
+                                          f"the welcome of the learner at {client.host}:{client.ports.control}")
         from apex.envs import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
-        actor = algos.get(self.config.algo).actor().EpisodeActor(self.config, setup, spec, setup["seed"])
+        actor = side.EpisodeActor(self.config, setup, spec, setup["seed"])
         self.episodes = ExternalEpisodes(self.config, spec, low, high, actor, max_episodes=options.max_episodes,
                                          episode_timeout_s=options.episode_timeout_s)
         self.lock = threading.Lock()

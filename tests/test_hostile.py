@@ -739,13 +739,14 @@ def test_hostile2_01_a_checkpoint_whose_config_names_code_runs_none_of_it(tmp_pa
 
 
 class ForgedLearner:
-    """A learner's control channel (apex's own endpoint) whose welcome carries ``config``."""
+    """A learner's control channel (apex's own endpoint) whose welcome carries ``config``, and
+    ``setup`` where given (the whole of the welcome's setup)."""
 
-    def __init__(self, config: dict) -> None:
+    def __init__(self, config: dict, setup: dict | None = None) -> None:
         from apex.transport import LearnerEndpoint
 
         self.port = free_base_port()
-        setup = {"config": config, "num_envs": 1, "seed": 0}
+        setup = setup if setup is not None else {"config": config, "num_envs": 1, "seed": 0}
         self.endpoint = LearnerEndpoint("127.0.0.1", self.port, lambda hello, index: setup, OPTIONS)
         self.stopping = False
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -793,6 +794,47 @@ def test_hostile2_02_a_forged_welcome_makes_actors_and_serve_run_no_code(tmp_pat
         finally:
             allowed.kill()
             allowed.wait()
+    finally:
+        learner.close()
+
+
+def forged_setup(algo: str, edit) -> dict:
+    """A genuine welcome's setup (Ape-X: the ladder of one environment), changed by ``edit``."""
+    setup = {"config": config_module.load(None, [f"algo={algo}"]).to_dict(), "num_envs": 1, "seed": 0}
+    if algo == "apex_dqn":
+        setup.update(epsilons=[0.4], eval_envs=[False])
+    edit(setup)
+    return setup
+
+
+FORGED_SIZES = {  # a welcome's sizes before: a traceback, or an actor making 10**9 environments
+    "frame_stack": ("impala", lambda s: s["config"]["env"].update(frame_stack=10**9), "env.frame_stack must be in 1..64"),
+    "hidden": ("impala", lambda s: s["config"]["model"].update(hidden=[10**9]), "model.hidden must be at most 16 sizes"),
+    "num_envs": ("impala", lambda s: s.update(num_envs=10**9), "setup.num_envs must be in 1..4096"),
+    "seed": ("impala", lambda s: s.update(seed="0"), "setup.seed must be a int"),
+    "no_epsilons": ("apex_dqn", lambda s: s.pop("epsilons"), "setup.epsilons must be a list of 1 numbers in [0, 1]"),
+    "nan_epsilon": ("apex_dqn", lambda s: s.update(epsilons=[float("nan")]), "setup.epsilons must be a list of 1"),
+    "eval_envs": ("apex_dqn", lambda s: s.update(eval_envs=[False] * 5), "setup.eval_envs must be a list of 1 booleans"),
+}
+
+
+@pytest.mark.parametrize("forgery", list(FORGED_SIZES))
+def test_a_forged_welcomes_sizes_and_ladder_are_one_line_not_a_traceback(tmp_path, forgery):
+    """Found by the pass after round two: env.frame_stack 1e9 gave a RuntimeError traceback,
+    num_envs 10**9 had the actor try to make 10**9 environments, an Ape-X welcome without
+    epsilons was a KeyError traceback. Each is now one line naming the field, exit 2, from
+    apex actor and apex serve alike."""
+    algo, edit, words = FORGED_SIZES[forgery]
+    learner = ForgedLearner({}, forged_setup(algo, edit))
+    try:
+        link = ["--learner", f"127.0.0.1:{learner.port}", "--set", "transport.give_up_after_s=20"]
+        commands = {"actor": [], "serve": ["--http", f"127.0.0.1:{free_port()}"]}
+        for command in commands if forgery in ("frame_stack", "no_epsilons") else ["actor"]:
+            result = apex_command(command, *link, *commands[command], timeout=60)
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+            # one error (a config's lists each problem on a line of its own below it)
+            [error] = [i for i, line in enumerate(result.stderr.splitlines()) if line.startswith(f"apex {command}: error")]
+            assert words in "\n".join(result.stderr.splitlines()[error:]), result.stderr[-3000:]
     finally:
         learner.close()
 

@@ -108,6 +108,9 @@ class LearnerSide:
 class ActorSide:
     Actor: type[ActorCore]
     EpisodeActor: type[EpisodeActorCore]
+    # What is wrong with the algorithm's part of a welcome's setup (its common part checked
+    # first: a dict with num_envs in range), or None: a welcome may be forged.
+    setup_problem: Callable[[dict], str | None]
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ def _apex_dqn_learner() -> LearnerSide:
 def _apex_dqn_actor() -> ActorSide:
     from apex.algos import apex_dqn_actor
 
-    return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor)
+    return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor, apex_dqn_actor.setup_problem)
 
 
 @functools.cache
@@ -143,7 +146,7 @@ def _impala_learner() -> LearnerSide:
 def _impala_actor() -> ActorSide:
     from apex.algos import impala_actor
 
-    return ActorSide(impala_actor.Actor, impala_actor.EpisodeActor)
+    return ActorSide(impala_actor.Actor, impala_actor.EpisodeActor, impala_actor.setup_problem)
 
 
 REGISTRY: dict[str, Algorithm] = {

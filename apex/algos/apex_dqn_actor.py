@@ -127,6 +127,17 @@ def merge_chunks(chunks: list[dict]) -> dict:
 
 
 
+def setup_problem(setup: dict) -> str | None:
+    """What is wrong with a welcome's ladder (``LearnerCore.actor_setup``), or None."""
+    n, epsilons, evaluating = setup["num_envs"], setup.get("epsilons"), setup.get("eval_envs")
+    if not (isinstance(epsilons, list) and len(epsilons) == n
+            and all(type(e) in (int, float) and 0 <= e <= 1 for e in epsilons)):
+        return f"setup.epsilons must be a list of {n} numbers in [0, 1] (one an environment)"
+    if not (isinstance(evaluating, list) and len(evaluating) == n and all(type(e) is bool for e in evaluating)):
+        return f"setup.eval_envs must be a list of {n} booleans (one an environment)"
+    return None
+
+
 class Actor:
     """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
 

@@ -42,6 +42,11 @@ def train_reward(reward, config: Config):
     return (np.sign(reward) if config.env.is_atari and config.env.clip_rewards else reward) * config.env.reward_scale
 
 
+def setup_problem(setup: dict) -> str | None:
+    """IMPALA's actors need nothing beyond the setup's common part (``LearnerCore.actor_setup``)."""
+    return None
+
+
 class Actor:
     def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
         """``tick`` keeps the connection alive while the environments are made."""

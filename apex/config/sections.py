@@ -20,6 +20,15 @@ ALGOS = tuple(REGISTRY)  # the names `algo` takes
 
 ATARI_PREFIX = "ALE/"  # ids of the Arcade Learning Environment
 
+# Sizes an actor allocates from a config it may have been sent (a learner's welcome): each is
+# bounded, so that a forged config is one line, not an allocation of terabytes or a traceback.
+MAX_ENVS_PER_ACTOR = 4096
+MAX_FRAME_STACK = 64
+MAX_HIDDEN_LAYERS, MAX_HIDDEN_UNITS = 16, 8192  # 256 MiB of float32 weights a layer at most
+MAX_LSTM_SIZE = 4096
+MAX_CHUNK_TRANSITIONS = 100_000
+MAX_UNROLL_LENGTH = 10_000
+
 
 def wrapper_problem(wrapper: Any) -> str | None:
     """What is wrong with one env.wrappers item, or None (its import is checked where the
@@ -337,7 +346,8 @@ class Config:
         for i, module in enumerate(self.env.allow_imports):
             check(all(part.isidentifier() for part in module.split(".")),
                   f"env.allow_imports[{i}] must be a module name such as mypackage.envs, got {module!r}")
-        check(self.env.frame_stack >= 1, f"env.frame_stack must be >= 1, got {self.env.frame_stack}")
+        check(1 <= self.env.frame_stack <= MAX_FRAME_STACK,
+              f"env.frame_stack must be in 1..{MAX_FRAME_STACK}, got {self.env.frame_stack}")
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
         check(math.isfinite(self.env.reward_scale) and self.env.reward_scale > 0,
               f"env.reward_scale must be a positive number, got {self.env.reward_scale}")
@@ -345,9 +355,11 @@ class Config:
               f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}")
         check(self.env.action_bounds in ("clip", "squash"),
               f"env.action_bounds must be clip or squash, got {self.env.action_bounds!r}")
-        check(all(h >= 1 for h in self.model.hidden), f"model.hidden sizes must be >= 1, got {self.model.hidden}")
+        check(len(self.model.hidden) <= MAX_HIDDEN_LAYERS and all(1 <= h <= MAX_HIDDEN_UNITS for h in self.model.hidden),
+              f"model.hidden must be at most {MAX_HIDDEN_LAYERS} sizes in 1..{MAX_HIDDEN_UNITS}, got {self.model.hidden}")
         check(self.model.recurrent in ("none", "lstm"), f"model.recurrent must be none or lstm, got {self.model.recurrent!r}")
-        check(self.model.lstm_size >= 1, f"model.lstm_size must be >= 1, got {self.model.lstm_size}")
+        check(1 <= self.model.lstm_size <= MAX_LSTM_SIZE,
+              f"model.lstm_size must be in 1..{MAX_LSTM_SIZE}, got {self.model.lstm_size}")
         check(self.model.recurrent == "none" or self.algo == "impala",
               f"model.recurrent {self.model.recurrent} needs algo impala (Ape-X DQN is feed-forward): "
               "use --algo impala or model.recurrent: none")
@@ -383,7 +395,7 @@ class Config:
               f"learner.best_checkpoint_interval_s must be >= 0 (0: off), got {lr.best_checkpoint_interval_s}")
         check(lr.keep_checkpoints >= 1, f"learner.keep_checkpoints must be >= 1, got {lr.keep_checkpoints}")
         a = self.actor
-        check(a.num_envs >= 1, f"actor.num_envs must be >= 1, got {a.num_envs}")
+        check(1 <= a.num_envs <= MAX_ENVS_PER_ACTOR, f"actor.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {a.num_envs}")
         check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
         check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
         check(a.eps_repeat_mu is None or 1 < a.eps_repeat_mu < math.inf,
@@ -392,10 +404,12 @@ class Config:
               + (f": with {a.num_envs} environments per actor also set actor.eval_envs (e.g. --set actor.eval_envs=0)"
                  if a.eval_envs > a.num_envs else ""))
         check(0 <= a.eval_epsilon <= 0.01, f"actor.eval_epsilon must be in [0, 0.01], got {a.eval_epsilon}")
-        check(a.chunk_transitions >= 1, f"actor.chunk_transitions must be >= 1, got {a.chunk_transitions}")
+        check(1 <= a.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
+              f"actor.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {a.chunk_transitions}")
         check(a.weights_update_steps >= 1, f"actor.weights_update_steps must be >= 1, got {a.weights_update_steps}")
         im = self.impala
-        check(im.unroll_length >= 1, f"impala.unroll_length must be >= 1, got {im.unroll_length}")
+        check(1 <= im.unroll_length <= MAX_UNROLL_LENGTH,
+              f"impala.unroll_length must be in 1..{MAX_UNROLL_LENGTH}, got {im.unroll_length}")
         check(im.batch_unrolls >= 1, f"impala.batch_unrolls must be >= 1, got {im.batch_unrolls}")
         check(im.queue_size >= im.batch_unrolls,
               f"impala.queue_size must be >= impala.batch_unrolls ({im.batch_unrolls}), got {im.queue_size}")

@@ -17,6 +17,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from apex import protocol
+from apex.config import MAX_ENVS_PER_ACTOR
 from apex.errors import ApexError, ProtocolError
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
@@ -31,7 +32,6 @@ MAX_CONTROL_PER_POLL = 32  # control messages handled per loop iteration: the tr
 MAX_ACTOR_INDEX = 65_536
 TOKEN_BYTES = 16
 AUTO_ID_PREFIX = b"\x00"  # routing ids that a ROUTER makes up start with a zero byte
-MAX_ENVS_PER_ACTOR = 4096
 CONTROL_HWM = 100  # control messages queued per peer before ZeroMQ stops reading its connection
 WEIGHTS_PORT_MAX_BYTES = 512  # a registration (a session token), or a CURVE handshake command
 
