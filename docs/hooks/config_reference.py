@@ -72,7 +72,8 @@ def table(obj: Any, prefix: str, fields: Any, docs: dict[tuple[str, str], str]) 
         if not doc:
             log.warning("config setting %s has no docstring in apex.config: the reference cannot describe it", key)
             doc = ""
-        rows.append(f'| <a id="{key}"></a>`{key}` | `{type_name(f.type)}` | `{dump(getattr(obj, f.name))}` | {cell(doc)} |')
+        value = dump(getattr(obj, f.name))
+        rows.append(f'| <a id="{key}"></a>`{key}` | `{type_name(f.type)}` | `{value}` | {cell(doc)} |')
     return rows
 
 
