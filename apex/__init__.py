@@ -16,7 +16,16 @@ _API = {
     "Policy": "apex.api",
     "Config": "apex.config",
 }
-__all__ = ["__version__", *_API]
+__all__ = [
+    "Config",
+    "Policy",
+    "RunResult",
+    "__version__",
+    "evaluate",
+    "load_config",
+    "load_policy",
+    "train",
+]  # _API's names
 
 
 def __getattr__(name: str):

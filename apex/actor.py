@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-
 from typing import Any
 
 from apex import algos
@@ -45,8 +44,14 @@ def run_actor(
     import apex.envs  # noqa: F401
 
     with StopSignals() as signals:
-        client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=options,
-                               should_stop=lambda: signals.received)
+        client = LearnerClient(
+            host,
+            port,
+            actor_index=actor_index,
+            num_envs=num_envs or 0,
+            options=options,
+            should_stop=lambda: signals.received,
+        )
         try:
             try:
                 _act(client, signals, f"the welcome of the learner at {host}:{port}", allow_imports)
@@ -68,11 +73,13 @@ def welcome_setup(setup: dict[str, Any], allow_imports: tuple[str, ...], source:
     (ConfigError), sizes and the algorithm's part are in range (ProtocolError, one line)."""
     for key, kind in (("config", dict), ("num_envs", int), ("seed", int)):
         if type(setup.get(key)) is not kind:
-            raise ProtocolError(f"{source} is malformed: setup.{key} must be a {kind.__name__}, "
-                                f"got {type(setup.get(key)).__name__}")
+            raise ProtocolError(
+                f"{source} is malformed: setup.{key} must be a {kind.__name__}, got {type(setup.get(key)).__name__}"
+            )
     if not 1 <= setup["num_envs"] <= MAX_ENVS_PER_ACTOR:
-        raise ProtocolError(f"{source} is malformed: setup.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, "
-                            f"got {setup['num_envs']}")
+        raise ProtocolError(
+            f"{source} is malformed: setup.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {setup['num_envs']}"
+        )
     if not 0 <= setup["seed"] < 2**63:
         raise ProtocolError(f"{source} is malformed: setup.seed must be in 0..2**63-1, got {setup['seed']}")
     config = from_elsewhere(setup["config"], allow_imports, source)

@@ -62,8 +62,10 @@ def _set_flags(overrides: Mapping[str, Any] | None) -> list[str]:
     if overrides is None:
         return []
     if not isinstance(overrides, Mapping):
-        raise ApexError(f"overrides must be a mapping of dotted keys to values, e.g. {{'learner.lr': 1e-3}}, "
-                        f"got {type(overrides).__name__}")
+        raise ApexError(
+            f"overrides must be a mapping of dotted keys to values, e.g. {{'learner.lr': 1e-3}}, "
+            f"got {type(overrides).__name__}"
+        )
     # JSON is YAML: each value is read back as the value it is.
     return [f"{key}={json.dumps(value)}" for key, value in overrides.items()]
 
@@ -111,8 +113,7 @@ def train(
     _check_in_fresh_process(cfg)
     run_dir = Path(logdir) if logdir is not None else launch.default_logdir(cfg)
     tail = _MetricsTail(run_dir / "metrics.jsonl", on_metrics) if on_metrics is not None else None
-    code = launch.run(cfg, actors, run_dir, stop, port if port is not None else cfg.transport.port,
-                      on_tick=tail)
+    code = launch.run(cfg, actors, run_dir, stop, port if port is not None else cfg.transport.port, on_tick=tail)
     if tail is not None:
         tail()  # the rows written at the end
     if code == 130:
@@ -130,14 +131,21 @@ def train(
 def _check_in_fresh_process(config: Config) -> None:
     """The learner and the actors are fresh processes: what they cannot import, they cannot
     make, whatever this process has registered."""
-    probe = subprocess.run([sys.executable, "-c", _PROBE], input=json.dumps(config.to_dict()),
-                           capture_output=True, text=True, timeout=120, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        input=json.dumps(config.to_dict()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if probe.returncode != 0:
-        reason = (probe.stderr.strip().splitlines() or ["it exited with code %d" % probe.returncode])[-1]
+        reason = (probe.stderr.strip().splitlines() or [f"it exited with code {probe.returncode}"])[-1]
         raise ApexError(
             f"a fresh Python process cannot make env {config.env.id!r} ({reason}); the learner and the actors "
             "are fresh processes: register the environment in a module and name it in env.imports "
-            "(or use env.id: module:Id), rather than only in this script or notebook")
+            "(or use env.id: module:Id), rather than only in this script or notebook"
+        )
 
 
 class _MetricsTail:
@@ -212,16 +220,18 @@ class Policy:
         obs = np.asarray(obs, dtype=self.spec.frame_dtype)
         single = obs.shape == self.observation_shape
         if not single and obs.shape[1:] != self.observation_shape:
-            raise ApexError(f"act takes an observation of shape {self.observation_shape} or a batch of them, "
-                            f"got shape {obs.shape}")
+            raise ApexError(
+                f"act takes an observation of shape {self.observation_shape} or a batch of them, got shape {obs.shape}"
+            )
         batch = obs[None] if single else obs
         if self.stack == 1:
             batch = batch[:, None]  # the networks take a stack axis
         if self._core is not None and len(self._core[0]) != len(batch):
             self._core = None
         with torch.no_grad():
-            actions, self._core = greedy_actions(self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)),
-                                                 self._core)
+            actions, self._core = greedy_actions(
+                self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)), self._core
+            )
         actions = actions.numpy()
         if epsilon > 0:
             explore = self._rng.random(len(actions)) < epsilon
@@ -242,8 +252,15 @@ def load_policy(path: str | Path, which: str = "best", *, allow_imports: Iterabl
     return Policy(state, source, allowed)
 
 
-def evaluate(path: str | Path, episodes: int = 10, *, which: str = "best", epsilon: float = 0.0,
-             seed: int = 12345, allow_imports: Iterable[str] = ()) -> dict:
+def evaluate(
+    path: str | Path,
+    episodes: int = 10,
+    *,
+    which: str = "best",
+    epsilon: float = 0.0,
+    seed: int = 12345,
+    allow_imports: Iterable[str] = (),
+) -> dict:
     """Plays ``episodes`` episodes of a checkpoint (as ``apex eval``); returns what it prints:
     returns, their mean and std, the checkpoint played, env, algorithm, updates.
     ``allow_imports`` as for ``load_policy``."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
-import socket
 from typing import Any
 
 import msgpack
@@ -47,12 +46,17 @@ def _array(values: Any) -> dict:
     array = np.ascontiguousarray(values)
     if array.dtype.kind == "f" and array.dtype != np.float32:
         array = array.astype(np.float64)
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+    return {
+        "dtype": array.dtype.name,
+        "shape": list(array.shape),
+        "data": array.astype(array.dtype.newbyteorder("<")).tobytes(),
+    }
 
 
 class PolicyClient:
-    def __init__(self, address: str, *, token: str | None = None, timeout_s: float = 30.0,
-                 curve_dir: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, token: str | None = None, timeout_s: float = 30.0, curve_dir: str | None = None
+    ) -> None:
         """``address``: the server's ``--zmq``, e.g. ``tcp://10.0.0.5:8001`` (``tcp://`` may be
         left out). ``curve_dir``: for a server run with ``--curve-dir``, a directory with
         client.key_secret and serve.key (from `apex keygen`)."""
@@ -137,10 +141,16 @@ class PolicyClient:
         """Adds ``reward`` to the episode's current step (call as often as rewards come)."""
         self.log_returns_many([episode_id], [reward])
 
-    def end_episode(self, episode_id: str, observation: Any, *, terminated: bool = True, truncated: bool = False,
-                    reward: float | None = None) -> None:
-        self.end_episodes([episode_id], [observation], [terminated], [truncated],
-                          None if reward is None else [reward])
+    def end_episode(
+        self,
+        episode_id: str,
+        observation: Any,
+        *,
+        terminated: bool = True,
+        truncated: bool = False,
+        reward: float | None = None,
+    ) -> None:
+        self.end_episodes([episode_id], [observation], [terminated], [truncated], None if reward is None else [reward])
 
     # -- many episodes a request
 
@@ -150,24 +160,45 @@ class PolicyClient:
     def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
         """Actions for each episode's observation ([n, *observation shape]); ``rewards``: each
         one's previous step, or None."""
-        reply = self.request("act", episode_ids=list(episode_ids), observations=_array(observations),
-                             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+        reply = self.request(
+            "act",
+            episode_ids=list(episode_ids),
+            observations=_array(observations),
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        )
         return np.asarray(reply["actions"], np.int64)
 
     def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
-        self.request("log_action", episode_ids=list(episode_ids), observations=_array(observations),
-                     actions=np.asarray(actions, np.int64).tolist(),
-                     **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+        self.request(
+            "log_action",
+            episode_ids=list(episode_ids),
+            observations=_array(observations),
+            actions=np.asarray(actions, np.int64).tolist(),
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        )
 
     def log_returns_many(self, episode_ids: list[str], rewards: Any) -> None:
         self.request("rewards", episode_ids=list(episode_ids), rewards=np.asarray(rewards, np.float64).tolist())
 
-    def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
-                     rewards: Any = None, wait: bool = True) -> None:
+    def end_episodes(
+        self,
+        episode_ids: list[str],
+        observations: Any,
+        terminated: Any,
+        truncated: Any,
+        rewards: Any = None,
+        wait: bool = True,
+    ) -> None:
         """``wait=False``: do not wait for the reply (see ``request``)."""
-        self.request("end", wait, episode_ids=list(episode_ids), observations=_array(observations),
-                     terminated=[bool(t) for t in terminated], truncated=[bool(t) for t in truncated],
-                     **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}))
+        self.request(
+            "end",
+            wait,
+            episode_ids=list(episode_ids),
+            observations=_array(observations),
+            terminated=[bool(t) for t in terminated],
+            truncated=[bool(t) for t in truncated],
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        )
 
     def close(self) -> None:
         self._socket.close(linger=0)
@@ -209,9 +240,11 @@ class HttpPolicyClient:
                 self._connection.close()
                 if attempt:
                     raise
-            except socket.timeout:
+            except TimeoutError:
                 self._connection.close()
-                raise TimeoutError(f"no reply from apex serve at {self.host}:{self.port} within {self.timeout_s} s") from None
+                raise TimeoutError(
+                    f"no reply from apex serve at {self.host}:{self.port} within {self.timeout_s} s"
+                ) from None
             except (OSError, http.client.HTTPException):
                 self._connection.close()  # e.g. refused: the next request opens a fresh connection
                 raise
@@ -229,49 +262,86 @@ class HttpPolicyClient:
         return self.request("POST", "/v1/episodes", {})["episode_id"]
 
     def get_action(self, episode_id: str, observation: Any, reward: float | None = None):
-        body = {"observation": np.asarray(observation).tolist(), **({} if reward is None else {"reward": float(reward)})}
+        body = {
+            "observation": np.asarray(observation).tolist(),
+            **({} if reward is None else {"reward": float(reward)}),
+        }
         return self.request("POST", f"/v1/episodes/{episode_id}/action", body)["action"]
 
     def log_action(self, episode_id: str, observation: Any, action: Any, reward: float | None = None) -> None:
-        body = {"observation": np.asarray(observation).tolist(), "action": np.asarray(action).tolist(),
-                **({} if reward is None else {"reward": float(reward)})}
+        body = {
+            "observation": np.asarray(observation).tolist(),
+            "action": np.asarray(action).tolist(),
+            **({} if reward is None else {"reward": float(reward)}),
+        }
         self.request("POST", f"/v1/episodes/{episode_id}/log_action", body)
 
     def log_returns(self, episode_id: str, reward: float) -> None:
         self.request("POST", f"/v1/episodes/{episode_id}/rewards", {"reward": float(reward)})
 
-    def end_episode(self, episode_id: str, observation: Any, *, terminated: bool = True, truncated: bool = False,
-                    reward: float | None = None) -> None:
-        body = {"observation": np.asarray(observation).tolist(), "terminated": bool(terminated),
-                "truncated": bool(truncated), **({} if reward is None else {"reward": float(reward)})}
+    def end_episode(
+        self,
+        episode_id: str,
+        observation: Any,
+        *,
+        terminated: bool = True,
+        truncated: bool = False,
+        reward: float | None = None,
+    ) -> None:
+        body = {
+            "observation": np.asarray(observation).tolist(),
+            "terminated": bool(terminated),
+            "truncated": bool(truncated),
+            **({} if reward is None else {"reward": float(reward)}),
+        }
         self.request("POST", f"/v1/episodes/{episode_id}/end", body)
 
     def start_episodes(self, count: int) -> list[str]:
         return self.request("POST", "/v1/episodes", {"count": int(count)})["episode_ids"]
 
     def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
-        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
-                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        body = {
+            "episode_ids": list(episode_ids),
+            "observations": np.asarray(observations).tolist(),
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        }
         return np.asarray(self.request("POST", "/v1/batch/action", body)["actions"], np.int64)
 
     def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
-        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
-                "actions": np.asarray(actions, np.int64).tolist(),
-                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        body = {
+            "episode_ids": list(episode_ids),
+            "observations": np.asarray(observations).tolist(),
+            "actions": np.asarray(actions, np.int64).tolist(),
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        }
         self.request("POST", "/v1/batch/log_action", body)
 
     def log_returns_many(self, episode_ids: list[str], rewards: Any) -> None:
-        self.request("POST", "/v1/batch/rewards", {"episode_ids": list(episode_ids),
-                                                   "rewards": np.asarray(rewards, np.float64).tolist()})
+        self.request(
+            "POST",
+            "/v1/batch/rewards",
+            {"episode_ids": list(episode_ids), "rewards": np.asarray(rewards, np.float64).tolist()},
+        )
 
-    def end_episodes(self, episode_ids: list[str], observations: Any, terminated: Any, truncated: Any,
-                     rewards: Any = None, wait: bool = True) -> None:
+    def end_episodes(
+        self,
+        episode_ids: list[str],
+        observations: Any,
+        terminated: Any,
+        truncated: Any,
+        rewards: Any = None,
+        wait: bool = True,
+    ) -> None:
         """``wait=False``: sent with the next request instead (inside the next ``get_actions``,
         whose request is then checked whole, so that a refusal of either part raises there and
         neither applies), saving a round trip on the steps where episodes end."""
-        body = {"episode_ids": list(episode_ids), "observations": np.asarray(observations).tolist(),
-                "terminated": [bool(t) for t in terminated], "truncated": [bool(t) for t in truncated],
-                **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()})}
+        body = {
+            "episode_ids": list(episode_ids),
+            "observations": np.asarray(observations).tolist(),
+            "terminated": [bool(t) for t in terminated],
+            "truncated": [bool(t) for t in truncated],
+            **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
+        }
         if wait or self._deferred_end is not None:  # one deferred at a time: the older goes first
             self.request("POST", "/v1/batch/end", body)
         else:

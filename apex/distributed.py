@@ -66,8 +66,10 @@ class Rank:
             rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
             master = f"{env.get('MASTER_ADDR', '127.0.0.1')}:{int(env['MASTER_PORT'])}"
         except (KeyError, ValueError) as e:
-            raise ApexError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers set together ({e}): "
-                            "set all of them, or use --rank R --world-size W --master HOST:PORT") from None
+            raise ApexError(
+                f"RANK, WORLD_SIZE and MASTER_PORT must be integers set together ({e}): "
+                "set all of them, or use --rank R --world-size W --master HOST:PORT"
+            ) from None
         checked = cls.checked(rank, world, master)
         return cls(checked.rank, checked.world_size, checked.master, by_environment=True)
 
@@ -89,14 +91,21 @@ def init_group(rank: Rank, device: torch.device) -> None:
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     try:
         if rank.by_environment:  # torchrun's agent serves the store on MASTER_PORT already
-            dist.init_process_group(backend, init_method="env://", rank=rank.rank, world_size=rank.world_size,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, init_method="env://", rank=rank.rank, world_size=rank.world_size, timeout=timeout
+            )
         else:
-            dist.init_process_group(backend, store=rendezvous_store(rank, timeout), rank=rank.rank,
-                                    world_size=rank.world_size, timeout=timeout)
+            dist.init_process_group(
+                backend,
+                store=rendezvous_store(rank, timeout),
+                rank=rank.rank,
+                world_size=rank.world_size,
+                timeout=timeout,
+            )
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError is a RuntimeError
-        raise ApexError(f"rank {rank.rank} could not join the learner group at {rank.master}: "
-                        f"{str(e).splitlines()[0]}") from None
+        raise ApexError(
+            f"rank {rank.rank} could not join the learner group at {rank.master}: {str(e).splitlines()[0]}"
+        ) from None
 
 
 def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:
@@ -107,8 +116,15 @@ def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:
     host = host.strip("[]")
     if not rank.is_leader:
         return dist.TCPStore(host, int(port), rank.world_size, is_master=False, timeout=timeout)
-    return dist.TCPStore(host, int(port), rank.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=listen_on(host, int(port)))
+    return dist.TCPStore(
+        host,
+        int(port),
+        rank.world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_on(host, int(port)),
+    )
 
 
 def listen_on(host: str, port: int) -> int:
@@ -125,8 +141,10 @@ def listen_on(host: str, port: int) -> int:
         sock.listen(128)
     except OSError as e:
         sock.close()
-        raise ApexError(f"rank 0 cannot listen on --master {host}:{port} ({e.strerror}): run rank 0 on the host "
-                        "whose address --master names, on a port no other program uses") from None
+        raise ApexError(
+            f"rank 0 cannot listen on --master {host}:{port} ({e.strerror}): run rank 0 on the host "
+            "whose address --master names, on a port no other program uses"
+        ) from None
     return sock.detach()
 
 
@@ -151,8 +169,9 @@ class GradientAllReduce:
         try:
             dist.all_reduce(flat)  # sum
         except RuntimeError as e:
-            raise GroupBroken(f"the learner group broke during a step (a rank stopped, died or cannot be reached: "
-                              f"{_first_words(e)})") from None
+            raise GroupBroken(
+                f"the learner group broke during a step (a rank stopped, died or cannot be reached: {_first_words(e)})"
+            ) from None
         with_batch = flat[-1:].clamp(min=1.0)  # every step has one rank with a batch at least (LearnerGroup.agree)
         offset = 0
         for p, g in zip(parameters, grads):
@@ -166,15 +185,22 @@ class GradientAllReduce:
         return flat[-2] > 0
 
 
-def step_without_batch(optimizer: torch.optim.Optimizer, parameters, grad_clip: float, figures: int,
-                       all_reduce: GradientAllReduce) -> torch.Tensor:
+def step_without_batch(
+    optimizer: torch.optim.Optimizer, parameters, grad_clip: float, figures: int, all_reduce: GradientAllReduce
+) -> torch.Tensor:
     """``optim.guarded_step`` on a rank that has no batch for this step: a loss with no
     gradient (nothing of this rank's goes into the average) and ``figures`` zeros; the
     group's averaged gradient is applied as on every rank, so the networks stay the same."""
     parameters = list(parameters)
     zero = torch.zeros((), device=parameters[0].device, requires_grad=True)
-    return optim.guarded_step(optimizer, zero, parameters, grad_clip, [zero.detach()] * figures,
-                              lambda params, bad: all_reduce(params, bad, has_batch=False))
+    return optim.guarded_step(
+        optimizer,
+        zero,
+        parameters,
+        grad_clip,
+        [zero.detach()] * figures,
+        lambda params, bad: all_reduce(params, bad, has_batch=False),
+    )
 
 
 def train_steps(pipeline, core, steps: int) -> int:
@@ -230,8 +256,10 @@ class LearnerGroup:
             digests = self.gather(config_digest.encode())
             if any(d != digests[0] for d in digests):
                 odd = [r for r, d in enumerate(digests) if d != digests[0]]
-                raise ApexError(f"ranks {odd} run another configuration than rank 0: start every rank with the same "
-                                "--config and --set")
+                raise ApexError(
+                    f"ranks {odd} run another configuration than rank 0: start every rank with the same "
+                    "--config and --set"
+                )
             self.secret = self.broadcast(os.urandom(32) if rank.is_leader else None)
             self.addresses = [tuple(msgpack.unpackb(a)) for a in self.gather(msgpack.packb(list(address)))]
         except BaseException:
@@ -279,8 +307,10 @@ class LearnerGroup:
         try:
             operation(*args, **kwargs, **({"group": self._control} if self._control is not None else {}))
         except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed
-            raise GroupBroken(f"rank {self.rank.rank}: the learner group broke (a rank stopped, died or cannot "
-                              f"be reached: {_first_words(e)})") from None
+            raise GroupBroken(
+                f"rank {self.rank.rank}: the learner group broke (a rank stopped, died or cannot "
+                f"be reached: {_first_words(e)})"
+            ) from None
 
     def close(self) -> None:
         leave_group()

@@ -102,8 +102,10 @@ def import_env_modules(config: EnvConfig) -> None:
         try:
             importlib.import_module(name)
         except Exception as e:  # its own import errors too: any of them means the env cannot be made
-            raise ConfigError(f"cannot import {name!r} (from env.imports or env.id): {type(e).__name__}: {e}; "
-                              "install it, or make it importable here (PYTHONPATH, the working directory)") from None
+            raise ConfigError(
+                f"cannot import {name!r} (from env.imports or env.id): {type(e).__name__}: {e}; "
+                "install it, or make it importable here (PYTHONPATH, the working directory)"
+            ) from None
 
 
 def resolve(path: str, what: str) -> Any:
@@ -125,8 +127,9 @@ def resolve(path: str, what: str) -> Any:
             raise ConfigError(f"{what} {path!r}: {module_name!r} has no {attr!r}")
         obj = getattr(obj, part)
         if isinstance(obj, types.ModuleType):
-            raise ConfigError(f"{what} {path!r}: {part!r} is a module; name it before the colon "
-                              f"({module_name}.{part}:...)")
+            raise ConfigError(
+                f"{what} {path!r}: {part!r} is a module; name it before the colon ({module_name}.{part}:...)"
+            )
     return obj
 
 
@@ -168,8 +171,10 @@ def _register_plugin(env_id: str) -> bool:
             try:
                 entry.load()()
             except Exception as e:  # its own import errors too: then the id stays unknown
-                raise ConfigError(f"env.id {env_id!r}: the {namespace} plugin ({entry.value}) failed to register: "
-                                  f"{type(e).__name__}: {e}") from None
+                raise ConfigError(
+                    f"env.id {env_id!r}: the {namespace} plugin ({entry.value}) failed to register: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
             try:
                 gym.spec(env_id)
                 return True
@@ -178,8 +183,9 @@ def _register_plugin(env_id: str) -> bool:
     return False
 
 
-def _make(config: EnvConfig, seed: int | None = None,
-          render_mode: str | None = None) -> tuple[gym.Env, spaces.ObservationPlan, spaces.ActionPlan]:
+def _make(
+    config: EnvConfig, seed: int | None = None, render_mode: str | None = None
+) -> tuple[gym.Env, spaces.ObservationPlan, spaces.ActionPlan]:
     is_atari = config.is_atari
     if is_atari:
         _register_atari()
@@ -217,8 +223,9 @@ def _make(config: EnvConfig, seed: int | None = None,
     except ConfigError:
         raise
     except Exception as e:  # e.g. a keyword the environment does not take
-        raise ConfigError(f"gym.make({config.id!r}) with env.kwargs {config.kwargs!r} failed: "
-                          f"{type(e).__name__}: {e}") from None
+        raise ConfigError(
+            f"gym.make({config.id!r}) with env.kwargs {config.kwargs!r} failed: {type(e).__name__}: {e}"
+        ) from None
     env = _apply_wrappers(env, config)
     # Last, after the user's wrappers: observations become frames, actions 0-based indices
     # (apex.spaces), the same in every actor, the learner's EnvSpec and apex eval.
@@ -249,9 +256,16 @@ def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.
         low, high = np.asarray(obs.space.low, np.float64), np.asarray(obs.space.high, np.float64)
         magnitude = np.maximum(np.abs(low), np.abs(high))
         frame_bound = tuple(magnitude.tolist()) if obs.kind != "image" else (float(magnitude.max()),)
-        spec = EnvSpec(obs.frame_shape, obs.frame_dtype, config.frame_stack if obs.kind == "image" else 1,
-                       sum(act.nvec), config.max_episode_steps or limit,
-                       act.nvec if act.kind == "MultiDiscrete" else None, act.kind == "Box", frame_bound)
+        spec = EnvSpec(
+            obs.frame_shape,
+            obs.frame_dtype,
+            config.frame_stack if obs.kind == "image" else 1,
+            sum(act.nvec),
+            config.max_episode_steps or limit,
+            act.nvec if act.kind == "MultiDiscrete" else None,
+            act.kind == "Box",
+            frame_bound,
+        )
         return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
     finally:
         env.close()

@@ -19,7 +19,6 @@ import torch
 
 from apex import algos
 from apex import config as config_module
-from apex.config.trust import from_elsewhere
 from apex.checkpoint import (
     ORDERS,
     Checkpoint,
@@ -28,6 +27,7 @@ from apex.checkpoint import (
     read_state,
     verify,
 )
+from apex.config.trust import from_elsewhere
 from apex.envs import FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 
@@ -69,8 +69,9 @@ def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
     return checkpoint.load_state(), checkpoint.state_path, checkpoint.score
 
 
-def network_from_checkpoint(state: dict, allow_imports: Collection[str] = (),
-                            source: str = "the checkpoint") -> tuple[config_module.Config, Any, torch.nn.Module]:
+def network_from_checkpoint(
+    state: dict, allow_imports: Collection[str] = (), source: str = "the checkpoint"
+) -> tuple[config_module.Config, Any, torch.nn.Module]:
     """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
     line) if the state lacks its algorithm's network or the network does not fit, or if its
     config (from ``source``) would import a module ``allow_imports`` does not allow."""
@@ -79,19 +80,24 @@ def network_from_checkpoint(state: dict, allow_imports: Collection[str] = (),
     policy = algos.get(config.algo).learner().policy
     key, what = policy.checkpoint_key, policy.description
     if not isinstance(state.get(key), dict):
-        raise ApexError(f"the checkpoint has no {key!r} ({what} of an {config.algo} checkpoint): "
-                        "pass a ckpt-*.pt written by apex learner")
+        raise ApexError(
+            f"the checkpoint has no {key!r} ({what} of an {config.algo} checkpoint): "
+            "pass a ckpt-*.pt written by apex learner"
+        )
     net = policy.network(spec, config.model)
     try:
         net.load_state_dict(state[key])
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
-        raise ApexError(f"the checkpoint's {key!r} does not fit {what} of its own config "
-                        f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        raise ApexError(
+            f"the checkpoint's {key!r} does not fit {what} of its own config "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        ) from None
     return config, spec, net.eval()
 
 
-def greedy_actions(config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor,
-                   state: Any = None) -> tuple[torch.Tensor, Any]:
+def greedy_actions(
+    config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor, state: Any = None
+) -> tuple[torch.Tensor, Any]:
     """The most valuable (Ape-X) or most likely (IMPALA: the mean of a Gaussian) action of
     each observation in a batch: [B], [B, components] for MultiDiscrete, [B, D] for
     continuous; and a recurrent core's next state (``state``: where the last call left it,
@@ -118,8 +124,15 @@ def load_state(path: str | Path, which: str = "best") -> tuple[dict, Path, float
     return _load(Path(path), which)
 
 
-def evaluate(checkpoint: str | Path, episodes: int, epsilon: float = 0.0, seed: int = 12345,
-             video_dir: str | None = None, which: str = "best", allow_imports: Collection[str] = ()) -> dict:
+def evaluate(
+    checkpoint: str | Path,
+    episodes: int,
+    epsilon: float = 0.0,
+    seed: int = 12345,
+    video_dir: str | None = None,
+    which: str = "best",
+    allow_imports: Collection[str] = (),
+) -> dict:
     """Plays ``episodes`` episodes of ``checkpoint`` (a ckpt-*.pt file, or a run directory's
     best or newest checkpoint: ``which``), its config importing only what ``allow_imports``
     allows (apex.config.trust); returns the returns and their mean and std, the

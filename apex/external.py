@@ -63,6 +63,7 @@ def episode_record(episode: Episode, is_eval: bool) -> list:
 
 def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict:
     """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
+
     def bounds(values: np.ndarray) -> list | float | None:
         values = np.asarray(values, np.float64)
         if not np.isfinite(values).any():
@@ -76,8 +77,12 @@ def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict:
     else:
         action = {"type": "MultiDiscrete", "nvec": list(spec.action_nvec)}
     return {
-        "observation": {"shape": list(spec.frame_shape), "dtype": np.dtype(spec.frame_dtype).name,
-                        "low": bounds(low), "high": bounds(high)},
+        "observation": {
+            "shape": list(spec.frame_shape),
+            "dtype": np.dtype(spec.frame_dtype).name,
+            "low": bounds(low),
+            "high": bounds(high),
+        },
         "action": action,
         "frame_stack": spec.stack,
     }
@@ -87,8 +92,18 @@ class ExternalEpisodes:
     """The open episodes of one `apex serve` and the data they make. Not thread-safe: its
     owner serialises calls (``apex.serve`` holds a lock)."""
 
-    def __init__(self, config: Config, spec: EnvSpec, low: np.ndarray, high: np.ndarray, actor,
-                 *, max_episodes: int, episode_timeout_s: float, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config,
+        spec: EnvSpec,
+        low: np.ndarray,
+        high: np.ndarray,
+        actor,
+        *,
+        max_episodes: int,
+        episode_timeout_s: float,
+        clock=time.monotonic,
+    ) -> None:
         self.config = config
         self.spec = spec
         self.actor = actor  # the algorithm's EpisodeActor
@@ -126,9 +141,12 @@ class ExternalEpisodes:
         if len(self.episodes) + count > self.max_episodes:
             self.expire()
         if len(self.episodes) + count > self.max_episodes:
-            raise RequestError(429, "too_many_episodes",
-                               f"{len(self.episodes)} episodes are open and at most {self.max_episodes} may be "
-                               "(apex serve --max-episodes): end some, or let idle ones expire")
+            raise RequestError(
+                429,
+                "too_many_episodes",
+                f"{len(self.episodes)} episodes are open and at most {self.max_episodes} may be "
+                "(apex serve --max-episodes): end some, or let idle ones expire",
+            )
         now = self.clock()
         ids = []
         for _ in range(count):
@@ -166,9 +184,12 @@ class ExternalEpisodes:
         policy had taken them, where the algorithm can learn from them off-policy."""
         episodes = self._episodes(ids)
         if not self.actor.learns_logged_actions:
-            raise RequestError(409, "log_action",
-                               f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
-                               "probabilities; ask for actions (action), or run the learner with algo apex_dqn")
+            raise RequestError(
+                409,
+                "log_action",
+                f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
+                "probabilities; ask for actions (action), or run the learner with algo apex_dqn",
+            )
         self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
         chosen = self.actions(actions, len(episodes))
@@ -191,12 +212,19 @@ class ExternalEpisodes:
         values = self._rewards(rewards, len(episodes))
         for episode, reward in zip(episodes, values):
             if not episode.acted and reward != 0:
-                raise RequestError(409, "order", f"episode {episode.id}: a reward before its first action; "
-                                   "ask for (or log) an action first")
+                raise RequestError(
+                    409,
+                    "order",
+                    f"episode {episode.id}: a reward before its first action; ask for (or log) an action first",
+                )
             total = episode.reward + reward
             if abs(total) > self.max_abs_reward:
-                raise RequestError(400, "reward", f"episode {episode.id}: this step's reward {total:g} exceeds "
-                                   f"transport.max_abs_reward ({self.max_abs_reward:g})")
+                raise RequestError(
+                    400,
+                    "reward",
+                    f"episode {episode.id}: this step's reward {total:g} exceeds "
+                    f"transport.max_abs_reward ({self.max_abs_reward:g})",
+                )
         return values
 
     def _apply_rewards(self, episodes: list[Episode], values: np.ndarray) -> None:
@@ -218,8 +246,14 @@ class ExternalEpisodes:
         values = None if rewards is None else self._checked_rewards(episodes, rewards)
         return episodes, frames, term, trunc, values
 
-    def _end_checked(self, episodes: list[Episode], frames: np.ndarray, term: np.ndarray, trunc: np.ndarray,
-                     rewards: np.ndarray | None) -> None:
+    def _end_checked(
+        self,
+        episodes: list[Episode],
+        frames: np.ndarray,
+        term: np.ndarray,
+        trunc: np.ndarray,
+        rewards: np.ndarray | None,
+    ) -> None:
         if rewards is not None:
             self._apply_rewards(episodes, rewards)
         acted = [i for i, e in enumerate(episodes) if e.acted]
@@ -236,11 +270,19 @@ class ExternalEpisodes:
         """An act request's ``end`` map as ``end``'s arguments."""
         known = {"episode_ids", "observations", "terminated", "truncated", "rewards"}
         if not isinstance(ended, dict) or not {"episode_ids", "observations"} <= ended.keys() or ended.keys() - known:
-            raise RequestError(400, "fields", "end must be a map of episode_ids and observations, with terminated, "
-                               "truncated and rewards if given, as the end request takes them")
-        return {"ids": ended["episode_ids"], "observations": ended["observations"],
-                "terminated": ended.get("terminated", False), "truncated": ended.get("truncated", False),
-                "rewards": ended.get("rewards")}
+            raise RequestError(
+                400,
+                "fields",
+                "end must be a map of episode_ids and observations, with terminated, "
+                "truncated and rewards if given, as the end request takes them",
+            )
+        return {
+            "ids": ended["episode_ids"],
+            "observations": ended["observations"],
+            "terminated": ended.get("terminated", False),
+            "truncated": ended.get("truncated", False),
+            "rewards": ended.get("rewards"),
+        }
 
     def expire(self) -> int:
         """Closes the episodes idle for longer than the timeout; what they played up to their
@@ -263,8 +305,12 @@ class ExternalEpisodes:
     def _within_limit(self, episodes: list[Episode]) -> None:
         for episode in episodes:
             if episode.acted and episode.length + 1 >= self.step_limit:
-                raise RequestError(409, "step_limit", f"episode {episode.id} has played {episode.length + 1} steps, "
-                                   f"the run's time limit (env.max_episode_steps): end it with truncated true")
+                raise RequestError(
+                    409,
+                    "step_limit",
+                    f"episode {episode.id} has played {episode.length + 1} steps, "
+                    f"the run's time limit (env.max_episode_steps): end it with truncated true",
+                )
 
     def _episodes(self, ids: Any) -> list[Episode]:
         if isinstance(ids, str):
@@ -278,8 +324,12 @@ class ExternalEpisodes:
             episode = self.episodes.get(episode_id) if isinstance(episode_id, str) else None
             if episode is None:
                 shown = repr(episode_id)[:MAX_EPISODE_ID_CHARS]
-                raise RequestError(404, "unknown_episode", f"no open episode {shown}: it ended, expired after "
-                                   f"{self.episode_timeout_s:g} s idle, or was never started (POST /v1/episodes)")
+                raise RequestError(
+                    404,
+                    "unknown_episode",
+                    f"no open episode {shown}: it ended, expired after "
+                    f"{self.episode_timeout_s:g} s idle, or was never started (POST /v1/episodes)",
+                )
             episodes.append(episode)
         if len({id(e) for e in episodes}) != len(episodes):
             raise RequestError(400, "fields", "an episode id appears twice in one request")
@@ -297,8 +347,12 @@ class ExternalEpisodes:
         if values.shape == tuple(self.spec.frame_shape) and count == 1:
             values = values[None]
         if values.shape != shape:
-            raise RequestError(400, "observation", f"observation shape {list(values.shape[1:]) if values.ndim else []} "
-                               f"does not match the run's {list(self.spec.frame_shape)} (GET /v1/spaces)")
+            raise RequestError(
+                400,
+                "observation",
+                f"observation shape {list(values.shape[1:]) if values.ndim else []} "
+                f"does not match the run's {list(self.spec.frame_shape)} (GET /v1/spaces)",
+            )
         if values.dtype.kind not in "biuf":
             raise RequestError(400, "observation", f"observations must be numbers, got {values.dtype}")
         wide = values.astype(np.float64, copy=False)
@@ -308,21 +362,30 @@ class ExternalEpisodes:
         if target.kind == "f" and (np.abs(wide) > np.finfo(target).max).any():
             # checked before the cast: a float64 1e300 is inf as float32, and the learner
             # would refuse the whole batch, honest episodes' steps with it
-            raise RequestError(400, "observation", f"observations of this run are {target.name}: at most "
-                               f"{np.finfo(target).max:g} in size")
+            raise RequestError(
+                400,
+                "observation",
+                f"observations of this run are {target.name}: at most {np.finfo(target).max:g} in size",
+            )
         if target.kind in "iu" and not (wide == np.round(wide)).all():
             raise RequestError(400, "observation", f"observations of this run are {target.name}: whole numbers")
         if self._bounded and ((wide < self._low).any() or (wide > self._high).any()):
             bad = np.argwhere((wide < self._low) | (wide > self._high))[0]
-            raise RequestError(400, "observation",
-                               f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is outside the "
-                               f"observation space [{self._low[tuple(bad[1:])]:g}, {self._high[tuple(bad[1:])]:g}]")
+            raise RequestError(
+                400,
+                "observation",
+                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is outside the "
+                f"observation space [{self._low[tuple(bad[1:])]:g}, {self._high[tuple(bad[1:])]:g}]",
+            )
         if (over := np.abs(wide) > self._max_abs).any():
             bad = np.argwhere(over)[0]
-            raise RequestError(400, "observation",
-                               f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is over "
-                               f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
-                               "bounds, 1e6 where it has none)")
+            raise RequestError(
+                400,
+                "observation",
+                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is over "
+                f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
+                "bounds, 1e6 where it has none)",
+            )
         return wide.astype(target, copy=False) if values.dtype != target else values
 
     def actions(self, actions: Any, count: int) -> np.ndarray:
@@ -334,15 +397,22 @@ class ExternalEpisodes:
         shape = (count, *spec.action_shape)
         if values.shape == tuple(spec.action_shape) and count == 1:
             values = values[None]
-        if values.shape != shape or values.dtype.kind not in "iu" and not (
-                values.dtype.kind == "f" and np.isfinite(values).all() and (values == np.round(values)).all()):
-            raise RequestError(400, "action", f"actions must be integers of shape {list(shape[1:])} each "
-                               f"(GET /v1/spaces), got {values.dtype} {list(values.shape)}")
+        if values.shape != shape or (
+            values.dtype.kind not in "iu"
+            and not (values.dtype.kind == "f" and np.isfinite(values).all() and (values == np.round(values)).all())
+        ):
+            raise RequestError(
+                400,
+                "action",
+                f"actions must be integers of shape {list(shape[1:])} each "
+                f"(GET /v1/spaces), got {values.dtype} {list(values.shape)}",
+            )
         values = values.astype(np.int64)
         limit = np.asarray(spec.action_nvec if spec.action_nvec is not None else spec.num_actions)
         if (values < 0).any() or (values >= limit).any():
-            raise RequestError(400, "action", f"actions must be in 0..{limit - 1} (GET /v1/spaces), got "
-                               f"{values.tolist()}"[:200])
+            raise RequestError(
+                400, "action", f"actions must be in 0..{limit - 1} (GET /v1/spaces), got {values.tolist()}"[:200]
+            )
         return values
 
     def _rewards(self, rewards: Any, count: int) -> np.ndarray:
@@ -353,8 +423,11 @@ class ExternalEpisodes:
         if values.shape != (count,):
             raise RequestError(400, "reward", f"{values.size} rewards for {count} episodes")
         if not np.isfinite(values).all() or (np.abs(values) > self.max_abs_reward).any():
-            raise RequestError(400, "reward", "rewards must be finite numbers of at most "
-                               f"transport.max_abs_reward ({self.max_abs_reward:g}) in size")
+            raise RequestError(
+                400,
+                "reward",
+                f"rewards must be finite numbers of at most transport.max_abs_reward ({self.max_abs_reward:g}) in size",
+            )
         return values
 
     @staticmethod

@@ -16,8 +16,9 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable, TypeVar
+from typing import BinaryIO, TypeVar
 
 from apex.errors import ApexError
 
@@ -61,7 +62,9 @@ def _create_temp(path: Path) -> tuple[Path, int]:
         except FileExistsError:  # 48 random bits taken already: planted, or very bad luck
             continue
         return tmp, fd
-    raise FileExistsError(errno.EEXIST, f"no free temporary name for {path.name} after {_CREATE_ATTEMPTS} tries", str(path.parent))
+    raise FileExistsError(
+        errno.EEXIST, f"no free temporary name for {path.name} after {_CREATE_ATTEMPTS} tries", str(path.parent)
+    )
 
 
 def open_append(path: Path) -> int:
@@ -91,8 +94,14 @@ class RefusedFile(ApexError):
     checkpoint is set aside, the one before used)."""
 
 
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def open_regular(path: Path, max_bytes: int) -> BinaryIO:
@@ -143,8 +152,10 @@ def refuse_link(path: Path) -> None:
 
 
 def _not_written_through(path: Path, what: str) -> str:
-    return (f"{path} {what}: apex writes its run files only in place, never through a link or into "
-            "a special file; remove it or choose another --logdir")
+    return (
+        f"{path} {what}: apex writes its run files only in place, never through a link or into "
+        "a special file; remove it or choose another --logdir"
+    )
 
 
 _OUR_TEMP = re.compile(r".+\.[0-9a-f]{12}\.tmp|.+\.(json|pt|replay|yaml)\.tmp")  # ours, and older apex's

@@ -29,8 +29,8 @@ from apex.checkpoint.writer import write_shard
 from apex.config import Config
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
 from apex.ingest import Ingest, RunCounters
-from apex.logs import RateLimitedLog
 from apex.learner import IDLE_WAIT_S, learner_runtime
+from apex.logs import RateLimitedLog
 from apex.metrics import EpisodeStats
 from apex.pipeline import Pipeline, SectionTimes, Wakeup
 from apex.schema import UNKNOWN_STEP_LIMIT
@@ -73,9 +73,14 @@ class RankCounts:
         rejected = self.rejected.by_reason()
         report = {
             "env_steps": steps - self._sent_steps,
-            "by_host": {h: n - self._sent_by_host.get(h, 0) for h, n in by_host.items() if n != self._sent_by_host.get(h, 0)},
-            "episodes": episodes, "lags": lags,
-            "rejected": {r: n - self._sent_rejected.get(r, 0) for r, n in rejected.items() if n != self._sent_rejected.get(r, 0)},
+            "by_host": {
+                h: n - self._sent_by_host.get(h, 0) for h, n in by_host.items() if n != self._sent_by_host.get(h, 0)
+            },
+            "episodes": episodes,
+            "lags": lags,
+            "rejected": {
+                r: n - self._sent_rejected.get(r, 0) for r, n in rejected.items() if n != self._sent_rejected.get(r, 0)
+            },
             **extra,
         }
         self._sent_steps, self._sent_by_host, self._sent_rejected = steps, by_host, rejected
@@ -106,14 +111,25 @@ class FollowerProcess:
         self.counts = RankCounts(self.counters, self.endpoint.rejected)
         self._version = 0  # rank 0's published weights, as of the last sync
         self.steps_without_batch = 0  # the group's steps this rank took without a batch of its own
-        self.ingest = Ingest(self.endpoint.receiver, self.learner, config,
-                             self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters, lambda: self._version)
+        self.ingest = Ingest(
+            self.endpoint.receiver,
+            self.learner,
+            config,
+            self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT,
+            self.counters,
+            lambda: self._version,
+        )
         self.times = SectionTimes()
         self._wakeup = Wakeup()
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
-        self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify,
-                                 on_error=lambda e: self._bug_log.exception("sampling a batch failed (a bug in apex, "
-                                                                            "please report it); continuing"))
+        self.pipeline = Pipeline(
+            self.learner,
+            self.times,
+            on_ready=self._wakeup.notify,
+            on_error=lambda e: self._bug_log.exception(
+                "sampling a batch failed (a bug in apex, please report it); continuing"
+            ),
+        )
         self._signals = StopSignals()
         self.checkpoint_dir = self.logdir / "checkpoints"
         try:
@@ -125,8 +141,13 @@ class FollowerProcess:
     def run(self) -> int:
         """Trains with the group until rank 0 says stop; 1 if the group broke."""
         rank = self.group.rank.rank
-        log.info("rank %d of %d: trajectories on port %d, device %s", rank, self.group.world_size,
-                 self.group.addresses[rank][1], self.device)
+        log.info(
+            "rank %d of %d: trajectories on port %d, device %s",
+            rank,
+            self.group.world_size,
+            self.group.addresses[rank][1],
+            self.device,
+        )
         with self._signals:
             self.ingest.start()
             self.pipeline.start()
@@ -160,8 +181,12 @@ class FollowerProcess:
                 self.endpoint.close()
                 self._wakeup.close()
                 self.group.close()
-        log.info("rank %d stopped: %d updates, %d env steps of its actors", rank, self.learner.updates,
-                 self.counters.env_steps)
+        log.info(
+            "rank %d stopped: %d updates, %d env steps of its actors",
+            rank,
+            self.learner.updates,
+            self.counters.env_steps,
+        )
         return code
 
     def _checkpoint(self) -> None:
@@ -194,10 +219,17 @@ class FollowerProcess:
         if replay is None:  # nothing of this rank's is kept in checkpoints
             return
         try:
-            checkpoint = Checkpoint(self.checkpoint_dir / f"{name}.json", read_manifest(self.checkpoint_dir / f"{name}.json"))
+            checkpoint = Checkpoint(
+                self.checkpoint_dir / f"{name}.json", read_manifest(self.checkpoint_dir / f"{name}.json")
+            )
             if checkpoint.ranks != self.group.world_size:
-                log.warning("%s was written by %d rank(s), this group has %d: rank %d starts with an empty replay",
-                            name, checkpoint.ranks, self.group.world_size, rank)
+                log.warning(
+                    "%s was written by %d rank(s), this group has %d: rank %d starts with an empty replay",
+                    name,
+                    checkpoint.ranks,
+                    self.group.world_size,
+                    rank,
+                )
                 return
             checkpoint.load_shard(rank, replay, self.learner.schema)
             log.info("rank %d restored its replay shard of %s: %d transitions", rank, name, len(replay))
@@ -206,8 +238,14 @@ class FollowerProcess:
 
     def _sync(self) -> None:
         """Tells rank 0 what was counted; hears the closed sessions and the weights version."""
-        self.group.gather(self.counts.take({"replay_size": self.learner.metrics().get("replay_size", 0),
-                                            "steps_without_batch": self.steps_without_batch}))
+        self.group.gather(
+            self.counts.take(
+                {
+                    "replay_size": self.learner.metrics().get("replay_size", 0),
+                    "steps_without_batch": self.steps_without_batch,
+                }
+            )
+        )
         news = msgpack.unpackb(self.group.broadcast(None))
         self._version = news["version"]
         self.sessions.close_tokens(news["closed"])

@@ -58,8 +58,9 @@ class NumpyMLP:
     """``apex.models.MLP`` (Flatten, then Linear + ReLU per hidden layer) and linear heads on
     its features, with weights loaded from the torch modules' state dict."""
 
-    def __init__(self, spec: EnvSpec, config: ModelConfig, heads: dict[str, int],
-                 extra: dict[str, tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self, spec: EnvSpec, config: ModelConfig, heads: dict[str, int], extra: dict[str, tuple[int, ...]] | None = None
+    ) -> None:
         """``heads``: linear layers on the features (a core's, where ``extra`` adds one);
         ``extra``: further arrays by name and shape (an LSTM core, a log-std)."""
         in_features = spec.stack * int(np.prod(spec.frame_shape))
@@ -87,7 +88,9 @@ class NumpyMLP:
         stay."""
         if set(arrays) != set(self.shapes):
             missing, extra = sorted(set(self.shapes) - set(arrays)), sorted(set(arrays) - set(self.shapes))
-            raise ProtocolError(f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}")
+            raise ProtocolError(
+                f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}"
+            )
         for name, shape in self.shapes.items():
             array = arrays[name]
             if array.shape != shape or array.dtype.kind != "f":
@@ -95,14 +98,20 @@ class NumpyMLP:
             if not np.isfinite(array).all():  # NaN Q-values or logits would act at random, silently
                 raise ProtocolError(f"weights {name} hold NaN or infinite values")
         # Transposed and contiguous once here, so that each step is one matmul per layer.
-        weight = {name: np.ascontiguousarray(arrays[name].T, np.float32) for name in self.shapes if name.endswith("weight")}
+        weight = {
+            name: np.ascontiguousarray(arrays[name].T, np.float32) for name in self.shapes if name.endswith("weight")
+        }
         bias = {name: np.array(arrays[name], np.float32) for name in self.shapes if name.endswith("bias")}
-        self.layers = [(weight[f"torso.net.{2 * i + 1}.weight"], bias[f"torso.net.{2 * i + 1}.bias"])
-                       for i in range(self.num_layers)]
+        self.layers = [
+            (weight[f"torso.net.{2 * i + 1}.weight"], bias[f"torso.net.{2 * i + 1}.bias"])
+            for i in range(self.num_layers)
+        ]
         self.heads = {name: (weight[f"{name}.weight"], bias[f"{name}.bias"]) for name in self.head_names}
         # The extras (an LSTM's weights transposed, as the layers' are)
-        self.extras = {name: np.ascontiguousarray(arrays[name].T if arrays[name].ndim == 2 else arrays[name], np.float32)
-                       for name in self.extra_names}
+        self.extras = {
+            name: np.ascontiguousarray(arrays[name].T if arrays[name].ndim == 2 else arrays[name], np.float32)
+            for name in self.extra_names
+        }
 
     def features(self, obs: np.ndarray) -> np.ndarray:
         x = obs.reshape(len(obs), -1).astype(np.float32, copy=False)  # the first matmul makes a new array
@@ -138,8 +147,14 @@ class NumpyPolicyValueNetwork(NumpyMLP):
         if self.lstm_size:  # torch.nn.LSTMCell's parameters, gates in the order i, f, g, o
             L = self.lstm_size
             features = config.hidden[-1] if config.hidden else spec.stack * int(np.prod(spec.frame_shape))
-            extra.update({"core.weight_ih": (4 * L, features), "core.weight_hh": (4 * L, L),
-                          "core.bias_ih": (4 * L,), "core.bias_hh": (4 * L,)})
+            extra.update(
+                {
+                    "core.weight_ih": (4 * L, features),
+                    "core.weight_hh": (4 * L, L),
+                    "core.bias_ih": (4 * L,),
+                    "core.bias_hh": (4 * L,),
+                }
+            )
         if spec.continuous:
             extra["log_std"] = (spec.num_actions,)
         super().__init__(spec, config, {"policy": spec.num_actions, "value": 1}, extra)
@@ -186,7 +201,11 @@ class TorchNetwork:
     def load(self, arrays: dict) -> None:
         from apex.models import load_numpy_weights
 
-        if not all(np.isfinite(a).all() for a in arrays.values() if getattr(a, "dtype", None) is not None and a.dtype.kind == "f"):
+        if not all(
+            np.isfinite(a).all()
+            for a in arrays.values()
+            if getattr(a, "dtype", None) is not None and a.dtype.kind == "f"
+        ):
             raise ProtocolError("weights hold NaN or infinite values")
         try:
             load_numpy_weights(self.module, arrays)

@@ -42,8 +42,11 @@ class RunCounters:
 
     def state_dict(self) -> dict:
         """For a checkpoint (call with ``lock`` held)."""
-        return {"env_steps": self.env_steps, "env_steps_by_host": dict(self.env_steps_by_host),
-                "episode_stats": self.stats.state_dict()}
+        return {
+            "env_steps": self.env_steps,
+            "env_steps_by_host": dict(self.env_steps_by_host),
+            "episode_stats": self.stats.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.env_steps = state["env_steps"]
@@ -55,8 +58,15 @@ class Ingest:
     """The thread that feeds the learner core. (One thread: a second one that decoded while
     this one inserted measured slower, the two fighting over the GIL.)"""
 
-    def __init__(self, receiver: TrajectoryReceiver, core, config: Config, step_limit: int, counters: RunCounters,
-                 published_version: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        receiver: TrajectoryReceiver,
+        core,
+        config: Config,
+        step_limit: int,
+        counters: RunCounters,
+        published_version: Callable[[], int],
+    ) -> None:
         """``core``: the algorithm's learner core; ``step_limit``: the longest episode a
         batch's records may claim; ``published_version``: the version of the weights last
         published (for the policy lag of each batch)."""
@@ -136,8 +146,12 @@ class Ingest:
             session.step_budget = session.num_envs * self.step_limit
         arrays, sizes = self.core.schema.validate(msg.arrays, session.limits, msg.layout)
         env_steps = self.core.env_steps(sizes)
-        episodes, used = check_episodes(msg.fields["info"], max_episodes=env_steps, step_limit=self.step_limit,
-                                        max_abs_reward=self.config.transport.max_abs_reward,
-                                        step_budget=session.step_budget + env_steps)
+        episodes, used = check_episodes(
+            msg.fields["info"],
+            max_episodes=env_steps,
+            step_limit=self.step_limit,
+            max_abs_reward=self.config.transport.max_abs_reward,
+            step_budget=session.step_budget + env_steps,
+        )
         session.step_budget += env_steps - used
         return arrays, env_steps, episodes, used

@@ -84,8 +84,10 @@ def check_ports_free(port: int, ranks: int = 1) -> None:
             try:
                 probe.bind(("127.0.0.1", p))
             except OSError as e:
-                raise ApexError(f"port {p} on 127.0.0.1 is taken ({e.strerror}): is another learner using ports "
-                                f"{port}-{port + 2}{' or its ranks' if ranks > 1 else ''}? pick another with --port") from None
+                raise ApexError(
+                    f"port {p} on 127.0.0.1 is taken ({e.strerror}): is another learner using ports "
+                    f"{port}-{port + 2}{' or its ranks' if ranks > 1 else ''}? pick another with --port"
+                ) from None
 
 
 def run(
@@ -111,14 +113,35 @@ def run(
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
-    resume_command = shlex.join([
-        "apex", "run", "--resume", str(logdir), "--actors", str(actors),
-        *(["--port", str(port)] if port != DEFAULT_PORT else []), *stop_args(stop),
-        *(["--learner-restarts", str(learner_restarts)] if learner_restarts != 10 else []),
-        *(["--ranks", str(ranks)] if ranks > 1 else [])])
-    learner_args = ["learner", "--config", str(config_file), "--logdir", str(logdir),
-                    "--bind-host", "127.0.0.1", "--port", str(port), *stop_args(stop),
-                    "--resume-command", resume_command, *(["--ranks", str(ranks)] if ranks > 1 else [])]
+    resume_command = shlex.join(
+        [
+            "apex",
+            "run",
+            "--resume",
+            str(logdir),
+            "--actors",
+            str(actors),
+            *(["--port", str(port)] if port != DEFAULT_PORT else []),
+            *stop_args(stop),
+            *(["--learner-restarts", str(learner_restarts)] if learner_restarts != 10 else []),
+            *(["--ranks", str(ranks)] if ranks > 1 else []),
+        ]
+    )
+    learner_args = [
+        "learner",
+        "--config",
+        str(config_file),
+        "--logdir",
+        str(logdir),
+        "--bind-host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *stop_args(stop),
+        "--resume-command",
+        resume_command,
+        *(["--ranks", str(ranks)] if ranks > 1 else []),
+    ]
 
     def resumable() -> bool:
         return resume or has_checkpoint(logdir)
@@ -130,8 +153,10 @@ def run(
     learner_started = time.monotonic()
     # The run's config file is each actor's own: it may import what that names, and nothing
     # else a welcome may name (whoever holds the port answers their hellos: apex.config.trust).
-    actor_args = [["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
-                  for i in range(actors)]
+    actor_args = [
+        ["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
+        for i in range(actors)
+    ]
     # Actors start with the learner, not once it listens: they import and make their
     # environments while it imports torch (vector actors never do), and their hellos wait
     # in ZeroMQ's queue. Configuration errors were caught before this (the parent checks the
@@ -155,10 +180,15 @@ def run(
                         learner_restarted = 0  # a crash hours into a run is not a crash loop
                     if code in _FINAL_EXITS or forwarded or learner_restarted >= learner_restarts:
                         return code
-                    delay = min(_RESTART_MAX_S, _LEARNER_RESTART_FIRST_S * 2 ** learner_restarted)
-                    log.warning("learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
-                                code, " from its newest checkpoint" if resumable() else "",
-                                delay, learner_restarted + 1, learner_restarts)
+                    delay = min(_RESTART_MAX_S, _LEARNER_RESTART_FIRST_S * 2**learner_restarted)
+                    log.warning(
+                        "learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
+                        code,
+                        " from its newest checkpoint" if resumable() else "",
+                        delay,
+                        learner_restarted + 1,
+                        learner_restarts,
+                    )
                     learner_restart_at = now + delay
                 elif learner_restart_at and (now >= learner_restart_at or signals.received):
                     if signals.received:  # interrupted while the learner was down
@@ -239,8 +269,9 @@ def run_ranks(argv: list[str], ranks: int, port: int) -> int:
                     forwarded = True
                 time.sleep(0.2)
             if failed and not forwarded:  # (after a signal, ranks exit 130 by design)
-                log.error("learner %s: stopping the group",
-                          ", ".join(f"rank {r} exited with {code}" for r, code in failed))
+                log.error(
+                    "learner %s: stopping the group", ", ".join(f"rank {r} exited with {code}" for r, code in failed)
+                )
             if failed:
                 _stop_all(procs, _RANK_STOP_S)
     finally:

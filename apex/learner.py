@@ -18,8 +18,14 @@ import psutil
 import torch
 
 from apex import algos
-from apex.checkpoint import (Checkpoint, CheckpointWriter, CorruptCheckpoint, RunCheckpoints, best_and_newest,
-                             first_loadable)
+from apex.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    CorruptCheckpoint,
+    RunCheckpoints,
+    best_and_newest,
+    first_loadable,
+)
 from apex.config import Config, StopConditions
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
 from apex.envs import env_spec
@@ -110,14 +116,21 @@ class LearnerProcess:
         self.stop = stop
         self.spec, self.device = learner_runtime(config)
         if not is_loopback(bind_host) and not config.transport.curve_dir:
-            log.warning("listening on %s without CURVE: anyone who can reach ports %d-%d can join this run and send "
-                        "it data; create keys with `apex keygen DIR` and pass --curve-dir DIR", bind_host,
-                        port or config.transport.port, (port or config.transport.port) + 2)
+            log.warning(
+                "listening on %s without CURVE: anyone who can reach ports %d-%d can join this run and send "
+                "it data; create keys with `apex keygen DIR` and pass --curve-dir DIR",
+                bind_host,
+                port or config.transport.port,
+                (port or config.transport.port) + 2,
+            )
         # Bind before building the core: a taken port fails at once, not after the replay
         # (gigabytes for Atari) has been allocated. Hellos wait for the first poll().
         self.endpoint = LearnerEndpoint(
-            bind_host, port if port is not None else config.transport.port, self._actor_setup,
-            config.transport, signer=SessionSigner(group.secret) if group is not None else None,
+            bind_host,
+            port if port is not None else config.transport.port,
+            self._actor_setup,
+            config.transport,
+            signer=SessionSigner(group.secret) if group is not None else None,
             # Where each rank takes trajectories: the endpoint routes each new session to one.
             routes=[None, *({"host": host, "port": port} for host, port in group.addresses[1:])] if group else None,
         )
@@ -142,9 +155,14 @@ class LearnerProcess:
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._wakeup = Wakeup()
         self._version = 0  # of the weights last published
-        self.ingest = Ingest(self.endpoint.receiver, self.learner, config,
-                             self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT, self.counters,
-                             lambda: self._version)
+        self.ingest = Ingest(
+            self.endpoint.receiver,
+            self.learner,
+            config,
+            self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT,
+            self.counters,
+            lambda: self._version,
+        )
         self.times = SectionTimes()
         self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify, on_error=self._prefetch_failed)
         self._signals = StopSignals()
@@ -157,8 +175,11 @@ class LearnerProcess:
             if group is not None:  # the other ranks start from this one's state (and its checkpoint's shards)
                 buffer = io.BytesIO()
                 torch.save(self.learner.state_dict(), buffer)
-                group.broadcast(msgpack.packb({"logdir": str(self.logdir), "resumed": self.resumed_from or "",
-                                               "state": buffer.getvalue()}))
+                group.broadcast(
+                    msgpack.packb(
+                        {"logdir": str(self.logdir), "resumed": self.resumed_from or "", "state": buffer.getvalue()}
+                    )
+                )
         except BaseException:
             self.endpoint.close()
             raise
@@ -178,8 +199,10 @@ class LearnerProcess:
         try:
             yield
         except (KeyError, RuntimeError, ValueError) as e:
-            raise ApexError(f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
-                            f"({str(e).splitlines()[0]}): resume without changing algo, env or model") from None
+            raise ApexError(
+                f"checkpoint {checkpoint.name} does not fit this run's algorithm and model "
+                f"({str(e).splitlines()[0]}): resume without changing algo, env or model"
+            ) from None
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         """Continues from a verified checkpoint: networks, optimizer, counters, episode
@@ -188,8 +211,9 @@ class LearnerProcess:
         start = time.monotonic()
         state = checkpoint.load_state()
         # Held to what actors' episode records are (a forged return would stop the run as solved).
-        problem = EpisodeStats.problem(state["episode_stats"], self.ingest.step_limit,
-                                       self.config.transport.max_abs_reward)
+        problem = EpisodeStats.problem(
+            state["episode_stats"], self.ingest.step_limit, self.config.transport.max_abs_reward
+        )
         if problem is not None:
             raise CorruptCheckpoint(f"{checkpoint.state_path.name}: {problem}")
         with self._fitting(checkpoint):
@@ -203,9 +227,14 @@ class LearnerProcess:
         self._elapsed_before = state["time"]
         self._version = self.learner.updates
         self.resumed_from = checkpoint.name
-        log.info("resumed from %s in %.1fs: %d updates, %d env steps, replay of %d",
-                 checkpoint.name, time.monotonic() - start, self.learner.updates, self.counters.env_steps,
-                 len(replay) if replay is not None else 0)
+        log.info(
+            "resumed from %s in %.1fs: %d updates, %d env steps, replay of %d",
+            checkpoint.name,
+            time.monotonic() - start,
+            self.learner.updates,
+            self.counters.env_steps,
+            len(replay) if replay is not None else 0,
+        )
 
     # -- actors
 
@@ -217,9 +246,11 @@ class LearnerProcess:
             raise Rejected(f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {num_envs}")
         largest = self.learner.schema.max_bytes(self.learner.batch_limits(num_envs))
         if largest > self.config.transport.max_message_bytes:
-            raise Rejected(f"with {num_envs} environments a batch may reach {largest / 2**20:.0f} MiB, over "
-                           f"transport.max_message_bytes ({self.config.transport.max_message_bytes / 2**20:.0f} MiB): "
-                           "use fewer environments per actor or raise transport.max_message_bytes")
+            raise Rejected(
+                f"with {num_envs} environments a batch may reach {largest / 2**20:.0f} MiB, over "
+                f"transport.max_message_bytes ({self.config.transport.max_message_bytes / 2**20:.0f} MiB): "
+                "use fewer environments per actor or raise transport.max_message_bytes"
+            )
         try:
             core = self.learner.actor_setup(index, num_envs)
         except ApexError as e:
@@ -257,10 +288,18 @@ class LearnerProcess:
         next_checkpoint_updates = (self.learner.updates // every_updates + 1) * every_updates if every_updates else None
         step_rate, update_rate = Rate(self.counters.env_steps), Rate(self.learner.updates)
         last: dict[str, float] = {}
-        log.info("starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
-                 self.config.algo, self.config.env.id, self.device, self.endpoint.ports.control,
-                 self.endpoint.ports.weights, self.bind_host, self.logdir, self.learner.memory_nbytes / 1e6,
-                 f", resumed from {self.resumed_from}" if self.resumed_from else "")
+        log.info(
+            "starting %s on %s: device %s, ports %d-%d on %s, logdir %s, %.1f MB for data%s",
+            self.config.algo,
+            self.config.env.id,
+            self.device,
+            self.endpoint.ports.control,
+            self.endpoint.ports.weights,
+            self.bind_host,
+            self.logdir,
+            self.learner.memory_nbytes / 1e6,
+            f", resumed from {self.resumed_from}" if self.resumed_from else "",
+        )
         if self.resumed_from is not None:
             # A row at the resume point: `apex plot` drops what a killed predecessor logged
             # after it (times at or past this one), a history that was rolled back.
@@ -285,8 +324,12 @@ class LearnerProcess:
                     steps = min(1, self.pipeline.staged())
                 else:
                     now = time.monotonic()
-                    agreed = self.group.agree(self.pipeline.staged(), stop=stop_reason is not None,
-                                              checkpoint=checkpoint_asked, sync=now >= next_sync)
+                    agreed = self.group.agree(
+                        self.pipeline.staged(),
+                        stop=stop_reason is not None,
+                        checkpoint=checkpoint_asked,
+                        sync=now >= next_sync,
+                    )
                     if agreed.sync:
                         next_sync = now + GROUP_SYNC_S
                         self._sync_group()
@@ -302,7 +345,9 @@ class LearnerProcess:
                     self.times.add("idle", time.perf_counter() - started)
                 if self.group is None:
                     for _ in range(steps):
-                        self.pipeline.submit(self.learner.train(self.pipeline.take()))  # written back by the prefetch thread
+                        self.pipeline.submit(
+                            self.learner.train(self.pipeline.take())
+                        )  # written back by the prefetch thread
                 else:  # the group's steps: on this rank's batches while it has them, then without
                     self.steps_without_batch[0] += train_steps(self.pipeline, self.learner, steps)
                 self.times.steps += steps
@@ -325,13 +370,20 @@ class LearnerProcess:
                     # A policy better than every checkpoint so far is kept (apex eval's default).
                     score = self._score()
                     best = self.checkpoints.best_score  # of every checkpoint of the run, resumed ones too
-                    new_best = (best_every > 0 and score is not None and (best is None or score > best)
-                                and now - last_checkpoint >= best_every)
+                    new_best = (
+                        best_every > 0
+                        and score is not None
+                        and (best is None or score > best)
+                        and now - last_checkpoint >= best_every
+                    )
                 stop_reason = self._stop_reason(now - start)
                 due_by_updates = next_checkpoint_updates is not None and self.learner.updates >= next_checkpoint_updates
                 due = now >= next_checkpoint or due_by_updates or new_best
                 if self.group is not None:  # the ranks write theirs together, once they agree to
-                    checkpoint_asked, due = due and not agreed_checkpoint and not self.checkpoints.busy, agreed_checkpoint
+                    checkpoint_asked, due = (
+                        due and not agreed_checkpoint and not self.checkpoints.busy,
+                        agreed_checkpoint,
+                    )
                     agreed_checkpoint = False
                 if due and self.save_checkpoint(now - start, background=True):
                     last_checkpoint = now
@@ -343,8 +395,9 @@ class LearnerProcess:
         except GroupBroken as e:
             stop_reason = str(e)
             self._group_broken = True
-            log.error("%s: the learner stops (apex run, compose or k8s start the group again from the newest "
-                      "checkpoint)", e)
+            log.error(
+                "%s: the learner stops (apex run, compose or k8s start the group again from the newest checkpoint)", e
+            )
         finally:
             stopped_unix_s = time.time()
             run_over = not self._group_broken and stop_reason is not None
@@ -447,7 +500,9 @@ class LearnerProcess:
         weights = self.learner.weights()
         if not all_finite(weights):
             self.nonfinite_weights += 1
-            self._bad_log.warning("weights hold NaN or infinity: not published (%d times so far)", self.nonfinite_weights)
+            self._bad_log.warning(
+                "weights hold NaN or infinity: not published (%d times so far)", self.nonfinite_weights
+            )
             return
         self._version = version
         self.endpoint.publish_weights(version, weights)
@@ -488,26 +543,34 @@ class LearnerProcess:
         row["samples_per_s"] = round(row["updates_per_s"] * self.learner.samples_per_update, 1)
         row.update(self.learner.metrics())
         row.update(self.times.take())
-        row.update({
-            "actors_connected": self.endpoint.actors_connected,
-            **({"ranks": self.group.world_size, "group_replay_size": self.group_replay_size + row.get("replay_size", 0),
-                "steps_without_batch_by_rank": list(self.steps_without_batch)}
-               if self.group is not None else {}),
-            "weights_version": self._version,
-            "policy_lag_mean": round(float(np.mean(lags)), 1) if lags else None,
-            "policy_lag_max": int(max(lags)) if lags else None,
-            "rejected_messages": self.endpoint.rejected_messages,
-            "metrics_write_failures": self._metrics.write_failures if self._metrics is not None else 0,
-            "rejected_by_reason": self.endpoint.rejected.by_reason(),
-            "internal_errors": self.ingest.internal_errors + self.prefetch_errors,
-            "nonfinite_weights": self.nonfinite_weights,
-            "checkpoints_written": self.checkpoints.written,
-            "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
-            "checkpoint_failures": self.checkpoints.failures,
-            "learner_rss_mb": round(rss_bytes() / 2**20, 1),
-            "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
-            **{k: round(v, 5) for k, v in last.items()},
-        })
+        row.update(
+            {
+                "actors_connected": self.endpoint.actors_connected,
+                **(
+                    {
+                        "ranks": self.group.world_size,
+                        "group_replay_size": self.group_replay_size + row.get("replay_size", 0),
+                        "steps_without_batch_by_rank": list(self.steps_without_batch),
+                    }
+                    if self.group is not None
+                    else {}
+                ),
+                "weights_version": self._version,
+                "policy_lag_mean": round(float(np.mean(lags)), 1) if lags else None,
+                "policy_lag_max": int(max(lags)) if lags else None,
+                "rejected_messages": self.endpoint.rejected_messages,
+                "metrics_write_failures": self._metrics.write_failures if self._metrics is not None else 0,
+                "rejected_by_reason": self.endpoint.rejected.by_reason(),
+                "internal_errors": self.ingest.internal_errors + self.prefetch_errors,
+                "nonfinite_weights": self.nonfinite_weights,
+                "checkpoints_written": self.checkpoints.written,
+                "checkpoint_seconds": round(self.checkpoints.last_seconds, 2),
+                "checkpoint_failures": self.checkpoints.failures,
+                "learner_rss_mb": round(rss_bytes() / 2**20, 1),
+                "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
+                **{k: round(v, 5) for k, v in last.items()},
+            }
+        )
         return row
 
     def _score(self) -> float | None:
@@ -527,8 +590,9 @@ class LearnerProcess:
             written = False
         elif not all_finite(self.learner.weights()):
             self.nonfinite_weights += 1
-            self._bad_log.warning("weights hold NaN or infinity: checkpoint not written (%d refused so far)",
-                                  self.nonfinite_weights)
+            self._bad_log.warning(
+                "weights hold NaN or infinity: checkpoint not written (%d refused so far)", self.nonfinite_weights
+            )
             written = True
         else:
             written = None
@@ -552,5 +616,6 @@ class LearnerProcess:
             }
             stats = self.counters.stats
             score = stats.return_mean if stats.full_window else None  # as _score, with the same stats
-        return self.checkpoints.save(name, state, self.learner.checkpoint_replay, background=background, score=score,
-                                     shards=shards)
+        return self.checkpoints.save(
+            name, state, self.learner.checkpoint_replay, background=background, score=score, shards=shards
+        )

@@ -44,8 +44,12 @@ class EpisodeStats:
                 self.best_return_mean = max(self.best_return_mean, self.return_mean)
 
     def state_dict(self) -> dict:
-        return {"eval": list(self.eval_returns), "train": list(self.train_returns),
-                "episodes": self.episodes, "best": self.best_return_mean}
+        return {
+            "eval": list(self.eval_returns),
+            "train": list(self.train_returns),
+            "episodes": self.episodes,
+            "best": self.best_return_mean,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.eval_returns.extend(state["eval"])
@@ -63,8 +67,10 @@ class EpisodeStats:
             returns.append(("best", state["best"]))
         for key, value in returns:
             if not possible_return(value, step_limit, max_abs_reward):
-                return (f"episode_stats.{key} holds a return of {reprlib.repr(value)}, which no episode of at most "
-                        f"{step_limit} steps of at most transport.max_abs_reward ({max_abs_reward:g}) can have")
+                return (
+                    f"episode_stats.{key} holds a return of {reprlib.repr(value)}, which no episode of at most "
+                    f"{step_limit} steps of at most transport.max_abs_reward ({max_abs_reward:g}) can have"
+                )
         return None
 
     @property
@@ -115,8 +121,13 @@ class MetricsWriter:
     failure (its writer thread dies with it). A link planted at LOGDIR/metrics.jsonl or
     LOGDIR/tb is refused (ApexError), never written through."""
 
-    def __init__(self, logdir: Path, console: TextIO | None = None, tensorboard: bool = True,
-                 progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        logdir: Path,
+        console: TextIO | None = None,
+        tensorboard: bool = True,
+        progress_interval_s: float = PROGRESS_INTERVAL_S,
+    ) -> None:
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(logdir)  # e.g. summary.json's, left by a learner killed while writing it
@@ -195,8 +206,11 @@ class MetricsWriter:
 
     def _tensorboard_failed(self, error: OSError) -> None:
         self.write_failures += 1
-        log.warning("writing TensorBoard scalars failed: %s; TensorBoard output is off for the rest of the run "
-                    "(metrics.jsonl has the same numbers)", error.strerror or error)
+        log.warning(
+            "writing TensorBoard scalars failed: %s; TensorBoard output is off for the rest of the run "
+            "(metrics.jsonl has the same numbers)",
+            error.strerror or error,
+        )
         tb, self._tb = self._tb, None
         if tb is not None:
             try:
@@ -244,7 +258,7 @@ class MetricsWriter:
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _quiet_tensorboard_thread_errors() -> None:
@@ -276,6 +290,7 @@ def status_line(row: dict[str, Any]) -> str:
     if "replay_size" in row:
         fill = f" ({100 * row['replay_size'] / capacity:3.0f}%)" if capacity else ""
         replay = f"  replay {row['replay_size']:>9,}{fill}"
+
     def get(key: str) -> Any:  # 0 for what a row does not hold (yet)
         return row.get(key) or 0
 
@@ -290,6 +305,7 @@ def status_line(row: dict[str, Any]) -> str:
 def closing_line(summary: dict[str, Any], checkpoints: Any, resume_command: str) -> str:
     """The learner's last word: why it stopped, how far it got, the returns, where the best
     and the newest checkpoints are (``checkpoint.RunCheckpoints``) and how to go on."""
+
     def ret(value: Any) -> str:
         return "-" if value is None else f"{value:.1f}"
 
@@ -301,8 +317,10 @@ def closing_line(summary: dict[str, Any], checkpoints: Any, resume_command: str)
     elif best == newest:
         where = f"best checkpoint {shlex.quote(str(best))} (return_mean_100 {ret(best_score)}; also the newest)"
     else:
-        where = (f"best checkpoint {shlex.quote(str(best))} (return_mean_100 {ret(best_score)}), "
-                 f"newest {shlex.quote(str(newest))}")
+        where = (
+            f"best checkpoint {shlex.quote(str(best))} (return_mean_100 {ret(best_score)}), "
+            f"newest {shlex.quote(str(newest))}"
+        )
     return (
         f"stopped ({summary['stop_reason']}) after {summary['wall_seconds']:.1f}s: {summary['env_steps']:,} env steps, "
         f"{summary['learner_updates']:,} updates; eval return {ret(summary['return_mean_100'])} "

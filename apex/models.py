@@ -41,8 +41,9 @@ class ConvTorso(nn.Module):
     or [B, stack, C, H, W] (stack and C become the input channels), uint8 scaled to 0..1,
     float32 as it is."""
 
-    def __init__(self, convs: list[nn.Module], channels: int, height: int, width: int, hidden: int,
-                 scale: float) -> None:
+    def __init__(
+        self, convs: list[nn.Module], channels: int, height: int, width: int, hidden: int, scale: float
+    ) -> None:
         super().__init__()
         features = _conv_features(convs, channels, height, width)
         self.net = nn.Sequential(*convs, nn.Flatten(), nn.Linear(features, hidden), nn.ReLU())
@@ -56,11 +57,21 @@ class ConvTorso(nn.Module):
 
 def NatureCNN(in_channels: int, height: int = 84, width: int = 84, scale: float = 1 / 255) -> ConvTorso:
     """Mnih et al. 2015: three conv layers and a 512-unit layer (64 * 7 * 7 inputs at 84 x 84)."""
-    return ConvTorso([
-        nn.Conv2d(in_channels, 32, 8, stride=4), nn.ReLU(),
-        nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
-        nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
-    ], in_channels, height, width, 512, scale)
+    return ConvTorso(
+        [
+            nn.Conv2d(in_channels, 32, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1),
+            nn.ReLU(),
+        ],
+        in_channels,
+        height,
+        width,
+        512,
+        scale,
+    )
 
 
 def SmallCNN(in_channels: int, height: int, width: int, scale: float) -> ConvTorso:
@@ -69,9 +80,12 @@ def SmallCNN(in_channels: int, height: int, width: int, scale: float) -> ConvTor
     Young & Tian 2019 (the MinAtar paper)."""
     if min(height, width) >= 20:
         convs = [
-            nn.Conv2d(in_channels, 32, 4, stride=2), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, stride=2), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(),
+            nn.Conv2d(in_channels, 32, 4, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1),
+            nn.ReLU(),
         ]
         return ConvTorso(convs, in_channels, height, width, 256, scale)
     return ConvTorso([nn.Conv2d(in_channels, 16, 3, stride=1), nn.ReLU()], in_channels, height, width, 128, scale)
@@ -177,7 +191,9 @@ class PolicyValueNetwork(nn.Module):
         return torch.stack([part.argmax(dim=-1) for part in params.split(self.nvec, dim=-1)], dim=-1)
 
 
-def log_prob_and_entropy(params: torch.Tensor, actions: torch.Tensor, spec: EnvSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def log_prob_and_entropy(
+    params: torch.Tensor, actions: torch.Tensor, spec: EnvSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(a | x) and the policy's entropy, [...] each, for policy parameters [..., P]
     (``PolicyValueNetwork``) and actions [...], [..., components] or [..., D]."""
     if spec.continuous:
@@ -221,7 +237,9 @@ def log_probs(logits: torch.Tensor, nvec: tuple[int, ...] | None) -> list[torch.
     return [F.log_softmax(part, dim=-1) for part in logits.split(nvec, dim=-1)]
 
 
-def action_log_prob(log_policies: list[torch.Tensor], actions: torch.Tensor, nvec: tuple[int, ...] | None) -> torch.Tensor:
+def action_log_prob(
+    log_policies: list[torch.Tensor], actions: torch.Tensor, nvec: tuple[int, ...] | None
+) -> torch.Tensor:
     """log pi(a | x): the chosen entry, summed over the components of a MultiDiscrete action
     (actions [...] for Discrete, [..., components] for MultiDiscrete) -> [...]."""
     if nvec is None:

@@ -18,9 +18,7 @@ class SumTree:
         """Return leaves to their never-set state: priority 0, not part of ``min``."""
     def find_prefixsum(self, values: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """For each v in [0, total], the leaf i with cumsum[i-1] <= v < cumsum[i]."""
-    def sample(
-        self, n: int, rng: np.random.Generator
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
+    def sample(self, n: int, rng: np.random.Generator) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]:
         """Stratified sample: one leaf from each of n equal slices of [0, total).
 
         Returns (indices, priorities); indices come out in increasing order.

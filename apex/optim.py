@@ -27,8 +27,9 @@ def _run_wrapped_methods_eagerly() -> None:
             setattr(raw, "__dynamo_disable", raw)  # called as it is: eager, not traced
 
 
-def make(kind: str, params: Iterable[torch.nn.Parameter], lr: float, eps: float, alpha: float = 0.99,
-         fused: bool = False) -> torch.optim.Optimizer:
+def make(
+    kind: str, params: Iterable[torch.nn.Parameter], lr: float, eps: float, alpha: float = 0.99, fused: bool = False
+) -> torch.optim.Optimizer:
     """Adam (``fused``: one kernel for all parameters) or RMSProp."""
     _run_wrapped_methods_eagerly()
     if kind == "adam":
@@ -50,13 +51,19 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer skips a step on the device (fused Adam's ``found_inf``, as
     torch's GradScaler uses it) without a host synchronisation: on CUDA. (On the CPU reading
     a flag costs nothing, and the extra kernels would.)"""
-    return (isinstance(optimizer, torch.optim.Adam)
-            and all(group.get("fused") and all(p.is_cuda for p in group["params"]) for group in optimizer.param_groups))
+    return isinstance(optimizer, torch.optim.Adam) and all(
+        group.get("fused") and all(p.is_cuda for p in group["params"]) for group in optimizer.param_groups
+    )
 
 
-def guarded_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, parameters: Iterable[torch.nn.Parameter],
-                 grad_clip: float, figures: list[torch.Tensor],
-                 all_reduce: Callable[[list[torch.nn.Parameter], torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def guarded_step(
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    parameters: Iterable[torch.nn.Parameter],
+    grad_clip: float,
+    figures: list[torch.Tensor],
+    all_reduce: Callable[[list[torch.nn.Parameter], torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """One gradient step of ``loss``, clipped to ``grad_clip``, applied only if the loss, the
     gradient norm and ``figures`` (scalars) are all finite. Returns ``[skipped, *figures,
     grad_norm]`` as one float32 tensor on the device (``skipped`` 1.0 where the step was not
@@ -126,22 +133,26 @@ def check_state(optimizer: torch.optim.Optimizer, saved: object) -> None:
     for index, entry in state.items():
         want = expected.get(index) if isinstance(index, int) and not isinstance(index, bool) else None
         if want is None or not isinstance(entry, dict):
-            raise CorruptCheckpoint(f"optimizer state for parameter {show(index)}, which this model "
-                                    f"lacks (it has {len(expected)})")
+            raise CorruptCheckpoint(
+                f"optimizer state for parameter {show(index)}, which this model lacks (it has {len(expected)})"
+            )
         if entry.keys() != want.keys():
-            raise ValueError(f"the optimizer state holds {sorted(map(str, entry))}, this run's optimizer keeps "
-                             f"{sorted(want)}")
+            raise ValueError(
+                f"the optimizer state holds {sorted(map(str, entry))}, this run's optimizer keeps {sorted(want)}"
+            )
         for key, value in entry.items():
             ref = want[key]
             if not (isinstance(value, torch.Tensor) and value.shape == ref.shape and value.dtype == ref.dtype):
                 got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-                raise CorruptCheckpoint(f"optimizer state {key!r} of parameter {index} is {got}, "
-                                        f"expected {tuple(ref.shape)} {ref.dtype}")
+                raise CorruptCheckpoint(
+                    f"optimizer state {key!r} of parameter {index} is {got}, expected {tuple(ref.shape)} {ref.dtype}"
+                )
 
 
 def load_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """Restores a checkpoint's per-parameter state (Adam's moments and step counts), which
-    ``check_state`` passed (call it first: torch checks nothing), and keeps ``optimizer``'s own hyper-parameters: this run's config (a resume
-    with another learner.lr takes it; a checkpoint's lr, NaN or a string, is never used)."""
+    ``check_state`` passed (call it first: torch checks nothing), and keeps ``optimizer``'s own
+    hyper-parameters: this run's config (a resume with another learner.lr takes it; a
+    checkpoint's lr, NaN or a string, is never used)."""
     _run_wrapped_methods_eagerly()
     optimizer.load_state_dict({"state": saved["state"], "param_groups": optimizer.state_dict()["param_groups"]})

@@ -94,20 +94,26 @@ class DeviceStager:
         start = time.perf_counter()
         count = len(contexts)
         if any(len(array) % count for array in arrays.values()):
-            raise ValueError(f"cannot split arrays of lengths {sorted({len(a) for a in arrays.values()})} "
-                             f"into {count} batches of one size")
+            raise ValueError(
+                f"cannot split arrays of lengths {sorted({len(a) for a in arrays.values()})} "
+                f"into {count} batches of one size"
+            )
         if self.stream is None:
             parts = {name: torch.from_numpy(array).tensor_split(count) for name, array in arrays.items()}
             ready = None
         else:
             with torch.cuda.stream(self.stream):
-                parts = {name: torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True).tensor_split(count)
-                         for name, array in arrays.items()}
+                parts = {
+                    name: torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True).tensor_split(count)
+                    for name, array in arrays.items()
+                }
                 ready = torch.cuda.Event()
                 ready.record(self.stream)
         copy_s = (time.perf_counter() - start) / count
-        return [Staged({name: views[k] for name, views in parts.items()}, context, ready, sample_s, copy_s)
-                for k, context in enumerate(contexts)]
+        return [
+            Staged({name: views[k] for name, views in parts.items()}, context, ready, sample_s, copy_s)
+            for k, context in enumerate(contexts)
+        ]
 
 
 def fetch(parts: list[torch.Tensor], context: Any = None) -> Pending:
@@ -197,8 +203,13 @@ class Pipeline:
     replay's memory stays in the other core's caches, and the sampling thread's work, whose
     GIL the training thread must wait for, is paid once for several steps."""
 
-    def __init__(self, core, times: SectionTimes, on_ready: Callable[[], None] = lambda: None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        core,
+        times: SectionTimes,
+        on_ready: Callable[[], None] = lambda: None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """``core``: a learner core (``prepare`` / ``finish``, ``prefetch_batches``);
         ``on_ready``: called when batches were staged (to wake the main loop); ``on_error``:
         told of a bug met in the thread, inside its ``except`` (the thread goes on; without

@@ -45,8 +45,14 @@ def read_metrics(logdir: str | Path) -> list[dict]:
         else:
             skipped += 1
     if skipped:
-        log.warning("%s: skipped %d of %d rows: each must be a JSON object whose %s (and return_mean_100, "
-                    "or null) are finite numbers", path, skipped, skipped + len(rows), ", ".join(_PLOTTED))
+        log.warning(
+            "%s: skipped %d of %d rows: each must be a JSON object whose %s (and return_mean_100, "
+            "or null) are finite numbers",
+            path,
+            skipped,
+            skipped + len(rows),
+            ", ".join(_PLOTTED),
+        )
     if not rows:
         raise ApexError(f"{path} holds no metrics yet" if not skipped else f"{path} holds no row to plot")
     return surviving_timeline(rows)
@@ -63,8 +69,11 @@ def _finite(value: Any) -> bool:
 
 
 def _plottable(row: Any) -> bool:
-    return (isinstance(row, dict) and all(_finite(row.get(key)) for key in _PLOTTED)
-            and (row.get("return_mean_100") is None or _finite(row["return_mean_100"])))
+    return (
+        isinstance(row, dict)
+        and all(_finite(row.get(key)) for key in _PLOTTED)
+        and (row.get("return_mean_100") is None or _finite(row["return_mean_100"]))
+    )
 
 
 def surviving_timeline(rows: list[dict]) -> list[dict]:
@@ -96,8 +105,10 @@ def run_labels(logdirs: list[str]) -> list[str]:
     directories = _labels(logdirs)
     kinds = [_env_and_algo(Path(d)) for d in logdirs]
     shared = Counter(kinds)
-    return [directory if kind is None else " ".join(kind) + (f" ({directory})" if shared[kind] > 1 else "")
-            for directory, kind in zip(directories, kinds)]
+    return [
+        directory if kind is None else " ".join(kind) + (f" ({directory})" if shared[kind] > 1 else "")
+        for directory, kind in zip(directories, kinds)
+    ]
 
 
 def _env_and_algo(logdir: Path) -> tuple[str, str] | None:

@@ -81,8 +81,18 @@ _ARRAYS_ALLOWED = {"batch", "weights"}
 DTYPES = frozenset(
     np.dtype(t).str
     for t in (
-        np.bool_, np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32,
-        np.uint64, np.int64, np.float16, np.float32, np.float64,
+        np.bool_,
+        np.uint8,
+        np.int8,
+        np.uint16,
+        np.int16,
+        np.uint32,
+        np.int32,
+        np.uint64,
+        np.int64,
+        np.float16,
+        np.float32,
+        np.float64,
     )
 )
 CODECS = ("raw", "lz4")
@@ -138,8 +148,9 @@ def encode(
         if codec == "raw":
             raw.append(array)
         layout.append([name, array.dtype.str, list(array.shape), codec])
-    header = msgpack.packb({"v": PROTOCOL, "type": msg_type, **fields, "layout": msgpack.packb(layout)},
-                           use_bin_type=True)
+    header = msgpack.packb(
+        {"v": PROTOCOL, "type": msg_type, **fields, "layout": msgpack.packb(layout)}, use_bin_type=True
+    )
     if len(header) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     # One copy of every raw array into a buffer of our own: later changes to the caller's
@@ -266,7 +277,9 @@ def split_head(frame: Any) -> tuple[Any, Any]:
     if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
         version = peek_version(frame)
         if version is not None and version != PROTOCOL:
-            raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides")
+            raise ProtocolError(
+                f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides"
+            )
         raise ProtocolError("frame 0 does not start with an apex header")
     _, length = _PREFIX.unpack_from(head)
     if length > MAX_HEADER_BYTES:
@@ -300,7 +313,9 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.pop("v", None)
     if version != PROTOCOL:
-        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides")
+        raise ProtocolError(
+            f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides"
+        )
     msg_type = header.pop("type", None)
     if msg_type not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message type {msg_type!r}")
@@ -324,7 +339,9 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
     if len(frames) != expected_frames:
         raise ProtocolError(f"layout needs {expected_frames} frames, message has {len(frames)}")
     if len(raw_region) != layout.raw_frame_bytes:
-        raise ProtocolError(f"raw arrays take {len(raw_region)} bytes of frame 0, layout needs {layout.raw_frame_bytes}")
+        raise ProtocolError(
+            f"raw arrays take {len(raw_region)} bytes of frame 0, layout needs {layout.raw_frame_bytes}"
+        )
     arrays = {}
     next_lz4 = 1
     for name, dtype, shape, codec, nbytes, offset in layout.arrays:
@@ -400,7 +417,9 @@ def _check_fields(msg_type: str, fields: Mapping[str, Any]) -> None:
         # Exact types, as msgpack produces them: a bool or a NumPy integer is not an int here.
         if type(fields[name]) not in types:
             names = " or ".join(t.__name__ for t in types)
-            raise ProtocolError(f"{msg_type!r} header: field {name!r} must be {names}, got {type(fields[name]).__name__}")
+            raise ProtocolError(
+                f"{msg_type!r} header: field {name!r} must be {names}, got {type(fields[name]).__name__}"
+            )
 
 
 def _buffer(frame: Any) -> Any:

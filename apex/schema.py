@@ -163,8 +163,9 @@ class BatchSchema:
             total += count * rule.store.itemsize
         return total
 
-    def validate(self, arrays: Mapping[str, Any], limits: Mapping[str, int],
-                 layout: bytes = b"") -> tuple[dict[str, Any], dict[str, int]]:
+    def validate(
+        self, arrays: Mapping[str, Any], limits: Mapping[str, int], layout: bytes = b""
+    ) -> tuple[dict[str, Any], dict[str, int]]:
         """Checks a (lazily decoded) batch; returns (arrays cast to their stored dtypes,
         the message's sizes). Arrays that may stay compressed are returned as they came.
         ``layout``: the message's layout blob (``Message.layout``), whose check is then
@@ -183,7 +184,9 @@ class BatchSchema:
             raise RejectedMessage(*sizes)
         for name, size in sizes.items():
             if size > limits[name]:
-                raise RejectedMessage("too_large", f"{size} {name} in one batch, over this actor's limit of {limits[name]}")
+                raise RejectedMessage(
+                    "too_large", f"{size} {name} in one batch, over this actor's limit of {limits[name]}"
+                )
         out: dict[str, Any] = {}
         for rule in self.rules:
             array = arrays[rule.name]
@@ -230,8 +233,11 @@ class BatchSchema:
                 if want.__class__ is str:
                     want = sizes.setdefault(want, got)
                 if got != want:
-                    raise RejectedMessage("shape", f"{rule.name} has shape {list(shape)}, expected "
-                                          f"{[sizes.get(d, d) if isinstance(d, str) else d for d in rule.shape]}")
+                    raise RejectedMessage(
+                        "shape",
+                        f"{rule.name} has shape {list(shape)}, expected "
+                        f"{[sizes.get(d, d) if isinstance(d, str) else d for d in rule.shape]}",
+                    )
         for name, size in sizes.items():
             if size < 1:
                 raise RejectedMessage("shape", f"a batch holds at least one of {name}, got 0")
@@ -254,16 +260,20 @@ def _check_range(rule: ArrayRule, array: np.ndarray, sizes: Mapping[str, int]) -
         if bad.any():
             finite = array.dtype.kind != "f" or bool(np.isfinite(rows).all())
             i = int(np.argmax(bad if finite else ~np.isfinite(rows).all(axis=0)))
-            raise RejectedMessage("out_of_range" if finite else "nonfinite",
-                                  f"{rule.name} component {i} holds {'values outside' if finite else 'NaN or infinity, not in'} "
-                                  f"[{lows[i]:g}, {high[i]:g}] (min {rows[:, i].min()}, max {rows[:, i].max()})")
+            raise RejectedMessage(
+                "out_of_range" if finite else "nonfinite",
+                f"{rule.name} component {i} holds {'values outside' if finite else 'NaN or infinity, not in'} "
+                f"[{lows[i]:g}, {high[i]:g}] (min {rows[:, i].min()}, max {rows[:, i].max()})",
+            )
         return
     # min and max: NaN fails both comparisons, infinities are out of every range
     if not (array.min() >= low and array.max() <= high):
         finite = array.dtype.kind != "f" or bool(np.isfinite(array).all())
-        raise RejectedMessage("out_of_range" if finite else "nonfinite",
-                              f"{rule.name} holds {'values outside' if finite else 'NaN or infinity, not in'} "
-                              f"[{low:g}, {high:g}] (min {array.min()}, max {array.max()})")
+        raise RejectedMessage(
+            "out_of_range" if finite else "nonfinite",
+            f"{rule.name} holds {'values outside' if finite else 'NaN or infinity, not in'} "
+            f"[{low:g}, {high:g}] (min {array.min()}, max {array.max()})",
+        )
 
 
 UNKNOWN_STEP_LIMIT = 100_000  # episode length bound for environments without a time limit
@@ -275,23 +285,31 @@ def possible_return(episode_return: float, steps: int, max_abs_reward: float) ->
     return abs(episode_return) <= max_abs_reward * steps
 
 
-def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_reward: float,
-                   step_budget: int) -> tuple[list[tuple[float, int, bool]], int]:
+def check_episodes(
+    info: Any, *, max_episodes: int, step_limit: int, max_abs_reward: float, step_budget: int
+) -> tuple[list[tuple[float, int, bool]], int]:
     """The episode records of a batch's ``info`` ({"episodes": [[return, length, is_eval],
     ...]}): at most ``max_episodes`` (one per transition of the batch), each 1..``step_limit``
     steps long with a finite return of at most ``max_abs_reward`` per step, and together
     no longer than ``step_budget`` (the env steps the session has sent, plus the episodes
     its environments had under way when it began). Returns (records, steps they used)."""
     if not isinstance(info, dict) or not info.keys() <= {"episodes"}:
-        raise RejectedMessage("info", "batch info must be {\"episodes\": [[return, length, is_eval], ...]}")
+        raise RejectedMessage("info", 'batch info must be {"episodes": [[return, length, is_eval], ...]}')
     episodes = info.get("episodes", [])
     if not isinstance(episodes, list) or len(episodes) > max_episodes:
         count = len(episodes) if isinstance(episodes, list) else type(episodes).__name__
-        raise RejectedMessage("episodes", f"info.episodes must be a list of at most {max_episodes} records, got {count}")
+        raise RejectedMessage(
+            "episodes", f"info.episodes must be a list of at most {max_episodes} records, got {count}"
+        )
     records, used = [], 0
     for record in episodes:
-        if not (isinstance(record, list) and len(record) == 3 and type(record[0]) in (int, float)
-                and type(record[1]) is int and type(record[2]) is bool):
+        if not (
+            isinstance(record, list)
+            and len(record) == 3
+            and type(record[0]) in (int, float)
+            and type(record[1]) is int
+            and type(record[2]) is bool
+        ):
             raise RejectedMessage("episodes", "each of info.episodes must be [return, length, is_eval]")
         episode_return, length, is_eval = record
         if not 1 <= length <= step_limit:
@@ -301,5 +319,7 @@ def check_episodes(info: Any, *, max_episodes: int, step_limit: int, max_abs_rew
         used += length
         records.append((float(episode_return), length, is_eval))
     if used > step_budget:
-        raise RejectedMessage("episodes", f"episodes of {used} steps in all, more than this actor has played ({step_budget})")
+        raise RejectedMessage(
+            "episodes", f"episodes of {used} steps in all, more than this actor has played ({step_budget})"
+        )
     return records, used

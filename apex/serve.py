@@ -62,8 +62,10 @@ def read_token(token_file: str | None) -> str | None:
             raise ApexError(f"--token-file {token_file}: {getattr(e, 'strerror', None) or e}") from None
         token = lines[0].strip() if lines else ""
         if len(token) < 16:
-            raise ApexError(f"--token-file {token_file}: the token must be at least 16 characters on its first line "
-                            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)")
+            raise ApexError(
+                f"--token-file {token_file}: the token must be at least 16 characters on its first line "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)"
+            )
         return token
     token = os.environ.get(TOKEN_ENV, "").strip()
     if token and len(token) < 16:
@@ -78,9 +80,11 @@ def check_exposure(options: ServeOptions) -> None:
         if name == "--zmq" and options.curve_dir:
             continue  # only holders of an authorised client key can connect
         if address is not None and not is_loopback(address[0]) and options.token is None:
-            raise ApexError(f"{name} {address[0]}:{address[1]} listens beyond this machine: give clients a bearer "
-                            f"token with --token-file FILE or {TOKEN_ENV} (at least 16 characters)"
-                            + (", or CURVE keys with --curve-dir DIR" if name == "--zmq" else ""))
+            raise ApexError(
+                f"{name} {address[0]}:{address[1]} listens beyond this machine: give clients a bearer "
+                f"token with --token-file FILE or {TOKEN_ENV} (at least 16 characters)"
+                + (", or CURVE keys with --curve-dir DIR" if name == "--zmq" else "")
+            )
 
 
 class Server:
@@ -90,14 +94,22 @@ class Server:
         self.client = client
         self.options = options
         setup = client.welcome.fields["setup"]
-        self.config, side = welcome_setup(setup, options.allow_imports,
-                                          f"the welcome of the learner at {client.host}:{client.ports.control}")
+        self.config, side = welcome_setup(
+            setup, options.allow_imports, f"the welcome of the learner at {client.host}:{client.ports.control}"
+        )
         from apex.envs import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
         actor = side.EpisodeActor(self.config, setup, spec, setup["seed"])
-        self.episodes = ExternalEpisodes(self.config, spec, low, high, actor, max_episodes=options.max_episodes,
-                                         episode_timeout_s=options.episode_timeout_s)
+        self.episodes = ExternalEpisodes(
+            self.config,
+            spec,
+            low,
+            high,
+            actor,
+            max_episodes=options.max_episodes,
+            episode_timeout_s=options.episode_timeout_s,
+        )
         self.lock = threading.Lock()
         self.rejected: Counter[str] = Counter()
         self.requests = 0
@@ -114,8 +126,9 @@ class Server:
     def authorised(self, presented: str | None) -> bool:
         token = self.options.token
         # surrogateescape: a header's undecodable bytes (aiohttp keeps them as surrogates) compare, not raise
-        return token is None or (presented is not None and hmac.compare_digest(
-            presented.encode("utf-8", "surrogateescape"), token.encode()))
+        return token is None or (
+            presented is not None and hmac.compare_digest(presented.encode("utf-8", "surrogateescape"), token.encode())
+        )
 
     def refused(self, error: RequestError | str, reason: str | None = None, peer: str = "?") -> None:
         """Counts (and, rate-limited, logs) a refused request."""
@@ -153,12 +166,19 @@ class Server:
             e = self.episodes
             return {
                 "status": "stopping" if self.stop_reason else "ok",
-                "algo": self.config.algo, "env": self.config.env.id,
-                "actor_index": self.client.actor_index, "connected": self.client.connected,
+                "algo": self.config.algo,
+                "env": self.config.env.id,
+                "actor_index": self.client.actor_index,
+                "connected": self.client.connected,
                 "weights_version": e.actor.weights_version,
-                "episodes_open": len(e.episodes), "episodes_started": e.started, "episodes_finished": e.finished,
-                "episodes_expired": e.expired, "env_steps": e.steps, "requests": self.requests,
-                "batches_sent": self.batches_sent, "rejected_by_reason": dict(self.rejected),
+                "episodes_open": len(e.episodes),
+                "episodes_started": e.started,
+                "episodes_finished": e.finished,
+                "episodes_expired": e.expired,
+                "env_steps": e.steps,
+                "requests": self.requests,
+                "batches_sent": self.batches_sent,
+                "rejected_by_reason": dict(self.rejected),
             }
 
     # -- the learner thread
@@ -188,8 +208,11 @@ class Server:
                 with self.lock:
                     if now >= next_expiry:
                         if expired := self.episodes.expire():
-                            log.info("serve: %d idle episodes expired (%.0f s without a request)", expired,
-                                     self.options.episode_timeout_s)
+                            log.info(
+                                "serve: %d idle episodes expired (%.0f s without a request)",
+                                expired,
+                                self.options.episode_timeout_s,
+                            )
                         next_expiry = now + EXPIRE_EVERY_S
                     self._collect(flush=now - self._last_data > FLUSH_S)
                     batch = self.backlog[0] if self.backlog else None
@@ -210,8 +233,15 @@ class Server:
             self.stop_reason = self.client.stop_reason or "stopped"
 
 
-def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int | None = None,
-              num_envs: int | None = None, transport: TransportConfig = TransportConfig()) -> int:
+def run_serve(
+    host: str,
+    port: int,
+    options: ServeOptions,
+    *,
+    actor_index: int | None = None,
+    num_envs: int | None = None,
+    transport: TransportConfig = TransportConfig(),
+) -> int:
     """The `apex serve` process: handshake, then serve until the learner stops or a signal."""
     import apex.envs  # noqa: F401  (gymnasium before signals are taken over, as an actor does)
 
@@ -220,17 +250,28 @@ def run_serve(host: str, port: int, options: ServeOptions, *, actor_index: int |
         try:
             import aiohttp  # noqa: F401
         except ImportError:
-            raise ApexError("apex serve --http needs aiohttp: pip install 'apex-rl[serve]' "
-                            "(or serve ZeroMQ only: --http off --zmq PORT)") from None
+            raise ApexError(
+                "apex serve --http needs aiohttp: pip install 'apex-rl[serve]' "
+                "(or serve ZeroMQ only: --http off --zmq PORT)"
+            ) from None
     stopping = threading.Event()
     with StopSignals(then=stopping.set) as signals:
         return _serve_until_stopped(host, port, options, actor_index, num_envs, transport, stopping, signals)
 
 
-def _serve_until_stopped(host: str, port: int, options: ServeOptions, actor_index: int | None, num_envs: int | None,
-                         transport: TransportConfig, stopping: threading.Event, signals: StopSignals) -> int:
-    client = LearnerClient(host, port, actor_index=actor_index, num_envs=num_envs or 0, options=transport,
-                           should_stop=stopping.is_set)
+def _serve_until_stopped(
+    host: str,
+    port: int,
+    options: ServeOptions,
+    actor_index: int | None,
+    num_envs: int | None,
+    transport: TransportConfig,
+    stopping: threading.Event,
+    signals: StopSignals,
+) -> int:
+    client = LearnerClient(
+        host, port, actor_index=actor_index, num_envs=num_envs or 0, options=transport, should_stop=stopping.is_set
+    )
     try:
         try:
             client.handshake()
@@ -241,8 +282,9 @@ def _serve_until_stopped(host: str, port: int, options: ServeOptions, actor_inde
                 raise
             return 0
         server = Server(client, options)
-        learner_thread = threading.Thread(target=server.learner_loop, args=(stopping,), name="apex-serve-learner",
-                                          daemon=True)
+        learner_thread = threading.Thread(
+            target=server.learner_loop, args=(stopping,), name="apex-serve-learner", daemon=True
+        )
         learner_thread.start()
         try:
             asyncio.run(_serve(server, stopping))
@@ -268,10 +310,18 @@ async def _serve(server: Server, stopping: threading.Event) -> None:
     if server.options.zmq is not None:
         frontends.append(await serve_zmq.start(server, *server.options.zmq))
     where = ", ".join(f.describe() for f in frontends)
-    log.info("serving %s on %s (%s, observation %s %s, %s actions) as actor %d of the learner at %s:%d", server.config.algo,
-             where, server.config.env.id, spaces["observation"]["dtype"], spaces["observation"]["shape"],
-             spaces["action"].get("n", spaces["action"].get("nvec")), server.client.actor_index, server.client.host,
-             server.client.ports.control)
+    log.info(
+        "serving %s on %s (%s, observation %s %s, %s actions) as actor %d of the learner at %s:%d",
+        server.config.algo,
+        where,
+        server.config.env.id,
+        spaces["observation"]["dtype"],
+        spaces["observation"]["shape"],
+        spaces["action"].get("n", spaces["action"].get("nvec")),
+        server.client.actor_index,
+        server.client.host,
+        server.client.ports.control,
+    )
     try:
         while not stopping.is_set() and server.stop_reason is None:
             await asyncio.sleep(STOP_POLL_S)

@@ -73,8 +73,11 @@ class Limits:
     def admit(self, gate: Gate, transport: asyncio.Transport):
         """aiohttp's protocol for a new connection, or None (answered 503 and closed)."""
         if len(self.gates) >= self.max_connections:
-            self.server.refused(f"{self.max_connections} connections are open (serve.max_connections); "
-                                "closed at accept", "connections", _peer(transport))
+            self.server.refused(
+                f"{self.max_connections} connections are open (serve.max_connections); closed at accept",
+                "connections",
+                _peer(transport),
+            )
             transport.write(_BUSY_AT_ACCEPT)
             transport.close()
             return None
@@ -84,8 +87,12 @@ class Limits:
     def release(self, gate: Gate, transport: asyncio.BaseTransport) -> None:
         self.gates.pop(transport, None)
         if gate.partial:  # a request head that never came whole: a slow client, or one gone
-            self.server.refused(f"the connection closed with a request head unfinished (each must arrive within "
-                                f"serve.idle_timeout_s, {self.idle_timeout_s:g} s)", "incomplete", _peer(transport))
+            self.server.refused(
+                f"the connection closed with a request head unfinished (each must arrive within "
+                f"serve.idle_timeout_s, {self.idle_timeout_s:g} s)",
+                "incomplete",
+                _peer(transport),
+            )
 
 
 def _peer(transport: asyncio.BaseTransport) -> str:
@@ -93,10 +100,13 @@ def _peer(transport: asyncio.BaseTransport) -> str:
     return str(peer[0]) if isinstance(peer, tuple) and peer else "?"
 
 
-_BUSY_BODY = json.dumps({"error": "apex serve has as many connections open as serve.max_connections allows; "
-                                  "try again later"}).encode()
-_BUSY_AT_ACCEPT = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
-                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+_BUSY_BODY = json.dumps(
+    {"error": "apex serve has as many connections open as serve.max_connections allows; try again later"}
+).encode()
+_BUSY_AT_ACCEPT = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 
 class Gate(asyncio.Protocol):
@@ -154,8 +164,10 @@ def max_body_bytes(server) -> int:
     """The largest request body: room for a batch of observations of every open episode
     (the batched forms)."""
     frame_elements = math.prod(server.episodes.spec.frame_shape)
-    return min(MAX_BODY_BYTES, max(64 * 1024, server.options.max_episodes * (
-        frame_elements * JSON_CHARS_PER_NUMBER + 64) + 4096))
+    return min(
+        MAX_BODY_BYTES,
+        max(64 * 1024, server.options.max_episodes * (frame_elements * JSON_CHARS_PER_NUMBER + 64) + 4096),
+    )
 
 
 def make_app(server, limits: Limits) -> web.Application:
@@ -182,11 +194,14 @@ def make_app(server, limits: Limits) -> web.Application:
     async def admitted(request: web.Request, handler):
         peer = request.remote or "?"
         header = request.headers.get("Authorization", "")
-        presented = header[len("Bearer "):] if header.startswith("Bearer ") else None
+        presented = header[len("Bearer ") :] if header.startswith("Bearer ") else None
         if not server.authorised(presented):
             server.refused("missing or wrong bearer token", "token", peer)
-            return _error(401, "missing or wrong bearer token: send Authorization: Bearer <token> "
-                               "(apex serve --token-file or APEX_SERVE_TOKEN)")
+            return _error(
+                401,
+                "missing or wrong bearer token: send Authorization: Bearer <token> "
+                "(apex serve --token-file or APEX_SERVE_TOKEN)",
+            )
         reserved = 0
         try:
             reserved = reserve(request)
@@ -199,11 +214,14 @@ def make_app(server, limits: Limits) -> web.Application:
             if e.status == 413:
                 return _error(413, f"request body over {max_body} bytes")
             if e.status == 404:
-                return _error(404, f"no such endpoint {request.method} {request.path}: see GET /v1/spaces, "
-                                   "POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end, "
-                                   "POST /v1/batch/action|log_action|rewards|end")
+                return _error(
+                    404,
+                    f"no such endpoint {request.method} {request.path}: see GET /v1/spaces, "
+                    "POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end, "
+                    "POST /v1/batch/action|log_action|rewards|end",
+                )
             return _error(e.status, e.reason)
-        except Exception:  # noqa: BLE001  a bug of ours that a request found: answered in JSON, serving on
+        except Exception:
             error = server.internal_error()
             return _error(error.status, str(error))
         finally:
@@ -213,15 +231,23 @@ def make_app(server, limits: Limits) -> web.Application:
         """Reserves the request's body bytes in serve.max_body_bytes_in_flight (by its
         Content-Length, before a byte of it is read); returns them, or raises RequestError."""
         if "chunked" in request.headers.get("Transfer-Encoding", "").lower():
-            raise RequestError(411, "no_length", "send the body with a Content-Length (apex serve takes no "
-                                                 "chunked bodies: it reserves room for a body before reading it)")
+            raise RequestError(
+                411,
+                "no_length",
+                "send the body with a Content-Length (apex serve takes no "
+                "chunked bodies: it reserves room for a body before reading it)",
+            )
         length = request.content_length or 0
         if length > max_body:
             raise RequestError(413, "http_413", f"request body over {max_body} bytes")
         if limits.body_bytes + length > limits.max_body_bytes:
-            raise RequestError(503, "body_bytes", f"apex serve is reading as many request bytes as "
-                                                  f"serve.max_body_bytes_in_flight ({limits.max_body_bytes}) "
-                                                  "allows; try again")
+            raise RequestError(
+                503,
+                "body_bytes",
+                f"apex serve is reading as many request bytes as "
+                f"serve.max_body_bytes_in_flight ({limits.max_body_bytes}) "
+                "allows; try again",
+            )
         limits.body_bytes += length
         sock = request.transport.get_extra_info("socket") if request.transport is not None else None
         if length > RECEIVE_BUFFER_BYTES and sock is not None:
@@ -238,8 +264,11 @@ def make_app(server, limits: Limits) -> web.Application:
         except ConnectionError:  # the client went away mid-body: counted, not aiohttp's traceback
             raise RequestError(400, "disconnected", "the connection closed before the body arrived") from None
         except TimeoutError:  # a slowloris: its connection is closed after the answer
-            raise RequestError(408, "body_timeout", f"the body did not arrive within serve.idle_timeout_s "
-                                                    f"({limits.idle_timeout_s:g} s)") from None
+            raise RequestError(
+                408,
+                "body_timeout",
+                f"the body did not arrive within serve.idle_timeout_s ({limits.idle_timeout_s:g} s)",
+            ) from None
         try:
             data = json.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError) as e:
@@ -271,15 +300,24 @@ def make_app(server, limits: Limits) -> web.Application:
     async def action(request):
         data = await body(request)
         await server.wait_for_room()
-        actions = server.call("act", [request.match_info["id"]], [need(data, "observation")],
-                              None if data.get("reward") is None else [data["reward"]])
+        actions = server.call(
+            "act",
+            [request.match_info["id"]],
+            [need(data, "observation")],
+            None if data.get("reward") is None else [data["reward"]],
+        )
         return web.json_response({"action": _action_json(actions[0])})
 
     async def log_action(request):
         data = await body(request)
         await server.wait_for_room()
-        server.call("log_action", [request.match_info["id"]], [need(data, "observation")], [need(data, "action")],
-                    None if data.get("reward") is None else [data["reward"]])
+        server.call(
+            "log_action",
+            [request.match_info["id"]],
+            [need(data, "observation")],
+            [need(data, "action")],
+            None if data.get("reward") is None else [data["reward"]],
+        )
         return web.json_response({})
 
     async def rewards(request):
@@ -290,9 +328,14 @@ def make_app(server, limits: Limits) -> web.Application:
     async def end(request):
         data = await body(request)
         await server.wait_for_room()
-        server.call("end", [request.match_info["id"]], [need(data, "observation")],
-                    [data.get("terminated", False)], [data.get("truncated", False)],
-                    None if data.get("reward") is None else [data["reward"]])
+        server.call(
+            "end",
+            [request.match_info["id"]],
+            [need(data, "observation")],
+            [data.get("terminated", False)],
+            [data.get("truncated", False)],
+            None if data.get("reward") is None else [data["reward"]],
+        )
         return web.json_response({})
 
     # The batched forms: many episodes a request, as the ZeroMQ ops take them.
@@ -300,15 +343,21 @@ def make_app(server, limits: Limits) -> web.Application:
     async def batch_action(request):
         data = await body(request)
         await server.wait_for_room()
-        actions = server.call("act", need(data, "episode_ids"), need(data, "observations"), data.get("rewards"),
-                              data.get("end"))
+        actions = server.call(
+            "act", need(data, "episode_ids"), need(data, "observations"), data.get("rewards"), data.get("end")
+        )
         return web.json_response({"actions": actions.tolist()})
 
     async def batch_log_action(request):
         data = await body(request)
         await server.wait_for_room()
-        server.call("log_action", need(data, "episode_ids"), need(data, "observations"), need(data, "actions"),
-                    data.get("rewards"))
+        server.call(
+            "log_action",
+            need(data, "episode_ids"),
+            need(data, "observations"),
+            need(data, "actions"),
+            data.get("rewards"),
+        )
         return web.json_response({})
 
     async def batch_rewards(request):
@@ -319,24 +368,32 @@ def make_app(server, limits: Limits) -> web.Application:
     async def batch_end(request):
         data = await body(request)
         await server.wait_for_room()
-        server.call("end", need(data, "episode_ids"), need(data, "observations"), data.get("terminated", False),
-                    data.get("truncated", False), data.get("rewards"))
+        server.call(
+            "end",
+            need(data, "episode_ids"),
+            need(data, "observations"),
+            data.get("terminated", False),
+            data.get("truncated", False),
+            data.get("rewards"),
+        )
         return web.json_response({})
 
     app = web.Application(middlewares=[guard], client_max_size=max_body)
-    app.add_routes([
-        web.get("/v1/spaces", spaces),
-        web.get("/v1/health", health),
-        web.post("/v1/episodes", start),
-        web.post("/v1/episodes/{id}/action", action),
-        web.post("/v1/episodes/{id}/log_action", log_action),
-        web.post("/v1/episodes/{id}/rewards", rewards),
-        web.post("/v1/episodes/{id}/end", end),
-        web.post("/v1/batch/action", batch_action),
-        web.post("/v1/batch/log_action", batch_log_action),
-        web.post("/v1/batch/rewards", batch_rewards),
-        web.post("/v1/batch/end", batch_end),
-    ])
+    app.add_routes(
+        [
+            web.get("/v1/spaces", spaces),
+            web.get("/v1/health", health),
+            web.post("/v1/episodes", start),
+            web.post("/v1/episodes/{id}/action", action),
+            web.post("/v1/episodes/{id}/log_action", log_action),
+            web.post("/v1/episodes/{id}/rewards", rewards),
+            web.post("/v1/episodes/{id}/end", end),
+            web.post("/v1/batch/action", batch_action),
+            web.post("/v1/batch/log_action", batch_log_action),
+            web.post("/v1/batch/rewards", batch_rewards),
+            web.post("/v1/batch/end", batch_end),
+        ]
+    )
     return app
 
 
@@ -344,16 +401,22 @@ async def start(server, host: str, port: int) -> HttpFrontend:
     # aiohttp's keep-alive timer closes a connection that has no whole request head within
     # the idle timeout, from its start or from its last answer (a slowloris's dribbled head).
     limits = Limits(server, max_body_bytes(server))
-    runner = web.AppRunner(make_app(server, limits), access_log=None, handle_signals=False,
-                           keepalive_timeout=limits.idle_timeout_s, lingering_time=LINGER_S,
-                           read_bufsize=READ_BUFFER_BYTES)
+    runner = web.AppRunner(
+        make_app(server, limits),
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=limits.idle_timeout_s,
+        lingering_time=LINGER_S,
+        read_bufsize=READ_BUFFER_BYTES,
+    )
     await runner.setup()
     limits.protocol = runner.server
     # aiohttp's low-level serving (its Server is the protocol factory), each connection
     # through a Gate: TCPSite has no place for a cap on connections.
     try:
         listener = await asyncio.get_running_loop().create_server(
-            lambda: Gate(limits), sock=_listening_socket(host, port))
+            lambda: Gate(limits), sock=_listening_socket(host, port)
+        )
     except OSError as e:
         await runner.cleanup()
         raise ApexError(f"--http {host}:{port}: cannot listen there ({e.strerror}); choose another port") from None
@@ -364,8 +427,9 @@ async def start(server, host: str, port: int) -> HttpFrontend:
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket whose connections' kernel receive buffer is
     RECEIVE_BUFFER_BYTES (set before listen: accepted sockets inherit it)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

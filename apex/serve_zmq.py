@@ -54,8 +54,10 @@ def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: st
     clients = directory / "serve-clients"
     public, secret = load_keypair(directory / "serve.key_secret")
     if not clients.is_dir() or not any(clients.glob("*.key")):
-        raise ApexError(f"no authorised client keys in {clients}: `apex keygen NEWDIR` makes serve.key_secret, "
-                        "client.key_secret and serve-clients/")
+        raise ApexError(
+            f"no authorised client keys in {clients}: `apex keygen NEWDIR` makes serve.key_secret, "
+            "client.key_secret and serve-clients/"
+        )
     # The authenticator answers on the context's ZAP endpoint: the same (synchronous) context.
     authenticator = ThreadAuthenticator(zmq.Context.shadow(context.underlying))
     authenticator.start()
@@ -71,13 +73,17 @@ def decode_array(value, what: str) -> np.ndarray:
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
         if not isinstance(dtype, str) or dtype not in ARRAY_DTYPES:
             raise RequestError(400, "fields", f"{what}: dtype must be one of {', '.join(sorted(ARRAY_DTYPES))}")
-        if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n for n in shape)
-                and len(shape) <= 8):
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            and len(shape) <= 8
+        ):
             raise RequestError(400, "fields", f"{what}: shape must be a list of at most 8 non-negative integers")
         dt = np.dtype(dtype).newbyteorder("<")
         if not isinstance(data, bytes) or len(data) != math.prod(shape) * dt.itemsize:
-            raise RequestError(400, "fields", f"{what}: data must be {math.prod(shape) * dt.itemsize} bytes for "
-                                              f"{dtype} {shape}")
+            raise RequestError(
+                400, "fields", f"{what}: data must be {math.prod(shape) * dt.itemsize} bytes for {dtype} {shape}"
+            )
         return np.frombuffer(data, dt).reshape(shape)
     return value  # a nested list: ExternalEpisodes checks it
 
@@ -99,20 +105,26 @@ class Handler:
             server.refused(error)
             return _error_reply(None, error)
         request_id = request.get("id") if isinstance(request, dict) else None
-        if not isinstance(request_id, int | str | None) or isinstance(request_id, str) and len(request_id) > MAX_ID_CHARS:
+        if not isinstance(request_id, int | str | None) or (
+            isinstance(request_id, str) and len(request_id) > MAX_ID_CHARS
+        ):
             request_id = None
         try:
             if not isinstance(request, dict):
                 raise RequestError(400, "fields", "a request is a msgpack map with an 'op'")
             token = request.get("token")
             if not server.authorised(token if isinstance(token, str) else None):
-                raise RequestError(401, "token", "missing or wrong token: put it in the request's 'token' field "
-                                                 "(apex serve --token-file or APEX_SERVE_TOKEN)")
+                raise RequestError(
+                    401,
+                    "token",
+                    "missing or wrong token: put it in the request's 'token' field "
+                    "(apex serve --token-file or APEX_SERVE_TOKEN)",
+                )
             return {"id": request_id, "ok": True, **await self.dispatch(request)}
         except RequestError as e:
             server.refused(e)
             return _error_reply(request_id, e)
-        except Exception:  # noqa: BLE001  a bug of ours that a request found: answered, and the loop serves on
+        except Exception:
             return _error_reply(request_id, server.internal_error())
 
     async def dispatch(self, request: dict) -> dict:
@@ -130,8 +142,9 @@ class Handler:
             server.call("add_rewards", ids, rewards)
             return {}
         if op not in ("act", "log_action", "end"):
-            raise RequestError(400, "fields", f"unknown op {str(op)[:32]!r}: spaces, health, start, act, log_action, "
-                                              "rewards or end")
+            raise RequestError(
+                400, "fields", f"unknown op {str(op)[:32]!r}: spaces, health, start, act, log_action, rewards or end"
+            )
         observations = decode_array(request.get("observations"), "observations")
         await server.wait_for_room()
         if op == "act":
@@ -143,8 +156,9 @@ class Handler:
         if op == "log_action":
             server.call("log_action", ids, observations, decode_array(request.get("actions"), "actions"), rewards)
             return {}
-        server.call("end", ids, observations, request.get("terminated", False), request.get("truncated", False),
-                    rewards)
+        server.call(
+            "end", ids, observations, request.get("terminated", False), request.get("truncated", False), rewards
+        )
         return {}
 
 

@@ -116,18 +116,23 @@ def observation_plan(space: gym.Space, layout: str | None = None) -> Observation
         if layout is None:
             layout = image_layout(tuple(space.shape))
         elif layout != "vector" and len(space.shape) != len(layout):
-            raise ConfigError(f"ImageLayout {layout!r} does not fit observations of shape {space.shape}: "
-                              f"use a layout of rank {len(space.shape)} ({', '.join(LAYOUTS)})")
+            raise ConfigError(
+                f"ImageLayout {layout!r} does not fit observations of shape {space.shape}: "
+                f"use a layout of rank {len(space.shape)} ({', '.join(LAYOUTS)})"
+            )
         if layout is not None and layout != "vector":
             return _image_plan(space, layout)
         if len(space.shape) == 1 and space.dtype == np.float32:
             return ObservationPlan("vector", space, None)
-        return ObservationPlan("vector", _float_box(space.low.ravel(), space.high.ravel()),
-                               lambda x: np.asarray(x, np.float32).reshape(-1))
+        return ObservationPlan(
+            "vector", _float_box(space.low.ravel(), space.high.ravel()), lambda x: np.asarray(x, np.float32).reshape(-1)
+        )
     problem = _unflattenable(space)
     if problem is not None:
-        raise ConfigError(f"observations of {problem} cannot be flattened into a vector: map them to a Box, "
-                          "Discrete, MultiBinary, MultiDiscrete, Tuple or Dict with a wrapper (env.wrappers)")
+        raise ConfigError(
+            f"observations of {problem} cannot be flattened into a vector: map them to a Box, "
+            "Discrete, MultiBinary, MultiDiscrete, Tuple or Dict with a wrapper (env.wrappers)"
+        )
     flat = spaces.flatten_space(space)
     if isinstance(space, spaces.Discrete):  # the common case, without gymnasium's int64 detour
         n, start = int(space.n), int(space.start)
@@ -138,8 +143,9 @@ def observation_plan(space: gym.Space, layout: str | None = None) -> Observation
             return out
 
         return ObservationPlan("vector", _float_box(flat.low, flat.high), one_hot)
-    return ObservationPlan("vector", _float_box(flat.low, flat.high),
-                           lambda x: np.asarray(spaces.flatten(space, x), np.float32))
+    return ObservationPlan(
+        "vector", _float_box(flat.low, flat.high), lambda x: np.asarray(spaces.flatten(space, x), np.float32)
+    )
 
 
 def _float_box(low: np.ndarray, high: np.ndarray) -> spaces.Box:
@@ -152,7 +158,7 @@ def _unflattenable(space: gym.Space) -> gym.Space | None:
     if not isinstance(space, _FLATTENABLE):
         return space
     if isinstance(space, (spaces.Tuple, spaces.Dict)):
-        for sub in (space.spaces.values() if isinstance(space, spaces.Dict) else space.spaces):
+        for sub in space.spaces.values() if isinstance(space, spaces.Dict) else space.spaces:
             problem = _unflattenable(sub)
             if problem is not None:
                 return problem
@@ -181,7 +187,9 @@ def _image_plan(space: spaces.Box, layout: str) -> ObservationPlan:
 
     if source == np.uint8:
         box = spaces.Box(low.astype(np.uint8), high.astype(np.uint8), dtype=np.uint8)
-        convert = None if layout in ("hw", "chw") and shape == space.shape else (lambda x: frames(x, np.dtype(np.uint8)))
+        convert = (
+            None if layout in ("hw", "chw") and shape == space.shape else (lambda x: frames(x, np.dtype(np.uint8)))
+        )
         return ObservationPlan("image", box, convert)
     if source == np.bool_:
         box = spaces.Box(0, 255, shape, np.uint8)
@@ -237,22 +245,30 @@ def action_plan(space: gym.Space, env_id: str, bounds: str = "clip") -> ActionPl
         nvec, start = np.asarray(space.nvec), np.asarray(space.start)
         shape, dtype = nvec.shape, space.dtype
         same = nvec.ndim == 1 and not start.any()
-        return ActionPlan("MultiDiscrete", tuple(int(n) for n in nvec.ravel()),
-                          None if same else (lambda a: (np.asarray(a).reshape(shape) + start).astype(dtype)))
+        return ActionPlan(
+            "MultiDiscrete",
+            tuple(int(n) for n in nvec.ravel()),
+            None if same else (lambda a: (np.asarray(a).reshape(shape) + start).astype(dtype)),
+        )
     if isinstance(space, spaces.MultiBinary):
         shape = space.shape
-        return ActionPlan("MultiDiscrete", (2,) * int(np.prod(shape)),
-                          lambda a: np.asarray(a, np.int8).reshape(shape))
+        return ActionPlan("MultiDiscrete", (2,) * int(np.prod(shape)), lambda a: np.asarray(a, np.int8).reshape(shape))
     if isinstance(space, spaces.Box):
         if not np.issubdtype(space.dtype, np.floating):
-            raise ConfigError(f"env.id {env_id!r} has integer Box actions {space}: map them to MultiDiscrete with "
-                              "a gymnasium.ActionWrapper in env.wrappers (algo impala)")
+            raise ConfigError(
+                f"env.id {env_id!r} has integer Box actions {space}: map them to MultiDiscrete with "
+                "a gymnasium.ActionWrapper in env.wrappers (algo impala)"
+            )
         if bounds == "squash" and not (np.isfinite(space.low).all() and np.isfinite(space.high).all()):
-            raise ConfigError(f"env.action_bounds squash needs finite bounds, and env.id {env_id!r} has actions "
-                              f"{space}: use env.action_bounds: clip")
+            raise ConfigError(
+                f"env.action_bounds squash needs finite bounds, and env.id {env_id!r} has actions "
+                f"{space}: use env.action_bounds: clip"
+            )
         return ActionPlan("Box", (int(np.prod(space.shape)),), bounded(space, bounds))
-    raise ConfigError(f"env.id {env_id!r} has {space} actions: apex needs Discrete (or MultiDiscrete for algo impala); "
-                      "map them with a gymnasium.ActionWrapper in env.wrappers")
+    raise ConfigError(
+        f"env.id {env_id!r} has {space} actions: apex needs Discrete (or MultiDiscrete for algo impala); "
+        "map them with a gymnasium.ActionWrapper in env.wrappers"
+    )
 
 
 def check_algo_actions(plan_kind: str, nvec: tuple[int, ...], algo: str, env_id: str) -> None:
@@ -260,12 +276,16 @@ def check_algo_actions(plan_kind: str, nvec: tuple[int, ...], algo: str, env_id:
     if plan_kind in ALGO_ACTIONS.get(algo, (plan_kind,)):
         return
     if plan_kind == "Box":
-        raise ConfigError(f"algo {algo} needs Discrete actions, and env.id {env_id!r} has continuous ones: use "
-                          "--algo impala (a Gaussian policy), or discretize them with env.wrappers: "
-                          "[{type: gymnasium.wrappers.DiscretizeAction, kwargs: {bins: 5}}]")
-    raise ConfigError(f"algo {algo} needs Discrete actions, and env.id {env_id!r} has {plan_kind} {list(nvec)}: "
-                      "use --algo impala (a factorised policy), or a gymnasium.ActionWrapper in env.wrappers that "
-                      "maps one Discrete action to each combination")
+        raise ConfigError(
+            f"algo {algo} needs Discrete actions, and env.id {env_id!r} has continuous ones: use "
+            "--algo impala (a Gaussian policy), or discretize them with env.wrappers: "
+            "[{type: gymnasium.wrappers.DiscretizeAction, kwargs: {bins: 5}}]"
+        )
+    raise ConfigError(
+        f"algo {algo} needs Discrete actions, and env.id {env_id!r} has {plan_kind} {list(nvec)}: "
+        "use --algo impala (a factorised policy), or a gymnasium.ActionWrapper in env.wrappers that "
+        "maps one Discrete action to each combination"
+    )
 
 
 def network_action_space(plan: ActionPlan) -> gym.Space:

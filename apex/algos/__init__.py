@@ -40,9 +40,11 @@ class LearnerCore(Protocol):
     def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
     def wait_to_insert(self, timeout: float) -> bool: ...
     def insert_many(self, batches: list[dict]) -> list[Exception | None]: ...
+
     # The update in three stages (apex.pipeline): prefetch thread, then main thread, then
     # main thread a step later; step() runs all three in a row.
     prefetch_batches: int  # batches the prefetch thread keeps staged ahead
+
     def prepare(self, timeout: float, most: int = 1) -> list[Staged]: ...  # batches sampled and staged on the device
     def train(self, staged: Staged) -> Pending: ...  # the update enqueued; no host synchronisation
     def train_without_batch(self) -> Pending: ...  # a learner group's step on a rank without a batch
@@ -52,7 +54,9 @@ class LearnerCore(Protocol):
     def metrics(self) -> dict: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
-    def check_state(self, state: dict) -> None: ...  # CorruptCheckpoint/ValueError if it cannot be loaded; changes nothing
+    def check_state(
+        self, state: dict
+    ) -> None: ...  # CorruptCheckpoint/ValueError if it cannot be loaded; changes nothing
     @property
     def memory_nbytes(self) -> int: ...
 

@@ -36,8 +36,15 @@ class NStepChunker:
     episode ended, ``end_episode``.
     """
 
-    def __init__(self, stack: int, n_step: int, gamma: float, chunk_transitions: int, clip_rewards: bool,
-                 reward_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        stack: int,
+        n_step: int,
+        gamma: float,
+        chunk_transitions: int,
+        clip_rewards: bool,
+        reward_scale: float = 1.0,
+    ) -> None:
         self.stack, self.n, self.gamma = stack, n_step, gamma
         self.chunk_transitions = chunk_transitions
         self.clip_rewards = clip_rewards
@@ -110,8 +117,14 @@ class NStepChunker:
 
 def make_chunker(config: Config, stack: int) -> NStepChunker:
     """One environment's (or external episode's) chunker, as the run's config says."""
-    return NStepChunker(stack, config.learner.n_step, config.learner.gamma, config.actor.chunk_transitions,
-                        clip_rewards=config.env.is_atari and config.env.clip_rewards, reward_scale=config.env.reward_scale)
+    return NStepChunker(
+        stack,
+        config.learner.n_step,
+        config.learner.gamma,
+        config.actor.chunk_transitions,
+        clip_rewards=config.env.is_atari and config.env.clip_rewards,
+        reward_scale=config.env.reward_scale,
+    )
 
 
 def merge_chunks(chunks: list[dict]) -> dict:
@@ -126,12 +139,14 @@ def merge_chunks(chunks: list[dict]) -> dict:
     return merged
 
 
-
 def setup_problem(setup: dict) -> str | None:
     """What is wrong with a welcome's ladder (``LearnerCore.actor_setup``), or None."""
     n, epsilons, evaluating = setup["num_envs"], setup.get("epsilons"), setup.get("eval_envs")
-    if not (isinstance(epsilons, list) and len(epsilons) == n
-            and all(type(e) in (int, float) and 0 <= e <= 1 for e in epsilons)):
+    if not (
+        isinstance(epsilons, list)
+        and len(epsilons) == n
+        and all(type(e) in (int, float) and 0 <= e <= 1 for e in epsilons)
+    ):
         return f"setup.epsilons must be a list of {n} numbers in [0, 1] (one an environment)"
     if not (isinstance(evaluating, list) and len(evaluating) == n and all(type(e) is bool for e in evaluating)):
         return f"setup.eval_envs must be a list of {n} booleans (one an environment)"
@@ -151,8 +166,13 @@ class Actor:
         self.net = q_network(self.spec, config.model)
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.chunkers = [make_chunker(config, self.spec.stack) for _ in range(self.num_envs)]
-        self.explorer = Explorer(self.epsilons, self.spec.num_actions, np.random.default_rng(seed),
-                                 config.actor.eps_repeat_mu, plain=self.eval_mask)
+        self.explorer = Explorer(
+            self.epsilons,
+            self.spec.num_actions,
+            np.random.default_rng(seed),
+            config.actor.eps_repeat_mu,
+            plain=self.eval_mask,
+        )
         self.steps = 0  # vector steps taken
         self.weights_version = -1
         self._pending: list[dict] = []

@@ -63,9 +63,16 @@ def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tupl
     return epsilons, [eps <= config.eval_epsilon for eps in epsilons]
 
 
-def choose_actions(rng: np.random.Generator, greedy: np.ndarray, epsilons: np.ndarray, num_actions: int,
-                   repeat_mu: float | None = None, held: np.ndarray | None = None, left: np.ndarray | None = None,
-                   may_repeat: np.ndarray | None = None) -> np.ndarray:
+def choose_actions(
+    rng: np.random.Generator,
+    greedy: np.ndarray,
+    epsilons: np.ndarray,
+    num_actions: int,
+    repeat_mu: float | None = None,
+    held: np.ndarray | None = None,
+    left: np.ndarray | None = None,
+    may_repeat: np.ndarray | None = None,
+) -> np.ndarray:
     """One step's actions of a set of rows from their greedy actions: each row explores with
     its own epsilon. With ``repeat_mu``, a row that starts to explore (``may_repeat``, and not
     holding) holds its random action for n ~ zeta(repeat_mu) steps (at most MAX_REPEAT);
@@ -89,8 +96,9 @@ class Explorer:
     """``choose_actions`` for a fixed set of rows (one actor's environments), with their
     holds; the rows in ``plain`` (evaluation) never hold an action."""
 
-    def __init__(self, epsilons, num_actions: int, rng: np.random.Generator, repeat_mu: float | None = None,
-                 plain=None) -> None:
+    def __init__(
+        self, epsilons, num_actions: int, rng: np.random.Generator, repeat_mu: float | None = None, plain=None
+    ) -> None:
         self.epsilons = np.asarray(epsilons, np.float64)
         self.num_actions, self.rng, self.repeat_mu = num_actions, rng, repeat_mu
         count = len(self.epsilons)
@@ -99,8 +107,9 @@ class Explorer:
         self.left = np.zeros(count, np.int64)
 
     def actions(self, greedy: np.ndarray) -> np.ndarray:
-        return choose_actions(self.rng, greedy, self.epsilons, self.num_actions, self.repeat_mu,
-                              self.held, self.left, self.may_repeat)
+        return choose_actions(
+            self.rng, greedy, self.epsilons, self.num_actions, self.repeat_mu, self.held, self.left, self.may_repeat
+        )
 
     def reset(self, row: int) -> None:
         """Row ``row``'s episode ended: whatever it held is dropped."""

@@ -95,8 +95,16 @@ def impala_loss(
     categoricals, a continuous one of independent Gaussians: log pi(a | x) and the entropy
     are sums over the components."""
     target_logp, policy_entropy = log_prob_and_entropy(params[:-1], actions, spec)  # [T, B] each
-    returns = vtrace(behaviour_logp, target_logp.detach(), rewards, discounts, values[:-1].detach(),
-                     values[-1].detach(), rho_bar, c_bar)
+    returns = vtrace(
+        behaviour_logp,
+        target_logp.detach(),
+        rewards,
+        discounts,
+        values[:-1].detach(),
+        values[-1].detach(),
+        rho_bar,
+        c_bar,
+    )
     pg_loss = -(target_logp * returns.pg_advantages).mean()
     baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
     policy_entropy = policy_entropy.mean()
@@ -124,8 +132,13 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     max_reward = config.transport.max_abs_reward * horizon
     steps = ("unrolls", T)
     if spec.continuous:  # D values a step
-        action = ArrayRule("action", "f", np.dtype(np.float32), (*steps, *spec.action_shape),
-                           Range(-MAX_ABS_CONTINUOUS_ACTION, MAX_ABS_CONTINUOUS_ACTION))
+        action = ArrayRule(
+            "action",
+            "f",
+            np.dtype(np.float32),
+            (*steps, *spec.action_shape),
+            Range(-MAX_ABS_CONTINUOUS_ACTION, MAX_ABS_CONTINUOUS_ACTION),
+        )
         max_logp = spec.num_actions * (-LOG_STD_MIN - 0.5 * LOG_2PI) + 1e-3
     else:  # Discrete: one index per step; MultiDiscrete: one per component, each within its own n
         allowed = below(spec.num_actions) if spec.action_nvec is None else below_each(spec.action_nvec)
@@ -133,8 +146,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
         max_logp = 1e-6  # probabilities: log <= 0 (with float32 rounding)
     rules = [
         frame_rule(spec.frame_shape, spec.frame_dtype, spec.obs_bound(config.transport.max_abs_obs)),
-        ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1),
-                  below("frames", 1 - spec.stack)),
+        ArrayRule("obs_frame", "iu", np.dtype(np.int32), ("unrolls", T + 1), below("frames", 1 - spec.stack)),
         action,
         ArrayRule("reward", "f", np.dtype(np.float32), steps, Range(-max_reward, max_reward)),
         ArrayRule("discount", "f", np.dtype(np.float32), steps, Range(0.0, 1.0)),
@@ -170,8 +182,14 @@ class Learner:
         im = config.impala
         self.net = PolicyValueNetwork(spec, config.model).to(device)
         adam = im.optimizer == "adam"
-        self.optimizer = optim.make(im.optimizer, self.net.parameters(), config.learner.lr,
-                                    config.learner.adam_eps if adam else im.rmsprop_eps, alpha=im.rmsprop_alpha, fused=adam)
+        self.optimizer = optim.make(
+            im.optimizer,
+            self.net.parameters(),
+            config.learner.lr,
+            config.learner.adam_eps if adam else im.rmsprop_eps,
+            alpha=im.rmsprop_alpha,
+            fused=adam,
+        )
         self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
         self.stager = DeviceStager(device)
         self.prefetch_batches = 1  # the unrolls' age is the policy lag: none staged further ahead
@@ -195,8 +213,10 @@ class Learner:
     def actor_setup(self, actor_index: int, num_envs: int) -> dict:
         if num_envs > self.config.impala.queue_size:
             # one batch holds an unroll per environment: it must fit the queue
-            raise ApexError(f"num_envs {num_envs} exceeds impala.queue_size ({self.config.impala.queue_size}): "
-                             "use fewer environments per actor or a larger queue")
+            raise ApexError(
+                f"num_envs {num_envs} exceeds impala.queue_size ({self.config.impala.queue_size}): "
+                "use fewer environments per actor or a larger queue"
+            )
         return {}
 
     def wait_to_insert(self, timeout: float) -> bool:
@@ -211,11 +231,16 @@ class Learner:
         frames = frames.decompress() if isinstance(frames, Compressed) else frames
         obs_frame = arrays["obs_frame"]
         first, end = obs_frame.min(axis=1), obs_frame.max(axis=1) + self.spec.stack
-        self.queue.put([
-            {"frames": frames[first[k] : end[k]], "obs_frame": obs_frame[k] - first[k],
-             **{name: arrays[name][k] for name in self._per_unroll}}
-            for k in range(unrolls)
-        ])
+        self.queue.put(
+            [
+                {
+                    "frames": frames[first[k] : end[k]],
+                    "obs_frame": obs_frame[k] - first[k],
+                    **{name: arrays[name][k] for name in self._per_unroll},
+                }
+                for k in range(unrolls)
+            ]
+        )
         return unrolls * self.config.impala.unroll_length
 
     def _stacks(self, unrolls: list[dict]) -> np.ndarray:
@@ -249,8 +274,10 @@ class Learner:
         time-major arrays and observation stacks staged on the device."""
         start = time.perf_counter()
         unrolls = self.queue.take(self.config.impala.batch_unrolls)
-        batch = {name: np.stack([u[name] for u in unrolls], axis=1)  # time-major
-                 for name in self._per_step}
+        batch = {
+            name: np.stack([u[name] for u in unrolls], axis=1)  # time-major
+            for name in self._per_step
+        }
         batch["obs"] = self._stacks(unrolls)  # [T+1, B, stack, ...]
         if self.recurrent:  # the core's state at each unroll's first observation: [B, L]
             batch["core_h"] = np.stack([u["core_h"] for u in unrolls])
@@ -265,18 +292,34 @@ class Learner:
         state = (batch["core_h"], batch["core_c"]) if self.recurrent else None
         params, values = self.net.unroll(batch["obs"], batch.get("done"), state)
         out = impala_loss(
-            params, values, batch["action"], batch["behaviour_logp"], batch["reward"], batch["discount"],
-            im.rho_bar, im.c_bar, im.baseline_cost, im.entropy_cost, self.spec,
+            params,
+            values,
+            batch["action"],
+            batch["behaviour_logp"],
+            batch["reward"],
+            batch["discount"],
+            im.rho_bar,
+            im.c_bar,
+            im.baseline_cost,
+            im.entropy_cost,
+            self.spec,
         )
-        results = optim.guarded_step(self.optimizer, out.loss, self.net.parameters(), self.config.learner.grad_clip,
-                                     [out.loss, out.pg_loss, out.baseline_loss, out.entropy], self.all_reduce)
+        results = optim.guarded_step(
+            self.optimizer,
+            out.loss,
+            self.net.parameters(),
+            self.config.learner.grad_clip,
+            [out.loss, out.pg_loss, out.baseline_loss, out.entropy],
+            self.all_reduce,
+        )
         return fetch([results])
 
     def train_without_batch(self) -> Pending:
         """A learner group's step on this rank without a batch (``apex.distributed``): the
         other ranks' gradient applied."""
-        results = step_without_batch(self.optimizer, self.net.parameters(), self.config.learner.grad_clip, 4,
-                                     self.all_reduce)
+        results = step_without_batch(
+            self.optimizer, self.net.parameters(), self.config.learner.grad_clip, 4, self.all_reduce
+        )
         return fetch([results], NO_BATCH)
 
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
@@ -290,7 +333,9 @@ class Learner:
                 continue
             self.updates += 1
             own = step.context is not NO_BATCH
-            metrics.append(dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures)) if own else {})
+            metrics.append(
+                dict(zip(("loss", "pg_loss", "baseline_loss", "entropy", "grad_norm"), figures)) if own else {}
+            )
         return metrics
 
     def step(self) -> dict[str, float]:

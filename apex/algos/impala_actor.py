@@ -100,7 +100,9 @@ class Actor:
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
             final_core = None if core is None else tuple(part[truncated_only] for part in core)
-            _, final_values, _ = self.net(np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]), final_core)
+            _, final_values, _ = self.net(
+                np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]), final_core
+            )
             train_rewards = train_rewards.astype(np.float64)
             train_rewards[truncated_only] += self.gamma * final_values
         self.reward[:, t] = train_rewards
@@ -176,10 +178,14 @@ class EpisodeActor:
 
     def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
         if config.model.recurrent != "none" or spec.continuous:
-            what = "a recurrent model (model.recurrent lstm)" if config.model.recurrent != "none" else "continuous actions"
-            raise ConfigError(f"apex serve runs feed-forward IMPALA policies over Discrete and MultiDiscrete actions, "
-                              f"and this learner trains {what}: step that environment in apex actors "
-                              "(env.imports) instead")
+            what = (
+                "a recurrent model (model.recurrent lstm)" if config.model.recurrent != "none" else "continuous actions"
+            )
+            raise ConfigError(
+                f"apex serve runs feed-forward IMPALA policies over Discrete and MultiDiscrete actions, "
+                f"and this learner trains {what}: step that environment in apex actors "
+                "(env.imports) instead"
+            )
         self.config = config
         self.spec = spec
         self.net = policy_value_network(spec, config.model)
@@ -277,8 +283,10 @@ class EpisodeActor:
         while len(self._ready) >= self.max_unrolls or (flush and self._ready):
             group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
             frames = [u["frames"] for u, _ in group]
-            batch = {"frames": np.concatenate(frames),
-                     "obs_frame": np.stack([u["obs_frame"] for u, _ in group]) + frame_offsets(frames)[:, None]}
+            batch = {
+                "frames": np.concatenate(frames),
+                "obs_frame": np.stack([u["obs_frame"] for u, _ in group]) + frame_offsets(frames)[:, None],
+            }
             for name in ("action", "reward", "discount", "behaviour_logp"):
                 batch[name] = np.stack([u[name] for u, _ in group])
             batches.append((batch, [record for _, records in group for record in records]))

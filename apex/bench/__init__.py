@@ -17,7 +17,17 @@ from apex.files import write_atomic
 # Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
 # only when run: building the command line must not import torch, zmq and gymnasium.
 BENCHMARKS: tuple[str, ...] = (
-    "sumtree", "replay", "codec", "transport", "ingest", "checkpoint", "learner", "e2e", "soak", "flood", "learn",
+    "sumtree",
+    "replay",
+    "codec",
+    "transport",
+    "ingest",
+    "checkpoint",
+    "learner",
+    "e2e",
+    "soak",
+    "flood",
+    "learn",
     "serve",
 )
 # Not part of `all`: minutes long (to hours for learn), a check (pass/fail) or learning more
@@ -25,9 +35,16 @@ BENCHMARKS: tuple[str, ...] = (
 LONG = ("soak", "flood", "learn", "serve")
 
 
-def run(names: list[str], json_path: str | None = None, seconds: float | None = None, e2e_options: dict | None = None,
-        soak_options: dict | None = None, learn_options: dict | None = None,
-        serve_options: dict | None = None, learner_options: dict | None = None) -> dict:
+def run(
+    names: list[str],
+    json_path: str | None = None,
+    seconds: float | None = None,
+    e2e_options: dict | None = None,
+    soak_options: dict | None = None,
+    learn_options: dict | None = None,
+    serve_options: dict | None = None,
+    learner_options: dict | None = None,
+) -> dict:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
 
     ``seconds``: time per measured operation (each benchmark's own default when None);

@@ -23,8 +23,14 @@ BATCH_FIELDS = {"actor_index": 0, "weights_version": 0, "info": {"episodes": []}
 def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple]:
     """Columns turned into the per-transition tuples a straightforward actor collects."""
     return [
-        (columns["obs"][i].copy(), int(columns["action"][i]), float(columns["reward"][i]),
-         columns["next_obs"][i].copy(), float(columns["discount"][i]), float(columns["priority"][i]))
+        (
+            columns["obs"][i].copy(),
+            int(columns["action"][i]),
+            float(columns["reward"][i]),
+            columns["next_obs"][i].copy(),
+            float(columns["discount"][i]),
+            float(columns["priority"][i]),
+        )
         for i in range(len(columns["action"]))
     ]
 

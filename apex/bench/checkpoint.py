@@ -33,9 +33,15 @@ def _replay(capacity: int) -> StackedReplay:
 
 def _chunk(frames: np.ndarray) -> dict:
     obs = np.arange(CHUNK)
-    return {"frames": frames, "obs_frame": obs.astype(np.int32), "next_obs_frame": (obs + N_STEP).astype(np.int32),
-            "action": np.zeros(CHUNK, np.int64), "reward": np.ones(CHUNK, np.float32),
-            "discount": np.ones(CHUNK, np.float32), "priority": np.ones(CHUNK, np.float32)}
+    return {
+        "frames": frames,
+        "obs_frame": obs.astype(np.int32),
+        "next_obs_frame": (obs + N_STEP).astype(np.int32),
+        "action": np.zeros(CHUNK, np.int64),
+        "reward": np.ones(CHUNK, np.float32),
+        "discount": np.ones(CHUNK, np.float32),
+        "priority": np.ones(CHUNK, np.float32),
+    }
 
 
 def _latency(calls: list[tuple[float, float]], start: float, stop: float) -> dict:
@@ -90,20 +96,40 @@ def run(seconds: float = 2.0, capacity: int = CAPACITY) -> dict:
     during = _latency(calls, write_start, write_stop)
     result = {
         "baseline": "the same inserter with no checkpoint being written (before)",
-        "replay_transitions": len(replay), "replay_nbytes": replay.nbytes, "checkpoint_bytes": size,
+        "replay_transitions": len(replay),
+        "replay_nbytes": replay.nbytes,
+        "checkpoint_bytes": size,
         "write_seconds": round(write_stop - write_start, 2),
         "restored_transitions": len(restored),
-        "inserts_before": before, "inserts_during": during,
-        "verify_seconds": round(verify_s, 2), "load_seconds": round(load_s, 2),
+        "inserts_before": before,
+        "inserts_during": during,
+        "verify_seconds": round(verify_s, 2),
+        "load_seconds": round(load_s, 2),
     }
     print_table(
         f"checkpoint: a Pong-sized replay ({len(replay):,} transitions, {replay.nbytes / 1e9:.2f} GB) written "
         f"while a thread inserts {CHUNK}-transition chunks",
-        ["GB written", "write s", "restored", "inserts/s before", "inserts/s during", "insert ms median / p99 / max",
-         "verify s", "load s"],
-        [[round(size / 1e9, 2), result["write_seconds"], f"{len(restored):,} of {len(replay):,}",
-          before["inserts_per_s"], during["inserts_per_s"],
-          f"{during['median_ms']} / {during['p99_ms']} / {during['max_ms']}", result["verify_seconds"],
-          result["load_seconds"]]],
+        [
+            "GB written",
+            "write s",
+            "restored",
+            "inserts/s before",
+            "inserts/s during",
+            "insert ms median / p99 / max",
+            "verify s",
+            "load s",
+        ],
+        [
+            [
+                round(size / 1e9, 2),
+                result["write_seconds"],
+                f"{len(restored):,} of {len(replay):,}",
+                before["inserts_per_s"],
+                during["inserts_per_s"],
+                f"{during['median_ms']} / {during['p99_ms']} / {during['max_ms']}",
+                result["verify_seconds"],
+                result["load_seconds"],
+            ]
+        ],
     )
     return result

@@ -50,8 +50,13 @@ def spawn_apex(args: list[str], stderr=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.DEVNULL, stderr=stderr)
 
 
-def run(seconds: float = 20.0, algo: str = "apex_dqn", env: str | None = None,
-        actors: tuple[int, ...] = DEFAULT_ACTORS, plot: str | None = None) -> dict:
+def run(
+    seconds: float = 20.0,
+    algo: str = "apex_dqn",
+    env: str | None = None,
+    actors: tuple[int, ...] = DEFAULT_ACTORS,
+    plot: str | None = None,
+) -> dict:
     seconds = max(seconds, 4.0)  # half of it is start-up; shorter runs measure nothing
     config = config_module.load(None, [f"algo={algo}"] + ([f"env.id={env}"] if env else []))
     rows = []
@@ -62,27 +67,70 @@ def run(seconds: float = 20.0, algo: str = "apex_dqn", env: str | None = None,
             config.save(config_file)
             rows.append(_measure_processes(config_file, n, seconds, workdir))
     print_table(
-        f"e2e: {config.algo} on {config.env.id}, learner + N actor processes ({seconds:g} s each, second half measured)",
-        ["actors", "env steps/s", "updates/s", "samples/s", "policy lag", "learner CPU %", "actor CPU % each",
-         "learner peak MB", "actor peak MB"],
-        [[r["actors"], r["env_steps_per_s"], r["updates_per_s"], r["samples_per_s"], r["policy_lag_mean"],
-          r["learner_cpu_percent"], r["actor_cpu_percent_each"], r["learner_peak_rss_mb"], r["actor_peak_rss_mb"]]
-         for r in rows],
+        f"e2e: {config.algo} on {config.env.id}, learner + N actor processes "
+        f"({seconds:g} s each, second half measured)",
+        [
+            "actors",
+            "env steps/s",
+            "updates/s",
+            "samples/s",
+            "policy lag",
+            "learner CPU %",
+            "actor CPU % each",
+            "learner peak MB",
+            "actor peak MB",
+        ],
+        [
+            [
+                r["actors"],
+                r["env_steps_per_s"],
+                r["updates_per_s"],
+                r["samples_per_s"],
+                r["policy_lag_mean"],
+                r["learner_cpu_percent"],
+                r["actor_cpu_percent_each"],
+                r["learner_peak_rss_mb"],
+                r["actor_peak_rss_mb"],
+            ]
+            for r in rows
+        ],
     )
     if plot:
         _plot(rows, plot, f"{config.algo} on {config.env.id}")
         print(f"wrote {plot}")
-    return {"baseline": "the same run with one actor (the first row)", "algo": config.algo, "env": config.env.id,
-            "seconds": seconds, "results": rows}
+    return {
+        "baseline": "the same run with one actor (the first row)",
+        "algo": config.algo,
+        "env": config.env.id,
+        "seconds": seconds,
+        "results": rows,
+    }
 
 
 def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: Path) -> dict:
     """Runs learner + actors, sampling CPU time and peak RSS over the second half."""
     port = free_base_port()
     logdir = workdir / f"actors-{actors}"
-    learner = spawn_apex(["learner", "--config", str(config_file), "--logdir", str(logdir), "--bind-host", "127.0.0.1",
-                      "--port", str(port), "--stop-seconds", str(seconds), "--set", "learner.metrics_interval_s=1"])
-    procs = [spawn_apex(["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]) for _ in range(actors)]
+    learner = spawn_apex(
+        [
+            "learner",
+            "--config",
+            str(config_file),
+            "--logdir",
+            str(logdir),
+            "--bind-host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--stop-seconds",
+            str(seconds),
+            "--set",
+            "learner.metrics_interval_s=1",
+        ]
+    )
+    procs = [
+        spawn_apex(["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]) for _ in range(actors)
+    ]
     try:
         time.sleep(seconds / 2)
         cpu0 = [cpu_seconds(p.pid) for p in [learner, *procs]]

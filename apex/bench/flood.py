@@ -70,10 +70,15 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("all at once", (HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE)),
 )
 # `python -c PIN CPU ARGS...`: pins itself to CPU, then becomes `python ARGS...` (same pid).
-PIN = ("import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
-       "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
-PEERS = {HELLO: f"{CONTROL_PEERS} control", CONTROL_GARBAGE: f"{CONTROL_PEERS} control",
-         TRAJECTORY_GARBAGE: f"{TRAJECTORY_PEERS} trajectory"}
+PIN = (
+    "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])"
+)
+PEERS = {
+    HELLO: f"{CONTROL_PEERS} control",
+    CONTROL_GARBAGE: f"{CONTROL_PEERS} control",
+    TRAJECTORY_GARBAGE: f"{TRAJECTORY_PEERS} trajectory",
+}
 
 
 def run(seconds: float = 15.0) -> dict:
@@ -89,10 +94,27 @@ def run(seconds: float = 15.0) -> dict:
         learner_log = workdir / "learner.log"
         budget = len(PHASES) * seconds + 180  # --stop-seconds: a learner this bench lost stops by itself
         sets = [arg for item in OVERRIDES for arg in ("--set", item)]
-        learner = _spawn(["-m", "apex", "learner", "--logdir", str(logdir), "--port", str(port),
-                          "--stop-seconds", str(budget), *sets], learner_log, apex_cpu)
-        actor = _spawn(["-m", "apex", "actor", "--learner", f"127.0.0.1:{port}", "--actor-index", "0"],
-                       workdir / "actor.log", apex_cpu)
+        learner = _spawn(
+            [
+                "-m",
+                "apex",
+                "learner",
+                "--logdir",
+                str(logdir),
+                "--port",
+                str(port),
+                "--stop-seconds",
+                str(budget),
+                *sets,
+            ],
+            learner_log,
+            apex_cpu,
+        )
+        actor = _spawn(
+            ["-m", "apex", "actor", "--learner", f"127.0.0.1:{port}", "--actor-index", "0"],
+            workdir / "actor.log",
+            apex_cpu,
+        )
         flooder: subprocess.Popen | None = None
         try:
             # Measured from a full replay on: until then the learner's memory grows anyway.
@@ -118,8 +140,10 @@ def run(seconds: float = 15.0) -> dict:
                 rows.append(row)
                 for proc, what in ((learner, "learner"), (actor, "actor")):
                     if proc.poll() is not None and not sigterm:
-                        raise RuntimeError(f"the {what} exited with {proc.returncode} during the {name!r} phase: "
-                                           f"{_tail(workdir / f'{what}.log')}")
+                        raise RuntimeError(
+                            f"the {what} exited with {proc.returncode} during the {name!r} phase: "
+                            f"{_tail(workdir / f'{what}.log')}"
+                        )
         finally:
             for p in [flooder, actor, learner]:
                 if p is not None and p.poll() is None:
@@ -186,16 +210,16 @@ def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacit
         if learner.poll() is not None:
             raise RuntimeError(f"the learner exited with {learner.returncode} before training: {_tail(log)}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the learner did not train with a full replay ({capacity}) within {timeout:g} s: "
-                               f"{row}; {_tail(log)}")
+            raise RuntimeError(
+                f"the learner did not train with a full replay ({capacity}) within {timeout:g} s: {row}; {_tail(log)}"
+            )
         time.sleep(0.2)
 
 
 def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
     """The flooders of a phase, one process; returns once it has called connect() on every
     socket (ZeroMQ connects in the background)."""
-    proc = _spawn(["-m", "apex.bench.flooder", str(port), *kinds], workdir / "flooder.log", cpu,
-                  stdout=subprocess.PIPE)
+    proc = _spawn(["-m", "apex.bench.flooder", str(port), *kinds], workdir / "flooder.log", cpu, stdout=subprocess.PIPE)
     line = proc.stdout.readline()
     if not line.startswith(b"ready"):
         proc.kill()
@@ -244,8 +268,11 @@ def _sigterm(learner: subprocess.Popen, actor: subprocess.Popen, logdir: Path) -
     times: dict[str, float | None] = {"summary": None, "learner": None, "actor": None}
     while None in times.values() and time.monotonic() - start < 60:
         elapsed = time.monotonic() - start
-        for key, done in (("summary", summary.exists), ("learner", lambda: learner.poll() is not None),
-                          ("actor", lambda: actor.poll() is not None)):
+        for key, done in (
+            ("summary", summary.exists),
+            ("learner", lambda: learner.poll() is not None),
+            ("actor", lambda: actor.poll() is not None),
+        ):
             if times[key] is None and done():
                 times[key] = round(elapsed, 2)
         time.sleep(0.01)
@@ -262,12 +289,22 @@ def _rate(first: dict, last: dict, key: str) -> float | None:
     return (last.get(key, 0) - first.get(key, 0)) / elapsed
 
 
-def _phase_row(name: str, kinds: tuple[str, ...], before: dict, first: dict, last: dict, cpu: list[float],
-               rss: float | None, sent: dict | None) -> dict:
+def _phase_row(
+    name: str,
+    kinds: tuple[str, ...],
+    before: dict,
+    first: dict,
+    last: dict,
+    cpu: list[float],
+    rss: float | None,
+    sent: dict | None,
+) -> dict:
     reasons_before = before.get("rejected_by_reason", {})
-    reasons = {reason: count - reasons_before.get(reason, 0)
-               for reason, count in last.get("rejected_by_reason", {}).items()
-               if count - reasons_before.get(reason, 0) > 0}
+    reasons = {
+        reason: count - reasons_before.get(reason, 0)
+        for reason, count in last.get("rejected_by_reason", {}).items()
+        if count - reasons_before.get(reason, 0) > 0
+    }
     updates, steps = _rate(first, last, "learner_updates"), _rate(first, last, "env_steps")
     flood_s = (sent or {}).get("seconds") or 0
     return {
@@ -299,8 +336,10 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
             ok = bool(base[key]) and row[key] is not None
             row[ratio_key] = round(row[key] / base[key], 3) if ok else None
             if attacked and (row[ratio_key] is None or row[ratio_key] < MIN_RATIO):
-                problems.append(f"{row['phase']}: {key} {row[key]} is {_percent(row[ratio_key])} of the unloaded "
-                                f"{base[key]:.1f} (at least {MIN_RATIO:.0%} required)")
+                problems.append(
+                    f"{row['phase']}: {key} {row[key]} is {_percent(row[ratio_key])} of the unloaded "
+                    f"{base[key]:.1f} (at least {MIN_RATIO:.0%} required)"
+                )
         if attacked and row["rejected_messages"] == 0:
             problems.append(f"{row['phase']}: no message refused; the flood did not reach the learner")
         row["passed"] = not attacked or not any(p.startswith(row["phase"] + ":") for p in problems)
@@ -310,8 +349,10 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
     if sigterm_exit_s is None:
         problems.append("the learner did not exit within 60 s of SIGTERM under the full flood")
     elif sigterm_exit_s > SIGTERM_LIMIT_S:
-        problems.append(f"the learner took {sigterm_exit_s:.2f} s from SIGTERM to its exit under the full flood "
-                        f"(at most {SIGTERM_LIMIT_S:g} s)")
+        problems.append(
+            f"the learner took {sigterm_exit_s:.2f} s from SIGTERM to its exit under the full flood "
+            f"(at most {SIGTERM_LIMIT_S:g} s)"
+        )
     if learner_exit not in (0, None):
         problems.append(f"the learner exited with {learner_exit} after SIGTERM")
     first, again = unloaded[0]["updates_per_s"], unloaded[-1]["updates_per_s"]
@@ -319,21 +360,50 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
     print_table(
         f"flood: CartPole Ape-X learner + 1 honest actor (epsilon 1), {seconds:g} s per phase, first {SKIP_S:g} s "
         f"not measured; pinning: {pinning}",
-        ["phase", "updates/s", "vs unloaded", "env steps/s", "vs unloaded", "refused", "refused by reason",
-         "flood msgs/s", "refused after (s)", "learner / actor / flooder CPU %", "learner RSS MB", "ok"],
-        [[r["phase"], r["updates_per_s"], _percent(r["updates_ratio"]), r["env_steps_per_s"],
-          _percent(r["env_steps_ratio"]), r["rejected_messages"],
-          ", ".join(f"{k} {v:,}" for k, v in sorted(r["rejected_by_reason"].items(), key=lambda kv: -kv[1])) or "-",
-          r["flood_msgs_per_s"], f"{r['refused_after_flood']:,} ({r['drain_s']:g})" if "drain_s" in r else "-",
-          f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
-          r["learner_rss_mb"], "-" if r["flooders"] == "none" else ("yes" if r["passed"] else "NO")] for r in rows],
+        [
+            "phase",
+            "updates/s",
+            "vs unloaded",
+            "env steps/s",
+            "vs unloaded",
+            "refused",
+            "refused by reason",
+            "flood msgs/s",
+            "refused after (s)",
+            "learner / actor / flooder CPU %",
+            "learner RSS MB",
+            "ok",
+        ],
+        [
+            [
+                r["phase"],
+                r["updates_per_s"],
+                _percent(r["updates_ratio"]),
+                r["env_steps_per_s"],
+                _percent(r["env_steps_ratio"]),
+                r["rejected_messages"],
+                ", ".join(f"{k} {v:,}" for k, v in sorted(r["rejected_by_reason"].items(), key=lambda kv: -kv[1]))
+                or "-",
+                r["flood_msgs_per_s"],
+                f"{r['refused_after_flood']:,} ({r['drain_s']:g})" if "drain_s" in r else "-",
+                f"{r['learner_cpu_percent']} / {r['actor_cpu_percent']} / {r['flooder_cpu_percent']}",
+                r["learner_rss_mb"],
+                "-" if r["flooders"] == "none" else ("yes" if r["passed"] else "NO"),
+            ]
+            for r in rows
+        ],
     )
-    print(f"unloaded (the baseline, mean of the {len(unloaded)} unloaded phases): {_number(base['updates_per_s'], '.1f')} "
-          f"updates/s, {_number(base['env_steps_per_s'], '.0f')} env steps/s; the second unloaded phase differs from the first by "
-          f"{'-' if drift is None else f'{drift:+.0f}%'} in updates/s")
-    print(f"SIGTERM under the full flood: the learner wrote summary.json after {_seconds(sigterm.get('summary'))} and "
-          f"exited after {_seconds(sigterm_exit_s)} (limit {SIGTERM_LIMIT_S:g} s; exit code {learner_exit}); "
-          f"the honest actor exited after {_seconds(sigterm.get('actor'))}")
+    print(
+        f"unloaded (the baseline, mean of the {len(unloaded)} unloaded phases): "
+        f"{_number(base['updates_per_s'], '.1f')} updates/s, {_number(base['env_steps_per_s'], '.0f')} env steps/s; "
+        "the second unloaded phase differs from the first by "
+        f"{'-' if drift is None else f'{drift:+.0f}%'} in updates/s"
+    )
+    print(
+        f"SIGTERM under the full flood: the learner wrote summary.json after {_seconds(sigterm.get('summary'))} and "
+        f"exited after {_seconds(sigterm_exit_s)} (limit {SIGTERM_LIMIT_S:g} s; exit code {learner_exit}); "
+        f"the honest actor exited after {_seconds(sigterm.get('actor'))}"
+    )
     print("passed" if not problems else "FAILED: " + "; ".join(problems))
     return {
         "baseline": "the unloaded phases (mean of the one before and the one after the single attacks)",

@@ -48,9 +48,19 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
         if rng.random() < 0.4:
             frames[0] = header_start("hello", frames[0])
         messages.append(frames)
-    for bad in ({"actor_index": 2**40}, {"actor_index": -1}, {"num_envs": -1}, {"num_envs": 10**6},
-                {"host": "x" * 1000}, {"pid": -5}, {"pid": 2**40}, {"actor_index": "zero"}, {"num_envs": 1.5},
-                {"host": b"\xff"}, {"extra": 1}):
+    for bad in (
+        {"actor_index": 2**40},
+        {"actor_index": -1},
+        {"num_envs": -1},
+        {"num_envs": 10**6},
+        {"host": "x" * 1000},
+        {"pid": -5},
+        {"pid": 2**40},
+        {"actor_index": "zero"},
+        {"num_envs": 1.5},
+        {"host": b"\xff"},
+        {"extra": 1},
+    ):
         messages.append([header({**good, **bad})])
     return messages
 
@@ -63,9 +73,13 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
 
     n = 64
     arrays = {
-        "frames": np.zeros((n + 6, 4), np.float32), "obs_frame": np.arange(n, dtype=np.int32),
-        "next_obs_frame": np.arange(n, dtype=np.int32) + 3, "action": np.zeros(n, np.int64),
-        "reward": np.ones(n, np.float32), "discount": np.full(n, 0.97, np.float32), "priority": np.ones(n, np.float32),
+        "frames": np.zeros((n + 6, 4), np.float32),
+        "obs_frame": np.arange(n, dtype=np.int32),
+        "next_obs_frame": np.arange(n, dtype=np.int32) + 3,
+        "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32),
+        "discount": np.full(n, 0.97, np.float32),
+        "priority": np.ones(n, np.float32),
     }
     messages = []
     for _ in range(32):
@@ -73,8 +87,13 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
         if rng.random() < 0.4:
             frames[0] = header_start("batch", frames[0])
         messages.append(frames)
-        fields = {"actor_index": 0, "weights_version": 0, "info": {}, "session": rng.randbytes(16),
-                  "seq": rng.randrange(2**31)}
+        fields = {
+            "actor_index": 0,
+            "weights_version": 0,
+            "info": {},
+            "session": rng.randbytes(16),
+            "seq": rng.randrange(2**31),
+        }
         messages.append([bytes(f) for f in protocol.encode("batch", fields, arrays)])
     return messages
 
@@ -102,8 +121,9 @@ def _flooder_main(argv: list[str]) -> int:
         return sock
 
     if HELLO in kinds:
-        hello = [bytes(f) for f in protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood",
-                                                             "pid": 1})]
+        hello = [
+            bytes(f) for f in protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1})
+        ]
         peers += [(dealer(b"flood-hello-%d" % i), [hello], True) for i in range(CONTROL_PEERS)]
     if CONTROL_GARBAGE in kinds:
         garbage = _control_garbage(rng)
@@ -132,8 +152,12 @@ def _flooder_main(argv: list[str]) -> int:
                 except zmq.Again:
                     break
         i += 1
-    print(json.dumps({"sent": sent, "blocked": blocked, "replies": replies,
-                      "seconds": round(time.monotonic() - start, 2)}), flush=True)
+    print(
+        json.dumps(
+            {"sent": sent, "blocked": blocked, "replies": replies, "seconds": round(time.monotonic() - start, 2)}
+        ),
+        flush=True,
+    )
     for sock, _, _ in peers:
         sock.close(linger=0)
     context.term()

@@ -34,12 +34,23 @@ APE_X_ACTOR_TRANSITIONS_PER_S = 139 / 4
 
 CASES = {
     # name: (config overrides, the batch, its transitions)
-    "cartpole": (["env.id=CartPole-v1", "replay.capacity=1000000"], batches.cartpole_chunk, batches.CARTPOLE_TRANSITIONS),
-    "atari": (["env.id=ALE/Pong-v5", "replay.capacity=100000", "learner.batch_size=64"],
-              lambda: batches.atari()[0], batches.ATARI_TRANSITIONS),
+    "cartpole": (
+        ["env.id=CartPole-v1", "replay.capacity=1000000"],
+        batches.cartpole_chunk,
+        batches.CARTPOLE_TRANSITIONS,
+    ),
+    "atari": (
+        ["env.id=ALE/Pong-v5", "replay.capacity=100000", "learner.batch_size=64"],
+        lambda: batches.atari()[0],
+        batches.ATARI_TRANSITIONS,
+    ),
 }
-UNLIMITED = ["replay.samples_per_insert=1e-9", "replay.rate_slack=1000000000000", "replay.min_size=1000",
-             "learner.metrics_interval_s=5"]
+UNLIMITED = [
+    "replay.samples_per_insert=1e-9",
+    "replay.rate_slack=1000000000000",
+    "replay.min_size=1000",
+    "learner.metrics_interval_s=5",
+]
 
 
 def session_sender(address: str, frames: list[bytes], options: dict[int, int], session: bytes, index: int) -> None:
@@ -68,8 +79,17 @@ def _open_sessions(process: LearnerProcess, count: int) -> list[bytes]:
     tokens = []
     for index in range(count):
         token = os.urandom(16)
-        process.endpoint.sessions.open(Session(index, f"bench-{index}".encode(), token, "bench", os.getpid(),
-                                               process.config.actor.num_envs, last_seen=time.monotonic() + 1e9))
+        process.endpoint.sessions.open(
+            Session(
+                index,
+                f"bench-{index}".encode(),
+                token,
+                "bench",
+                os.getpid(),
+                process.config.actor.num_envs,
+                last_seen=time.monotonic() + 1e9,
+            )
+        )
         tokens.append(token)
     return tokens
 
@@ -83,8 +103,10 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
         send_options, _ = socket_options("run")
         address = f"tcp://127.0.0.1:{process.endpoint.ports.trajectories}"
         spawn = mp.get_context("spawn")
-        senders = [spawn.Process(target=session_sender, args=(address, frames, send_options, token, index), daemon=True)
-                   for index, token in enumerate(_open_sessions(process, SENDERS))]
+        senders = [
+            spawn.Process(target=session_sender, args=(address, frames, send_options, token, index), daemon=True)
+            for index, token in enumerate(_open_sessions(process, SENDERS))
+        ]
         process.ingest.start()
         for p in senders:
             p.start()
@@ -130,23 +152,39 @@ def run(seconds: float = 2.0) -> dict:
         except ConfigError as e:  # e.g. Atari without ale-py
             skipped[name] = str(e)
             continue
-        rows.append({
-            "batch": name,
-            "transitions_per_batch": transitions,
-            "senders": SENDERS,
-            "transitions_per_s": paused["transitions_per_s"],
-            "training_transitions_per_s": training["transitions_per_s"],
-            "training_updates_per_s": training["updates_per_s"],
-            "ape_x_actors_served": round(paused["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S),
-            "ape_x_actors_served_while_training": round(training["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S),
-            "rejected_messages": paused["rejected_messages"] + training["rejected_messages"],
-        })
+        rows.append(
+            {
+                "batch": name,
+                "transitions_per_batch": transitions,
+                "senders": SENDERS,
+                "transitions_per_s": paused["transitions_per_s"],
+                "training_transitions_per_s": training["transitions_per_s"],
+                "training_updates_per_s": training["updates_per_s"],
+                "ape_x_actors_served": round(paused["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S),
+                "ape_x_actors_served_while_training": round(
+                    training["transitions_per_s"] / APE_X_ACTOR_TRANSITIONS_PER_S
+                ),
+                "rejected_messages": paused["rejected_messages"] + training["rejected_messages"],
+            }
+        )
     print_table(
         f"ingest: {SENDERS} sender processes -> one learner's replay (train loop paused / running)",
         ["batch", "transitions/s paused", "transitions/s training", "updates/s", "Ape-X actors served"],
-        [[r["batch"], r["transitions_per_s"], r["training_transitions_per_s"], r["training_updates_per_s"],
-          r["ape_x_actors_served"]] for r in rows],
+        [
+            [
+                r["batch"],
+                r["transitions_per_s"],
+                r["training_transitions_per_s"],
+                r["training_updates_per_s"],
+                r["ape_x_actors_served"],
+            ]
+            for r in rows
+        ],
     )
     for name, reason in skipped.items():
         print(f"ingest {name}: skipped ({reason})")
-    return {"baseline": "the same learner with its train loop running (training_*)", "results": rows, "skipped": skipped}
+    return {
+        "baseline": "the same learner with its train loop running (training_*)",
+        "results": rows,
+        "skipped": skipped,
+    }

@@ -43,26 +43,68 @@ def _both(value):
 # (img/learning_curves.gif: "DQN", replay and a target network, 30 runs, the mean over 100
 # training episodes at epsilon 0.1, v0's six actions) by measuring the plot at 5M frames.
 MINATAR_DQN = {"breakout": 10.0, "spaceinvaders": 43.0, "asterix": 17.0, "freeway": 50.0, "seaquest": 20.0}
-MINATAR_IDS = {"breakout": "Breakout", "spaceinvaders": "SpaceInvaders", "asterix": "Asterix", "freeway": "Freeway",
-               "seaquest": "Seaquest"}
+MINATAR_IDS = {
+    "breakout": "Breakout",
+    "spaceinvaders": "SpaceInvaders",
+    "asterix": "Asterix",
+    "freeway": "Freeway",
+    "seaquest": "Seaquest",
+}
 
 TASKS = {
-    "cartpole": Task("CartPole-v1", _both(475.0), {"apex_dqn": 12.0, "impala": 8.0}, 2.0,
-                     "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)"),
-    "acrobot": Task("Acrobot-v1", {"apex_dqn": -75.0, "impala": -100.0}, {"apex_dqn": 30.0, "impala": 60.0}, 2.0,
-                    "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k"),
-    "mountaincar": Task("MountainCar-v0", _both(-110.0), {"apex_dqn": 60.0, "impala": None}, 5.0,
-                        "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k"),
-    "lunarlander": Task("LunarLander-v3", _both(200.0), _both(300.0), 5.0,
-                        "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)"),
+    "cartpole": Task(
+        "CartPole-v1",
+        _both(475.0),
+        {"apex_dqn": 12.0, "impala": 8.0},
+        2.0,
+        "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)",
+    ),
+    "acrobot": Task(
+        "Acrobot-v1",
+        {"apex_dqn": -75.0, "impala": -100.0},
+        {"apex_dqn": 30.0, "impala": 60.0},
+        2.0,
+        "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k",
+    ),
+    "mountaincar": Task(
+        "MountainCar-v0",
+        _both(-110.0),
+        {"apex_dqn": 60.0, "impala": None},
+        5.0,
+        "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k",
+    ),
+    "lunarlander": Task(
+        "LunarLander-v3",
+        _both(200.0),
+        _both(300.0),
+        5.0,
+        "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)",
+    ),
     # Continuous actions: IMPALA only (a Gaussian policy); issue 18's targets.
-    "pendulum": Task("Pendulum-v1", {"impala": -250.0}, {"impala": 300.0}, 5.0,
-                     "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)"),
-    "lunarlandercontinuous": Task("LunarLanderContinuous-v3", {"impala": 200.0}, {"impala": 900.0}, 15.0,
-                                  "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)"),
-    **{f"minatar_{game}": Task(f"MinAtar/{MINATAR_IDS[game]}-v1", _both(score), _both(1200.0), 20.0,
-                               f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)")
-       for game, score in MINATAR_DQN.items()},
+    "pendulum": Task(
+        "Pendulum-v1",
+        {"impala": -250.0},
+        {"impala": 300.0},
+        5.0,
+        "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)",
+    ),
+    "lunarlandercontinuous": Task(
+        "LunarLanderContinuous-v3",
+        {"impala": 200.0},
+        {"impala": 900.0},
+        15.0,
+        "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
+    ),
+    **{
+        f"minatar_{game}": Task(
+            f"MinAtar/{MINATAR_IDS[game]}-v1",
+            _both(score),
+            _both(1200.0),
+            20.0,
+            f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)",
+        )
+        for game, score in MINATAR_DQN.items()
+    },
 }
 ALGOS = ("apex_dqn", "impala")
 PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala"}
@@ -78,8 +120,15 @@ def parse_list(text: str | None, known: tuple[str, ...], what: str) -> tuple[str
     return items
 
 
-def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minutes: float | None = None,
-        plot: str | None = None, seconds: float | None = None, runs_dir: str | None = None) -> dict:
+def run(
+    tasks: str | None = None,
+    algos: str | None = None,
+    seeds: int = 3,
+    minutes: float | None = None,
+    plot: str | None = None,
+    seconds: float | None = None,
+    runs_dir: str | None = None,
+) -> dict:
     """Runs every (task, algorithm, seed), prints the table, returns the figures (and draws
     the curves into ``plot``). Each task runs for its own time limit (``Task.minutes``)
     unless ``minutes`` or ``seconds`` (apex bench's common flag, which wins) sets one for all.
@@ -93,8 +142,10 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
         raise ApexError(f"--seeds must be >= 1, got {seeds}")
     for name in names:
         if not any(algo in TASKS[name].thresholds for algo in algo_names):
-            raise ApexError(f"--tasks {name} runs with --algos {', '.join(TASKS[name].thresholds)} only "
-                            "(continuous actions: IMPALA's Gaussian policy)")
+            raise ApexError(
+                f"--tasks {name} runs with --algos {', '.join(TASKS[name].thresholds)} only "
+                "(continuous actions: IMPALA's Gaussian policy)"
+            )
     limit_s = seconds if seconds is not None else None if minutes is None else minutes * 60
     if limit_s is not None and limit_s <= 0:
         raise ApexError(f"--minutes must be positive, got {minutes}")
@@ -111,19 +162,55 @@ def run(tasks: str | None = None, algos: str | None = None, seeds: int = 3, minu
     limits = f"{limit_s:g} s" if limit_s is not None else "each task's own time limit"
     print_table(
         f"learn: median over {seeds} seed(s), {limits} at most per run, 2 actors, times from the command's start",
-        ["task", "algo", "threshold", "reached", "time to threshold s", "target s", "start-up s", "env steps",
-         "final return", "best return", "env steps/s", "updates/s", "reference"],
-        [[s["task"], s["algo"], s["threshold"], f"{s['reached']}/{s['runs']}",
-          "-" if s["time_to_threshold_s"] is None else s["time_to_threshold_s"],
-          "-" if s["target_s"] is None else s["target_s"],
-          *("-" if s[key] is None else s[key] for key in (
-              "startup_s", "env_steps", "final_return", "best_return", "env_steps_per_s", "updates_per_s")),
-          TASKS[s["task"]].reference] for s in summary])
+        [
+            "task",
+            "algo",
+            "threshold",
+            "reached",
+            "time to threshold s",
+            "target s",
+            "start-up s",
+            "env steps",
+            "final return",
+            "best return",
+            "env steps/s",
+            "updates/s",
+            "reference",
+        ],
+        [
+            [
+                s["task"],
+                s["algo"],
+                s["threshold"],
+                f"{s['reached']}/{s['runs']}",
+                "-" if s["time_to_threshold_s"] is None else s["time_to_threshold_s"],
+                "-" if s["target_s"] is None else s["target_s"],
+                *(
+                    "-" if s[key] is None else s[key]
+                    for key in (
+                        "startup_s",
+                        "env_steps",
+                        "final_return",
+                        "best_return",
+                        "env_steps_per_s",
+                        "updates_per_s",
+                    )
+                ),
+                TASKS[s["task"]].reference,
+            ]
+            for s in summary
+        ],
+    )
     if plot:
         _plot(runs, plot)
         print(f"wrote {plot}")
-    return {"limit_s": limit_s, "seeds": seeds, "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
-            "summary": summary, "runs": runs}
+    return {
+        "limit_s": limit_s,
+        "seeds": seeds,
+        "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
+        "summary": summary,
+        "runs": runs,
+    }
 
 
 def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict:
@@ -175,9 +262,24 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
     """One `apex run` of a task's preset to its threshold or the time limit."""
     spec = TASKS[task]
     threshold = spec.thresholds[algo]
-    args = [sys.executable, "-m", "apex", "run", "--config", f"{task}_{PRESET_SUFFIX[algo]}", "--seed", str(seed),
-            "--stop-return", str(threshold), "--stop-seconds", str(limit_s), "--logdir", str(logdir),
-            "--port", str(free_base_port())]
+    args = [
+        sys.executable,
+        "-m",
+        "apex",
+        "run",
+        "--config",
+        f"{task}_{PRESET_SUFFIX[algo]}",
+        "--seed",
+        str(seed),
+        "--stop-return",
+        str(threshold),
+        "--stop-seconds",
+        str(limit_s),
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+    ]
     started = time.time()  # wall clock, as the learner's times in summary.json
     proc = subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.time() - started
@@ -190,7 +292,11 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
     first_update, stopped = summary.get("first_update_unix_s"), summary.get("stopped_unix_s")
     rates = [r for r in rows if r.get("env_steps_per_s")]
     return {
-        "task": task, "algo": algo, "seed": seed, "threshold": threshold, "limit_s": limit_s,
+        "task": task,
+        "algo": algo,
+        "seed": seed,
+        "threshold": threshold,
+        "limit_s": limit_s,
         "reached": reached,
         # from the command's start to the learner's stop on reaching it (not to the exit,
         # which adds the last checkpoint and the processes' ends)
@@ -202,7 +308,9 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
         "best_return": summary["best_return_mean_100"],
         "env_steps_per_s": round(statistics.mean(r["env_steps_per_s"] for r in rates), 1) if rates else None,
         "updates_per_s": round(statistics.mean(r["updates_per_s"] for r in rates), 1) if rates else None,
-        "curve": [[r["time"], r["env_steps"], r["return_mean_100"]] for r in rows if r.get("return_mean_100") is not None],
+        "curve": [
+            [r["time"], r["env_steps"], r["return_mean_100"]] for r in rows if r.get("return_mean_100") is not None
+        ],
     }
 
 
@@ -224,15 +332,22 @@ def _summarise(runs: list[dict]) -> list[dict]:
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
         groups.setdefault((r["task"], r["algo"]), []).append(r)
-    return [{
-        "task": task, "algo": algo, "threshold": group[0]["threshold"], "runs": len(group),
-        "target_s": TASKS[task].target_s[algo],
-        "reached": sum(r["reached"] for r in group),
-        "time_to_threshold_s": median_time([r["time_to_threshold_s"] for r in group]),
-        **{key: _median([r[key] for r in group]) for key in (
-            "startup_s", "env_steps", "final_return", "best_return",
-            "env_steps_per_s", "updates_per_s")},
-    } for (task, algo), group in groups.items()]
+    return [
+        {
+            "task": task,
+            "algo": algo,
+            "threshold": group[0]["threshold"],
+            "runs": len(group),
+            "target_s": TASKS[task].target_s[algo],
+            "reached": sum(r["reached"] for r in group),
+            "time_to_threshold_s": median_time([r["time_to_threshold_s"] for r in group]),
+            **{
+                key: _median([r[key] for r in group])
+                for key in ("startup_s", "env_steps", "final_return", "best_return", "env_steps_per_s", "updates_per_s")
+            },
+        }
+        for (task, algo), group in groups.items()
+    ]
 
 
 def _plot(runs: list[dict], path: str) -> None:
@@ -254,8 +369,13 @@ def _plot(runs: list[dict], path: str) -> None:
             ax = axes[row][col]
             for r in (r for r in runs if r["task"] == task):
                 if r["curve"]:
-                    ax.plot([p[x] for p in r["curve"]], [p[2] for p in r["curve"]], color=colors[r["algo"]],
-                            alpha=0.8, label=f"{r['algo']} seed {r['seed']}")
+                    ax.plot(
+                        [p[x] for p in r["curve"]],
+                        [p[2] for p in r["curve"]],
+                        color=colors[r["algo"]],
+                        alpha=0.8,
+                        label=f"{r['algo']} seed {r['seed']}",
+                    )
             for threshold in sorted(set(TASKS[task].thresholds.values())):
                 ax.axhline(threshold, color="gray", linestyle="--", label=f"threshold {threshold:g}")
             ax.set_title(f"{TASKS[task].env_id}: return_mean_100")

@@ -51,10 +51,17 @@ def devices() -> list[str]:
 
 
 def _learner(spec: EnvSpec, make_chunk, device: str) -> Learner:
-    config = config_module.load(None, [
-        f"learner.batch_size={BATCH}", "replay.capacity=20000", "replay.min_size=1000",
-        "replay.samples_per_insert=1e-9", "replay.rate_slack=1000000000000", f"learner.device={device}",
-    ])
+    config = config_module.load(
+        None,
+        [
+            f"learner.batch_size={BATCH}",
+            "replay.capacity=20000",
+            "replay.min_size=1000",
+            "replay.samples_per_insert=1e-9",
+            "replay.rate_slack=1000000000000",
+            f"learner.device={device}",
+        ],
+    )
     learner = Learner(config, spec, torch.device(device))
     chunk = make_chunk()
     while len(learner.replay) < 10_000:
@@ -136,11 +143,15 @@ def _measure(model: str, spec: EnvSpec, make_chunk, device: str, seconds: float)
     learner = _learner(spec, make_chunk, device)
     times = SectionTimes()
     rounds = 1 if model == "nature_cnn" and device == "cpu" else ROUNDS  # ~0.5 s a step there
-    rates = _interleaved_rates({
-        "update_only": lambda: _update_only(learner),
-        "sequential": lambda: _sequential(learner),
-        "pipelined": lambda: _Pipelined(learner, times),
-    }, seconds, rounds)
+    rates = _interleaved_rates(
+        {
+            "update_only": lambda: _update_only(learner),
+            "sequential": lambda: _sequential(learner),
+            "pipelined": lambda: _Pipelined(learner, times),
+        },
+        seconds,
+        rounds,
+    )
     return {
         "model": model,
         "device": device,
@@ -189,8 +200,10 @@ def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, out), daemon=True)
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, out), daemon=True)
+        for r in range(ranks)
+    ]
     for p in procs:
         p.start()
     try:
@@ -203,8 +216,15 @@ def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict:
     elapsed = max(seconds for _, _, seconds, _ in reports)
     leader = next(sections for rank, _, _, sections in reports if rank == 0)
     rate = steps / elapsed
-    return {"model": model, "device": device, "ranks": ranks, "batch": BATCH, "batches_per_s": round(rate, 2),
-            "samples_per_s": round(ranks * BATCH * rate), **leader}
+    return {
+        "model": model,
+        "device": device,
+        "ranks": ranks,
+        "batch": BATCH,
+        "batches_per_s": round(rate, 2),
+        "samples_per_s": round(ranks * BATCH * rate),
+        **leader,
+    }
 
 
 def run(seconds: float = 2.0, ranks: tuple[int, ...] = (1,)) -> dict:
@@ -225,14 +245,30 @@ def run(seconds: float = 2.0, ranks: tuple[int, ...] = (1,)) -> dict:
                 rows.append(row)
     print_records(
         f"learner: Ape-X train steps at batch {BATCH} a rank (torch threads 1 on CPU); ms per step by section",
-        [("model", "model"), ("device", "device"), ("ranks", "ranks"), ("batches/s", "batches_per_s"),
-         ("samples/s", "samples_per_s"), ("scaling", "scaling_efficiency"),
-         ("update only", "update_only_batches_per_s"), ("pipelined / update only", "pipelined_vs_update_only"),
-         ("sequential", "sequential_batches_per_s"), ("sample", "time_sample_ms"), ("to device", "time_to_device_ms"),
-         ("train", "time_train_ms"), ("write back", "time_write_back_ms"), ("idle", "time_idle_ms")],
-        [{"update_only_batches_per_s": "", "pipelined_vs_update_only": "", "sequential_batches_per_s": "", **r}
-         for r in rows],
+        [
+            ("model", "model"),
+            ("device", "device"),
+            ("ranks", "ranks"),
+            ("batches/s", "batches_per_s"),
+            ("samples/s", "samples_per_s"),
+            ("scaling", "scaling_efficiency"),
+            ("update only", "update_only_batches_per_s"),
+            ("pipelined / update only", "pipelined_vs_update_only"),
+            ("sequential", "sequential_batches_per_s"),
+            ("sample", "time_sample_ms"),
+            ("to device", "time_to_device_ms"),
+            ("train", "time_train_ms"),
+            ("write back", "time_write_back_ms"),
+            ("idle", "time_idle_ms"),
+        ],
+        [
+            {"update_only_batches_per_s": "", "pipelined_vs_update_only": "", "sequential_batches_per_s": "", **r}
+            for r in rows
+        ],
     )
-    return {"baseline": "one process: the same update on a batch already on the device (update_only_*), and the "
-                        "unpipelined step (sequential_*); ranks > 1: one rank's samples/s times the ranks "
-                        "(scaling_efficiency)", "results": rows}
+    return {
+        "baseline": "one process: the same update on a batch already on the device (update_only_*), and the "
+        "unpipelined step (sequential_*); ranks > 1: one rank's samples/s times the ranks "
+        "(scaling_efficiency)",
+        "results": rows,
+    }

@@ -99,8 +99,15 @@ def run(seconds: float = 1.0) -> dict:
         rows += _measure(name, capacity, spec, seconds)
     print_records(
         "replay: PrioritizedReplay.sample(512) with the data gather (median per call)",
-        [("transition", "transition"), ("op", "op"), ("bytes/transition", "bytes_per_transition"), ("µs", "p50_us"),
-         ("transitions/s", "transitions_per_s"), ("MB/s", "mb_per_s"), ("uniform gather µs", "uniform_gather_p50_us")],
+        [
+            ("transition", "transition"),
+            ("op", "op"),
+            ("bytes/transition", "bytes_per_transition"),
+            ("µs", "p50_us"),
+            ("transitions/s", "transitions_per_s"),
+            ("MB/s", "mb_per_s"),
+            ("uniform gather µs", "uniform_gather_p50_us"),
+        ],
         rows,
     )
     return {"baseline": "uniform NumPy gather of the same rows (no priorities)", "results": rows}

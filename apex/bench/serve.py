@@ -79,8 +79,15 @@ async def _http_episodes(port: int, concurrency: int, seconds: float, load: Load
                     obs, reward, terminated, truncated, _ = env.step(action)
                     load.steps += 1
                     if terminated or truncated:
-                        await post(f"/{episode}/end", {"observation": obs.tolist(), "terminated": terminated,
-                                                       "truncated": truncated, "reward": reward})
+                        await post(
+                            f"/{episode}/end",
+                            {
+                                "observation": obs.tolist(),
+                                "terminated": terminated,
+                                "truncated": truncated,
+                                "reward": reward,
+                            },
+                        )
                         break
 
         deadline = time.perf_counter() + seconds
@@ -116,13 +123,20 @@ async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load)
                 obs, _ = env.reset(seed=seed)
                 reward = 0.0
                 while time.perf_counter() < deadline:
-                    reply = await request(op="act", episode_ids=[episode], observations=[obs.tolist()],
-                                          rewards=[reward])
+                    reply = await request(
+                        op="act", episode_ids=[episode], observations=[obs.tolist()], rewards=[reward]
+                    )
                     obs, reward, terminated, truncated, _ = env.step(reply["actions"][0])
                     load.steps += 1
                     if terminated or truncated:
-                        await request(op="end", episode_ids=[episode], observations=[obs.tolist()],
-                                      terminated=terminated, truncated=truncated, rewards=[reward])
+                        await request(
+                            op="end",
+                            episode_ids=[episode],
+                            observations=[obs.tolist()],
+                            terminated=terminated,
+                            truncated=truncated,
+                            rewards=[reward],
+                        )
                         break
         finally:
             sock.close()
@@ -170,8 +184,9 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
                 rewards[resetting] = 0.0
             ended = playing & (terminated | truncated)
             if ended.any():  # without waiting: ZeroMQ pipelines it, HTTP sends it inside the next get_actions
-                client.end_episodes(list(ids[ended]), obs[ended], terminated[ended], truncated[ended], rewards[ended],
-                                    wait=False)
+                client.end_episodes(
+                    list(ids[ended]), obs[ended], terminated[ended], truncated[ended], rewards[ended], wait=False
+                )
             resetting = ended
     finally:
         envs.close()
@@ -198,7 +213,8 @@ def _measure(mode: str, port: int, zmq_port: int, concurrency: int, seconds: flo
     elapsed = time.perf_counter() - started
     latencies = np.asarray(load.latencies) * 1e3
     return {
-        "mode": mode, "episodes": concurrency,
+        "mode": mode,
+        "episodes": concurrency,
         "env_steps_per_s": round(load.steps / elapsed, 1),
         "requests_per_s": round(load.requests / elapsed, 1),
         "p50_ms": round(float(np.percentile(latencies, 50)), 3),
@@ -229,38 +245,94 @@ PRESETS = {"apex_dqn": "cartpole_apex", "impala": "cartpole_impala"}
 LEARN_LIMIT_S = 120.0
 
 
-def time_to_475(algo: str, transport: str, workdir: Path, limit_s: float = LEARN_LIMIT_S, servers: int = 2,
-                envs: int = 32, seed: int = 0) -> dict:
+def time_to_475(
+    algo: str,
+    transport: str,
+    workdir: Path,
+    limit_s: float = LEARN_LIMIT_S,
+    servers: int = 2,
+    envs: int = 32,
+    seed: int = 0,
+) -> dict:
     """Seconds from the learner's start to its stop at CartPole's 475 (None if ``limit_s``
     came first), with local actors (``transport`` "local": `apex run`, two actors of 16
     environments) or through `servers` `apex serve` processes ("zmq", "http"), each with one
     client process (``apex.bench.cartpole_client``) of ``envs`` environments."""
     logdir = workdir / f"{algo}-{transport}-{seed}"
     port = free_base_port()
-    stops = ["--config", PRESETS[algo], "--seed", str(seed), "--stop-return", "475", "--stop-seconds", str(limit_s),
-             "--logdir", str(logdir), "--port", str(port)]
+    stops = [
+        "--config",
+        PRESETS[algo],
+        "--seed",
+        str(seed),
+        "--stop-return",
+        "475",
+        "--stop-seconds",
+        str(limit_s),
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(port),
+    ]
     started = time.time()
     if transport == "local":
-        out = subprocess.run([sys.executable, "-m", "apex", "run", *stops], capture_output=True, text=True,
-                             timeout=limit_s + 120, check=False)
+        out = subprocess.run(
+            [sys.executable, "-m", "apex", "run", *stops],
+            capture_output=True,
+            text=True,
+            timeout=limit_s + 120,
+            check=False,
+        )
         if out.returncode != 0:
             raise ApexError(f"bench serve: apex run failed: {out.stderr.strip().splitlines()[-1:]}")
     else:
-        learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", *stops], stdout=subprocess.DEVNULL,
-                                   stderr=open(workdir / f"{logdir.name}-learner.log", "w"))
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "apex", "learner", *stops],
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / f"{logdir.name}-learner.log", "w"),  # noqa: SIM115 - the child writes it all its life
+        )
         others = []
         try:
             for i in range(servers):
                 front = free_base_port()
-                others.append(subprocess.Popen(
-                    [sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--http",
-                     f"127.0.0.1:{front}", "--zmq", str(front + 1)],
-                    stdout=subprocess.DEVNULL, stderr=open(workdir / f"{logdir.name}-serve{i}.log", "w")))
+                others.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "apex",
+                            "serve",
+                            "--learner",
+                            f"127.0.0.1:{port}",
+                            "--http",
+                            f"127.0.0.1:{front}",
+                            "--zmq",
+                            str(front + 1),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=open(workdir / f"{logdir.name}-serve{i}.log", "w"),  # noqa: SIM115 - the child writes it all its life
+                    )
+                )
                 address = f"127.0.0.1:{front + 1 if transport == 'zmq' else front}"
-                others.append(subprocess.Popen(
-                    [sys.executable, "-m", "apex.bench.cartpole_client", transport, address, "--envs", str(envs),
-                     "--seconds", str(limit_s + 60), "--seed", str(seed * servers + i)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                others.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "apex.bench.cartpole_client",
+                            transport,
+                            address,
+                            "--envs",
+                            str(envs),
+                            "--seconds",
+                            str(limit_s + 60),
+                            "--seed",
+                            str(seed * servers + i),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                )
             learner.wait(timeout=limit_s + 120)
         finally:
             for process in others:
@@ -274,10 +346,16 @@ def time_to_475(algo: str, transport: str, workdir: Path, limit_s: float = LEARN
     summary = json.loads((logdir / "summary.json").read_text())
     reached = str(summary["stop_reason"]).startswith("return_mean_100")
     stopped = summary["stopped_unix_s"]
-    return {"algo": algo, "transport": transport, "seed": seed, "reached": reached,
-            "seconds": round(stopped - started, 1) if reached else None,
-            "startup_s": round(summary["first_update_unix_s"] - started, 1) if summary.get("first_update_unix_s") else None,
-            "env_steps": summary["env_steps"], "env_steps_per_s": round(summary["env_steps"] / (stopped - started))}
+    return {
+        "algo": algo,
+        "transport": transport,
+        "seed": seed,
+        "reached": reached,
+        "seconds": round(stopped - started, 1) if reached else None,
+        "startup_s": round(summary["first_update_unix_s"] - started, 1) if summary.get("first_update_unix_s") else None,
+        "env_steps": summary["env_steps"],
+        "env_steps_per_s": round(summary["env_steps"] / (stopped - started)),
+    }
 
 
 def _learn_table(seeds: int, workdir: Path) -> list[dict]:
@@ -297,12 +375,19 @@ def _learn_table(seeds: int, workdir: Path) -> list[dict]:
             times = [r["seconds"] for r in group]
             median = median_time(times)
             local_median = median_time(local)
-            rows.append({"algo": algo, "transport": transport, "reached": sum(r["reached"] for r in group),
-                         "runs": len(group), "median_s": median,
-                         "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
-                         "env_steps": int(statistics.median(r["env_steps"] for r in group)),
-                         "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
-                         "seconds": times})
+            rows.append(
+                {
+                    "algo": algo,
+                    "transport": transport,
+                    "reached": sum(r["reached"] for r in group),
+                    "runs": len(group),
+                    "median_s": median,
+                    "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
+                    "env_steps": int(statistics.median(r["env_steps"] for r in group)),
+                    "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
+                    "seconds": times,
+                }
+            )
     return rows
 
 
@@ -317,21 +402,52 @@ def run(seconds: float = 5.0, seeds: int = 3) -> dict:
         log = Path(tmp) / "serve.log"
         never = "1000000"  # the learner ingests and does not train (replay.min_size = capacity)
         learner = subprocess.Popen(
-            [sys.executable, "-m", "apex", "learner", "--port", str(port), "--logdir", str(Path(tmp) / "run"),
-             "--set", f"replay.capacity={never}", "--set", f"replay.min_size={never}"],
-            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "learner.log", "w"))
+            [
+                sys.executable,
+                "-m",
+                "apex",
+                "learner",
+                "--port",
+                str(port),
+                "--logdir",
+                str(Path(tmp) / "run"),
+                "--set",
+                f"replay.capacity={never}",
+                "--set",
+                f"replay.min_size={never}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(Path(tmp) / "learner.log", "w"),  # noqa: SIM115 - the child writes it all its life
+        )
         server = subprocess.Popen(
-            [sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--http", f"127.0.0.1:{front}",
-             "--zmq", str(front + 1), "--max-episodes", "4096"],
-            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+            [
+                sys.executable,
+                "-m",
+                "apex",
+                "serve",
+                "--learner",
+                f"127.0.0.1:{port}",
+                "--http",
+                f"127.0.0.1:{front}",
+                "--zmq",
+                str(front + 1),
+                "--max-episodes",
+                "4096",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"),  # noqa: SIM115 - the child writes it all its life
+        )
         try:
             _wait_up(front, server, log)
             for mode in MODES:
                 for concurrency in CONCURRENCY:
                     rows.append(_measure(mode, front, front + 1, concurrency, seconds))
                     r = rows[-1]
-                    print(f"  {mode} x{concurrency}: {r['env_steps_per_s']:,.0f} env steps/s, "
-                          f"{r['requests_per_s']:,.0f} requests/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms", flush=True)
+                    print(
+                        f"  {mode} x{concurrency}: {r['env_steps_per_s']:,.0f} env steps/s, "
+                        f"{r['requests_per_s']:,.0f} requests/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms",
+                        flush=True,
+                    )
         finally:
             for process in (server, learner):
                 process.terminate()
@@ -341,13 +457,26 @@ def run(seconds: float = 5.0, seeds: int = 3) -> dict:
                 except subprocess.TimeoutExpired:
                     process.kill()
     best = {mode: max((r for r in rows if r["mode"] == mode), key=lambda r: r["env_steps_per_s"]) for mode in MODES}
-    figures = {"http_requests_per_s": max(r["requests_per_s"] for r in rows if r["mode"] == "http"),
-               "zmq_batched_env_steps_per_s": best["zmq_batched"]["env_steps_per_s"]}
+    figures = {
+        "http_requests_per_s": max(r["requests_per_s"] for r in rows if r["mode"] == "http"),
+        "zmq_batched_env_steps_per_s": best["zmq_batched"]["env_steps_per_s"],
+    }
     print_table(
         f"serve: CartPole episodes through apex serve ({seconds:g} s each; learner ingesting, not training)",
         ["transport", "episodes", "env steps/s", "requests/s", "p50 ms", "p99 ms", "errors"],
-        [[r["mode"], r["episodes"], f"{r['env_steps_per_s']:,.0f}", f"{r['requests_per_s']:,.0f}", r["p50_ms"],
-          r["p99_ms"], r["errors"]] for r in rows])
+        [
+            [
+                r["mode"],
+                r["episodes"],
+                f"{r['env_steps_per_s']:,.0f}",
+                f"{r['requests_per_s']:,.0f}",
+                r["p50_ms"],
+                r["p99_ms"],
+                r["errors"],
+            ]
+            for r in rows
+        ],
+    )
     for key, goal in GOALS.items():
         print(f"  {key}: {figures[key]:,.0f} (goal {goal:,.0f}: {'met' if figures[key] >= goal else 'missed'})")
     learning = []
@@ -358,8 +487,18 @@ def run(seconds: float = 5.0, seeds: int = 3) -> dict:
             f"serve: CartPole to 475, local actors (2 x 16 envs) against 2 servers with a client of 32 envs each "
             f"(median of {seeds}, seconds from the learner's start)",
             ["algo", "transport", "reached", "median s", "x local", "env steps", "env steps/s", "runs s"],
-            [[r["algo"], r["transport"], f"{r['reached']}/{r['runs']}", "-" if r["median_s"] is None else r["median_s"],
-              "-" if r["ratio_to_local"] is None else r["ratio_to_local"], f"{r['env_steps']:,}",
-              f"{r['env_steps_per_s']:,}", ", ".join("-" if t is None else f"{t:g}" for t in r["seconds"])]
-             for r in learning])
+            [
+                [
+                    r["algo"],
+                    r["transport"],
+                    f"{r['reached']}/{r['runs']}",
+                    "-" if r["median_s"] is None else r["median_s"],
+                    "-" if r["ratio_to_local"] is None else r["ratio_to_local"],
+                    f"{r['env_steps']:,}",
+                    f"{r['env_steps_per_s']:,}",
+                    ", ".join("-" if t is None else f"{t:g}" for t in r["seconds"]),
+                ]
+                for r in learning
+            ],
+        )
     return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS, "learning": learning}

@@ -40,8 +40,16 @@ def _last_metrics(path: Path) -> dict | None:
         return None
 
 
-def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoint_s: float = 60.0,
-        overrides: tuple[str, ...] = (), plot: str | None = None, logdir: str | None = None, seed: int = 0) -> dict:
+def run(
+    seconds: float = 600.0,
+    actors: int = 3,
+    churn_s: float = 10.0,
+    checkpoint_s: float = 60.0,
+    overrides: tuple[str, ...] = (),
+    plot: str | None = None,
+    logdir: str | None = None,
+    seed: int = 0,
+) -> dict:
     """Runs the soak; returns the RSS series and the verdict (``passed``, ``problems``)."""
     config = config_module.load(None, [f"learner.checkpoint_interval_s={checkpoint_s}", *overrides])
     rng = random.Random(seed)
@@ -51,10 +59,25 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
         config_file = run_dir / "soak-config.yaml"
         config.save(config_file)
         port = free_base_port()
-        log = open(run_dir / "soak-processes.log", "ab")
-        learner = spawn_apex(["learner", "--config", str(config_file), "--logdir", str(run_dir), "--bind-host",
-                          "127.0.0.1", "--port", str(port), "--stop-seconds", str(seconds),
-                          "--set", "learner.metrics_interval_s=1"], log)
+        log = open(run_dir / "soak-processes.log", "ab")  # noqa: SIM115 - the child writes it all its life
+        learner = spawn_apex(
+            [
+                "learner",
+                "--config",
+                str(config_file),
+                "--logdir",
+                str(run_dir),
+                "--bind-host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--stop-seconds",
+                str(seconds),
+                "--set",
+                "learner.metrics_interval_s=1",
+            ],
+            log,
+        )
         actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]
         procs = [spawn_apex(actor_args, log) for _ in range(actors)]
         started = [*procs]
@@ -67,10 +90,15 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
                 row = _last_metrics(run_dir / "metrics.jsonl") or {}
                 rss = memory_mb(learner.pid, "VmRSS")
                 if rss is not None:
-                    samples.append({"t": round(now - start, 1), "rss_mb": round(rss, 1),
-                                    "replay_size": row.get("replay_size", 0),
-                                    "actors_connected": row.get("actors_connected", 0),
-                                    "learner_updates": row.get("learner_updates", 0)})
+                    samples.append(
+                        {
+                            "t": round(now - start, 1),
+                            "rss_mb": round(rss, 1),
+                            "replay_size": row.get("replay_size", 0),
+                            "actors_connected": row.get("actors_connected", 0),
+                            "learner_updates": row.get("learner_updates", 0),
+                        }
+                    )
                 # No churn in the last seconds: every actor is connected when the learner
                 # stops, and each must then exit by itself.
                 if now >= next_churn and now - start < seconds - 15:
@@ -102,23 +130,47 @@ def run(seconds: float = 600.0, actors: int = 3, churn_s: float = 10.0, checkpoi
     after = [s["rss_mb"] for s in samples if full_at is not None and s["t"] >= full_at]
     variation = 100 * (max(after) - min(after)) / (sum(after) / len(after)) if after else None
     result = {
-        "seconds": seconds, "actors": actors, "churn_s": churn_s, "checkpoint_s": checkpoint_s,
-        "replay_capacity": capacity, "actor_kills": kills, "learner_exit": learner.returncode,
+        "seconds": seconds,
+        "actors": actors,
+        "churn_s": churn_s,
+        "checkpoint_s": checkpoint_s,
+        "replay_capacity": capacity,
+        "actor_kills": kills,
+        "learner_exit": learner.returncode,
         "replay_full_at_s": full_at,
-        "rss_mb_after_full": {"min": min(after), "max": max(after), "mean": round(sum(after) / len(after), 1)} if after else None,
+        "rss_mb_after_full": {"min": min(after), "max": max(after), "mean": round(sum(after) / len(after), 1)}
+        if after
+        else None,
         "rss_variation_percent": None if variation is None else round(variation, 2),
         "rss_limit_percent": RSS_LIMIT_PERCENT,
         "leftover_pids": leftover,
         "checkpoints_written": summary.get("checkpoints_written"),
-        "env_steps": summary.get("env_steps"), "learner_updates": summary.get("learner_updates"),
+        "env_steps": summary.get("env_steps"),
+        "learner_updates": summary.get("learner_updates"),
         "samples": samples,
     }
     print_table(
         f"soak: CartPole Ape-X learner, {actors} actors killed and restarted every ~{churn_s:g} s, {seconds:g} s",
-        ["actor kills", "replay full at s", "RSS after full MB (min/mean/max)", "RSS variation %", "checkpoints",
-         "learner exit", "leftover processes"],
-        [[kills, full_at, "-" if not after else f"{min(after):.1f} / {sum(after) / len(after):.1f} / {max(after):.1f}",
-          result["rss_variation_percent"], result["checkpoints_written"], learner.returncode, len(leftover)]],
+        [
+            "actor kills",
+            "replay full at s",
+            "RSS after full MB (min/mean/max)",
+            "RSS variation %",
+            "checkpoints",
+            "learner exit",
+            "leftover processes",
+        ],
+        [
+            [
+                kills,
+                full_at,
+                "-" if not after else f"{min(after):.1f} / {sum(after) / len(after):.1f} / {max(after):.1f}",
+                result["rss_variation_percent"],
+                result["checkpoints_written"],
+                learner.returncode,
+                len(leftover),
+            ]
+        ],
     )
     if plot:
         _plot(samples, full_at, plot)

@@ -68,9 +68,7 @@ def run(seconds: float = 1.0, capacities: tuple[int, ...] = CAPACITIES) -> dict:
             tree.update(np.arange(capacity), fill)
         ops = {name: _operations(tree, capacity, seed=1) for name, tree in trees.items()}
         for op in ops["native"]:
-            figures = {
-                name: summarize(time_calls(ops[name][op], seconds=seconds)) for name in trees
-            }
+            figures = {name: summarize(time_calls(ops[name][op], seconds=seconds)) for name in trees}
             rows.append(
                 {
                     "capacity": capacity,
@@ -80,15 +78,20 @@ def run(seconds: float = 1.0, capacities: tuple[int, ...] = CAPACITIES) -> dict:
                     "native_ops_per_s": figures["native"]["ops_per_s"],
                     "numpy_p50_us": figures["numpy"]["p50_us"],
                     "numpy_ops_per_s": figures["numpy"]["ops_per_s"],
-                    "speedup_vs_numpy": round(
-                        figures["numpy"]["p50_us"] / figures["native"]["p50_us"], 2
-                    ),
+                    "speedup_vs_numpy": round(figures["numpy"]["p50_us"] / figures["native"]["p50_us"], 2),
                 }
             )
     print_records(
         "sumtree: native vs vectorised NumPy (median per call)",
-        [("capacity", "capacity"), ("op", "op"), ("batch", "batch"), ("native µs", "native_p50_us"),
-         ("native ops/s", "native_ops_per_s"), ("numpy µs", "numpy_p50_us"), ("speedup", "speedup_vs_numpy")],
+        [
+            ("capacity", "capacity"),
+            ("op", "op"),
+            ("batch", "batch"),
+            ("native µs", "native_p50_us"),
+            ("native ops/s", "native_ops_per_s"),
+            ("numpy µs", "numpy_p50_us"),
+            ("speedup", "speedup_vs_numpy"),
+        ],
         rows,
     )
     return {"baseline": "vectorised NumPy sum tree (apex.bench.numpy_sumtree)", "results": rows}

@@ -27,9 +27,7 @@ def time_calls(
         fn()
     latencies = []
     deadline = time.perf_counter() + seconds
-    while len(latencies) < max_calls and (
-        len(latencies) < min_calls or time.perf_counter() < deadline
-    ):
+    while len(latencies) < max_calls and (len(latencies) < min_calls or time.perf_counter() < deadline):
         start = time.perf_counter_ns()
         fn()
         latencies.append(time.perf_counter_ns() - start)
@@ -43,7 +41,7 @@ def summarize(latencies_us: np.ndarray) -> dict[str, float]:
         "p50_us": round(p50, 2),
         "p90_us": round(float(np.percentile(latencies_us, 90)), 2),
         "ops_per_s": round(1e6 / p50, 1),
-        "calls": int(len(latencies_us)),
+        "calls": len(latencies_us),
     }
 
 
@@ -93,5 +91,5 @@ def median_time(times: list[float | None]) -> float | None:
     import statistics
 
     ordered = sorted(times, key=lambda t: math.inf if t is None else t)
-    middle = ordered[(len(ordered) - 1) // 2: len(ordered) // 2 + 1]  # one value, or the two around the middle
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]  # one value, or the two around the middle
     return None if not middle or None in middle else round(statistics.mean(middle), 2)

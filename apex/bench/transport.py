@@ -130,23 +130,45 @@ def run(seconds: float = 2.0) -> dict:
                     row = {"transport": transport, "senders": senders, "batch": batch}
                     for method, (frames, decode, settings) in methods.items():
                         address = (
-                            f"tcp://127.0.0.1:{free_port()}" if transport == "tcp"
+                            f"tcp://127.0.0.1:{free_port()}"
+                            if transport == "tcp"
                             else f"ipc://{os.path.join(tmp, f'{batch}-{method}-{senders}')}"
                         )
                         figures = _receive(address, settings, decode, senders, frames, seconds)
                         prefix = "" if method == "apex" else method + "_"
                         row.update({prefix + k: v for k, v in figures.items()})
                     row["speedup_vs_pickle"] = round(row["transitions_per_s"] / row["pickle_transitions_per_s"], 2)
-                    row["speedup_vs_pickle_columns"] = round(row["transitions_per_s"] / row["pickle_columns_transitions_per_s"], 2)
+                    row["speedup_vs_pickle_columns"] = round(
+                        row["transitions_per_s"] / row["pickle_columns_transitions_per_s"], 2
+                    )
                     rows.append(row)
     print_table(
         f"transport: senders -> 1 receiver, every batch decoded; transitions/s (Atari: {source})",
-        ["transport", "senders", "batch", "apex", "pickle", "speedup", "pickle columns", "speedup", "apex MB/s",
-         "apex, run's HWM"],
         [
-            [r["transport"], r["senders"], r["batch"], r["transitions_per_s"], r["pickle_transitions_per_s"],
-             r["speedup_vs_pickle"], r["pickle_columns_transitions_per_s"], r["speedup_vs_pickle_columns"],
-             r["wire_mb_per_s"], r["apex_run_settings_transitions_per_s"]]
+            "transport",
+            "senders",
+            "batch",
+            "apex",
+            "pickle",
+            "speedup",
+            "pickle columns",
+            "speedup",
+            "apex MB/s",
+            "apex, run's HWM",
+        ],
+        [
+            [
+                r["transport"],
+                r["senders"],
+                r["batch"],
+                r["transitions_per_s"],
+                r["pickle_transitions_per_s"],
+                r["speedup_vs_pickle"],
+                r["pickle_columns_transitions_per_s"],
+                r["speedup_vs_pickle_columns"],
+                r["wire_mb_per_s"],
+                r["apex_run_settings_transitions_per_s"],
+            ]
             for r in rows
         ],
     )

@@ -27,11 +27,38 @@ at most 16 MiB, and the walk over a state visits each shared list once, a millio
 
 from apex.checkpoint.common import FORMAT, MANIFESTS, ORDERS, CorruptCheckpoint, IncompatibleCheckpoint
 from apex.checkpoint.manifest import Checkpoint, verify
-from apex.checkpoint.selection import (RunCheckpoints, best_and_newest, candidates, checkpoint_dir, find, find_latest,
-                                       first_loadable, has_checkpoint, mark_corrupt)
+from apex.checkpoint.selection import (
+    RunCheckpoints,
+    best_and_newest,
+    candidates,
+    checkpoint_dir,
+    find,
+    find_latest,
+    first_loadable,
+    has_checkpoint,
+    mark_corrupt,
+)
 from apex.checkpoint.state import check_state, read_state
 from apex.checkpoint.writer import CheckpointWriter
 
-__all__ = ["FORMAT", "MANIFESTS", "ORDERS", "Checkpoint", "CheckpointWriter", "CorruptCheckpoint", "IncompatibleCheckpoint",
-           "RunCheckpoints", "best_and_newest", "candidates", "check_state", "checkpoint_dir", "find", "find_latest",
-           "first_loadable", "has_checkpoint", "mark_corrupt", "read_state", "verify"]
+__all__ = [
+    "FORMAT",
+    "MANIFESTS",
+    "ORDERS",
+    "Checkpoint",
+    "CheckpointWriter",
+    "CorruptCheckpoint",
+    "IncompatibleCheckpoint",
+    "RunCheckpoints",
+    "best_and_newest",
+    "candidates",
+    "check_state",
+    "checkpoint_dir",
+    "find",
+    "find_latest",
+    "first_loadable",
+    "has_checkpoint",
+    "mark_corrupt",
+    "read_state",
+    "verify",
+]

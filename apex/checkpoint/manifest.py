@@ -9,8 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from apex.checkpoint.common import (FORMAT, MAX_MANIFEST_BYTES, CorruptCheckpoint, IncompatibleCheckpoint, finite_or_none,
-                                    is_int, memory_bytes, score_of, show)
+from apex.checkpoint.common import (
+    FORMAT,
+    MAX_MANIFEST_BYTES,
+    CorruptCheckpoint,
+    IncompatibleCheckpoint,
+    finite_or_none,
+    is_int,
+    memory_bytes,
+    score_of,
+    show,
+)
 from apex.checkpoint.state import check_state, load_failure, read_state
 from apex.files import RefusedFile, open_regular, read_regular
 
@@ -55,8 +64,7 @@ class Checkpoint:
     def load_state(self) -> dict:
         """The learner state (networks, optimizer, counters, config), loaded without running
         code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
-        return check_state(read_state(self.state_path, self.manifest["files"]["state"]["bytes"]),
-                           self.state_path.name)
+        return check_state(read_state(self.state_path, self.manifest["files"]["state"]["bytes"]), self.state_path.name)
 
     @property
     def ranks(self) -> int:
@@ -78,8 +86,9 @@ class Checkpoint:
             with _open(path, entry["bytes"]) as f:
                 replay.load(f, entry["replay_header"], schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise CorruptCheckpoint(f"{path.name} does not hold the replay shard its manifest describes "
-                                    f"({load_failure(e)})") from None
+            raise CorruptCheckpoint(
+                f"{path.name} does not hold the replay shard its manifest describes ({load_failure(e)})"
+            ) from None
 
     def load_replay(self, replay, schema=None) -> None:
         """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file.
@@ -93,16 +102,19 @@ class Checkpoint:
             with _open(self.replay_path, self.manifest["files"]["replay"]["bytes"]) as f:
                 replay.load(f, header, schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            raise CorruptCheckpoint(f"{self.replay_path.name} does not hold the replay its manifest describes "
-                                    f"({load_failure(e)})") from None
+            raise CorruptCheckpoint(
+                f"{self.replay_path.name} does not hold the replay its manifest describes ({load_failure(e)})"
+            ) from None
 
 
 def _check_replay_fits(header: dict, replay, name: str) -> None:
     """The replay's shape checked first: another shape is the run's configuration
     changing, not a damaged file."""
     if (mismatch := replay.shape_mismatch(header)) is not None:
-        raise IncompatibleCheckpoint(f"{name}: {mismatch}: resume with the configuration the checkpoint was made "
-                                     "with (drop the --set that changes it)")
+        raise IncompatibleCheckpoint(
+            f"{name}: {mismatch}: resume with the configuration the checkpoint was made "
+            "with (drop the --set that changes it)"
+        )
 
 
 def verify(manifest_path: Path) -> Checkpoint:
@@ -124,8 +136,9 @@ def read_manifest(path: Path) -> dict:
         raise CorruptCheckpoint(f"cannot read {path.name}: {e}") from e
     problems = _manifest_problems(manifest, path.stem)
     if problems:
-        raise CorruptCheckpoint(f"{path.name} is not a valid apex checkpoint manifest of format {FORMAT}: "
-                                + "; ".join(problems))
+        raise CorruptCheckpoint(
+            f"{path.name} is not a valid apex checkpoint manifest of format {FORMAT}: " + "; ".join(problems)
+        )
     return manifest
 
 
@@ -173,12 +186,15 @@ def shard_file_name(name: str, rank: int) -> str:
 def _file_entry_problems(kind: Any, entry: Any) -> list[str]:
     if kind not in ("state", "replay"):
         return [f"files lists {show(kind)}, expected 'state' and optionally 'replay'"]
-    if not (isinstance(entry, dict) and is_int(entry.get("bytes"))
-            and is_int(entry.get("crc32")) and entry["crc32"] < 2**32):
+    if not (
+        isinstance(entry, dict) and is_int(entry.get("bytes")) and is_int(entry.get("crc32")) and entry["crc32"] < 2**32
+    ):
         return [f"files.{kind} must be {{bytes: int >= 0, crc32: int in [0, 2**32)}}, got {show(entry)}"]
     if entry["bytes"] > (memory := memory_bytes()):
-        return [f"files.{kind} has {entry['bytes']} bytes, more than this machine's memory ({memory}) that it "
-                "would be loaded into"]
+        return [
+            f"files.{kind} has {entry['bytes']} bytes, more than this machine's memory ({memory}) that it "
+            "would be loaded into"
+        ]
     return []
 
 
@@ -220,8 +236,10 @@ def _chunks_problems(header: dict) -> list[str]:
     and its first frame id. A chunk has one frame at least, so there are at most
     frame_capacity of them and their first frames strictly increase."""
     chunks = header.get("chunks")
-    shape = ("replay_header.chunks must be a list of at most frame_capacity [end, first] pairs of ints >= 0, "
-             "in insertion order, within items and frames")
+    shape = (
+        "replay_header.chunks must be a list of at most frame_capacity [end, first] pairs of ints >= 0, "
+        "in insertion order, within items and frames"
+    )
     if not isinstance(chunks, list) or len(chunks) > header["frame_capacity"]:
         return [shape]
     items_end, frames_end = header["items"][2], header["frames"][2]

@@ -64,8 +64,10 @@ def checkpoint_dir(path: Path) -> Path:
         return path / "checkpoints"
     if path.is_dir() and any(path.glob(MANIFESTS)):
         return path
-    raise ApexError(f"no checkpoints in {path}: pass the --logdir of a run that wrote some "
-                    "(LOGDIR/checkpoints/ckpt-*.json), or start without --resume")
+    raise ApexError(
+        f"no checkpoints in {path}: pass the --logdir of a run that wrote some "
+        "(LOGDIR/checkpoints/ckpt-*.json), or start without --resume"
+    )
 
 
 def candidates(path: Path, which: str = "newest") -> Iterator[Checkpoint]:
@@ -118,8 +120,9 @@ def _set_aside(manifest_path: Path, reason: str | BaseException) -> None:
             log.warning("could not rename %s to *.corrupt: %s", bad.name, e.strerror)
 
 
-def first_loadable(path: Path, load: Callable[[Checkpoint], T], first: Checkpoint | None = None,
-                   which: str = "newest") -> T:
+def first_loadable(
+    path: Path, load: Callable[[Checkpoint], T], first: Checkpoint | None = None, which: str = "newest"
+) -> T:
     """What ``load`` returns for the newest (``which="best"``: the best, see ``candidates``)
     checkpoint under ``path`` it succeeds on (``first``, already verified, is tried before
     the others). One for which it raises CorruptCheckpoint is set aside (``mark_corrupt``)
@@ -157,8 +160,10 @@ def find(path: Path, which: str) -> Checkpoint:
     directory = checkpoint_dir(path)  # now: the refused ones are gone from it below
     for checkpoint in _verified(directory, which):
         return checkpoint
-    raise ApexError(f"no valid checkpoint in {directory}: every one was truncated or corrupt "
-                    "(see the messages above); start without --resume")
+    raise ApexError(
+        f"no valid checkpoint in {directory}: every one was truncated or corrupt "
+        "(see the messages above); start without --resume"
+    )
 
 
 class RunCheckpoints(NamedTuple):

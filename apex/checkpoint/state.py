@@ -11,11 +11,15 @@ from apex.algos import REGISTRY
 from apex.checkpoint.common import CorruptCheckpoint, is_int, memory_bytes, show
 from apex.files import RefusedFile, open_regular
 
-
 # What every apex learner state holds beside its algorithm's networks, as torch.load
 # (weights_only) returns it; bool is excluded where an int is wanted.
 _STATE_KEYS: dict[str, type | tuple[type, ...]] = {
-    "updates": int, "env_steps": int, "time": (int, float), "episode_stats": dict, "config": dict}
+    "updates": int,
+    "env_steps": int,
+    "time": (int, float),
+    "episode_stats": dict,
+    "config": dict,
+}
 MAX_COUNT = 2**53  # counters beyond it are no run's (and 2**64 would not go on the wire as a weights version)
 _DEFAULT_ALGO = "apex_dqn"  # Config.algo's default: a config written without one means it
 _WEIGHTS_ONLY_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
@@ -41,7 +45,7 @@ def read_state(path: Path, max_bytes: int | None = None) -> Any:
             import torch  # here, not at import: `apex run` and the CLI start without torch
 
             return torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001  (untrusted bytes can fail the parser in any way, none our bug)
+    except Exception as e:
         raise CorruptCheckpoint(f"{Path(path).name} cannot be loaded: {load_failure(e)}") from None
 
 
@@ -49,7 +53,9 @@ def load_failure(error: Exception) -> str:
     text = str(error).strip()
     if text.startswith("Weights only load failed"):
         found = _WEIGHTS_ONLY_GLOBAL.search(text)
-        what = f"it would call {found.group(1)}" if found else "it holds objects other than tensors and plain containers"
+        what = (
+            f"it would call {found.group(1)}" if found else "it holds objects other than tensors and plain containers"
+        )
         return f"{what}, and a checkpoint is loaded without running code (a forged or foreign file?)"
     first = text.splitlines()[0].split(". ")[0] if text else ""
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
@@ -67,10 +73,15 @@ def check_state(state: Any, source: str) -> dict:
         value = state[key]
         if isinstance(value, bool) or not isinstance(value, kind):
             raise CorruptCheckpoint(f"{source}: {key!r} is a {type(value).__name__}, expected {_type_names(kind)}")
-    if not (0 <= state["updates"] <= MAX_COUNT and 0 <= state["env_steps"] <= MAX_COUNT
-            and 0 <= state["time"] < float("inf")):
-        raise CorruptCheckpoint(f"{source}: updates, env_steps and time must be finite, >= 0 and at most 2**53, got "
-                                f"{show(state['updates'])}, {show(state['env_steps'])}, {show(state['time'])}")
+    if not (
+        0 <= state["updates"] <= MAX_COUNT
+        and 0 <= state["env_steps"] <= MAX_COUNT
+        and 0 <= state["time"] < float("inf")
+    ):
+        raise CorruptCheckpoint(
+            f"{source}: updates, env_steps and time must be finite, >= 0 and at most 2**53, got "
+            f"{show(state['updates'])}, {show(state['env_steps'])}, {show(state['time'])}"
+        )
     _check_episode_stats(state["episode_stats"], source)
     _check_optional(state, source)
     algo = state["config"].get("algo", _DEFAULT_ALGO)
@@ -85,11 +96,15 @@ def check_state(state: Any, source: str) -> dict:
         except RecursionError:
             raise CorruptCheckpoint(f"{source}: {key!r} is nested too deep for a state_dict") from None
         except _TooLarge:
-            raise CorruptCheckpoint(f"{source}: the state_dicts up to {key!r} hold more than {MAX_STATE_NODES} "
-                                    "values, which no learner's do (a forged file?)") from None
+            raise CorruptCheckpoint(
+                f"{source}: the state_dicts up to {key!r} hold more than {MAX_STATE_NODES} "
+                "values, which no learner's do (a forged file?)"
+            ) from None
         if where is not None:
-            raise CorruptCheckpoint(f"{source}: {where} holds NaN or infinity (the learner never writes such a "
-                                    "checkpoint: a damaged or forged file)")
+            raise CorruptCheckpoint(
+                f"{source}: {where} holds NaN or infinity (the learner never writes such a "
+                "checkpoint: a damaged or forged file)"
+            )
     return state
 
 
@@ -121,22 +136,28 @@ def _not_finite(value: Any, where: str, seen: set[int], budget: list[int]) -> st
 
 def _check_episode_stats(stats: dict, source: str) -> None:
     """What EpisodeStats.load_state_dict reads."""
-    numbers = all(isinstance(stats.get(k), list) and all(isinstance(x, (int, float)) for x in stats[k])
-                  for k in ("eval", "train"))
+    numbers = all(
+        isinstance(stats.get(k), list) and all(isinstance(x, (int, float)) for x in stats[k]) for k in ("eval", "train")
+    )
     if not (numbers and is_int(stats.get("episodes")) and isinstance(stats.get("best"), (int, float))):
-        raise CorruptCheckpoint(f"{source}: 'episode_stats' must hold lists 'eval' and 'train' of returns, "
-                                "an int 'episodes' and a number 'best'")
+        raise CorruptCheckpoint(
+            f"{source}: 'episode_stats' must hold lists 'eval' and 'train' of returns, "
+            "an int 'episodes' and a number 'best'"
+        )
 
 
 def _check_optional(state: dict, source: str) -> None:
     """Keys that older checkpoints may lack, checked when present (the learner reads them)."""
     hosts = state.get("env_steps_by_host", {})
-    if not (isinstance(hosts, dict) and all(isinstance(k, str) and is_int(v) and v <= MAX_COUNT
-                                            for k, v in hosts.items())):
+    if not (
+        isinstance(hosts, dict) and all(isinstance(k, str) and is_int(v) and v <= MAX_COUNT for k, v in hosts.items())
+    ):
         raise CorruptCheckpoint(f"{source}: 'env_steps_by_host' must map host names to ints >= 0")
     limiter = state.get("limiter", {"inserts": 0, "samples": 0})
-    if not (isinstance(limiter, dict) and all(is_int(limiter.get(k)) and limiter[k] <= MAX_COUNT
-                                              for k in ("inserts", "samples"))):
+    if not (
+        isinstance(limiter, dict)
+        and all(is_int(limiter.get(k)) and limiter[k] <= MAX_COUNT for k in ("inserts", "samples"))
+    ):
         raise CorruptCheckpoint(f"{source}: 'limiter' must hold ints 'inserts' and 'samples' in 0..2**53")
 
 

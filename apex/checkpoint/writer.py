@@ -38,6 +38,7 @@ class _CrcWriter:
 def _write_atomic(path: Path, write: Callable[[_CrcWriter], Any]) -> tuple[dict, Any]:
     """Calls ``write`` with a file at a temporary name, then fsyncs and renames it to
     ``path``; returns ({"bytes", "crc32"}, what ``write`` returned)."""
+
     def counted(f: BinaryIO) -> tuple[_CrcWriter, Any]:
         out = _CrcWriter(f)
         return out, write(out)
@@ -79,13 +80,22 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
 
-    def save(self, name: str, state: dict, replay=None, *, background: bool = False,
-             score: float | None = None, shards: list[dict] | None = None) -> bool:
+    def save(
+        self,
+        name: str,
+        state: dict,
+        replay=None,
+        *,
+        background: bool = False,
+        score: float | None = None,
+        shards: list[dict] | None = None,
+    ) -> bool:
         """Writes checkpoint ``name`` (e.g. ``ckpt-000001000``): ``state`` (serialised now, so
         training may go on) and, if given, the replay (copied piece by piece while ingest goes
         on). ``shards``: the entries of a learner group's other ranks' replay shards, written
-        by them beside it (``write_shard``). ``score`` is the run's return_mean_100 now (None before any evaluation episode;
-        a non-finite one is recorded as None): pruning and ``find(path, "best")`` rank by it.
+        by them beside it (``write_shard``). ``score`` is the run's return_mean_100 now (None
+        before any evaluation episode; a non-finite one is recorded as None): pruning and
+        ``find(path, "best")`` rank by it.
         Returns False, writing nothing, if a background write is still running."""
         if self.busy:
             return False
@@ -93,12 +103,14 @@ class CheckpointWriter:
         import torch
 
         torch.save(state, buffer)
-        scored = {"return_mean_100": finite_or_none(score), "eval_episodes": _eval_episodes(state),
-                  **({"shards": shards} if shards else {})}
+        scored = {
+            "return_mean_100": finite_or_none(score),
+            "eval_episodes": _eval_episodes(state),
+            **({"shards": shards} if shards else {}),
+        }
         args = (name, buffer, replay, state.get("config"), scored)
         if background:
-            self._thread = threading.Thread(target=self._write, args=args,
-                                            name="checkpoint", daemon=True)
+            self._thread = threading.Thread(target=self._write, args=args, name="checkpoint", daemon=True)
             self._thread.start()
         else:
             self._write(*args)
@@ -110,10 +122,15 @@ class CheckpointWriter:
             files, header = {}, None
             if replay is not None:
                 files["replay"], header = _write_atomic(self.directory / f"{name}.replay", replay.save)
-            files["state"], _ = _write_atomic(self.directory / f"{name}.pt",
-                                              lambda f: f.write(state.getbuffer()))
-            manifest = {"format": FORMAT, "name": name, "files": files, "replay_header": header,
-                        "config": config, **(scored or {})}
+            files["state"], _ = _write_atomic(self.directory / f"{name}.pt", lambda f: f.write(state.getbuffer()))
+            manifest = {
+                "format": FORMAT,
+                "name": name,
+                "files": files,
+                "replay_header": header,
+                "config": config,
+                **(scored or {}),
+            }
             _write_atomic(self.directory / f"{name}.json", lambda f: f.write(json.dumps(manifest).encode()))
             _fsync_dir(self.directory)
             score = score_of(manifest)

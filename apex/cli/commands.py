@@ -50,13 +50,33 @@ def bench(args: argparse.Namespace) -> int:
     if args.churn_seconds <= 0 or args.checkpoint_seconds <= 0:
         raise ApexError("--churn-seconds and --checkpoint-seconds must be positive")
     e2e_options = {"algo": args.algo, "env": args.env, "plot": args.plot, **({"actors": actors} if actors else {})}
-    soak_options = {"churn_s": args.churn_seconds, "checkpoint_s": args.checkpoint_seconds, "plot": args.plot,
-                    "overrides": tuple(args.overrides), "logdir": args.logdir, **({"actors": actors[0]} if actors else {})}
+    soak_options = {
+        "churn_s": args.churn_seconds,
+        "checkpoint_s": args.checkpoint_seconds,
+        "plot": args.plot,
+        "overrides": tuple(args.overrides),
+        "logdir": args.logdir,
+        **({"actors": actors[0]} if actors else {}),
+    }
     serve_options = {"seeds": args.seeds}
-    learn_options = {"tasks": args.tasks, "algos": args.algos, "seeds": args.seeds, "minutes": args.minutes,
-                     "plot": args.plot, "runs_dir": args.runs_dir}
-    bench.run(names, json_path=args.json, seconds=args.seconds, e2e_options=e2e_options, soak_options=soak_options,
-              learn_options=learn_options, serve_options=serve_options, learner_options={"ranks": ranks})
+    learn_options = {
+        "tasks": args.tasks,
+        "algos": args.algos,
+        "seeds": args.seeds,
+        "minutes": args.minutes,
+        "plot": args.plot,
+        "runs_dir": args.runs_dir,
+    }
+    bench.run(
+        names,
+        json_path=args.json,
+        seconds=args.seconds,
+        e2e_options=e2e_options,
+        soak_options=soak_options,
+        learn_options=learn_options,
+        serve_options=serve_options,
+        learner_options={"ranks": ranks},
+    )
     return 0
 
 
@@ -73,8 +93,9 @@ def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
     if resume is not None and not args.config:
         from apex.config.trust import allowed_imports, from_elsewhere
 
-        return from_elsewhere(resume.config, allowed_imports(args.allow_imports), f"checkpoint {resume.state_path}",
-                              overrides)
+        return from_elsewhere(
+            resume.config, allowed_imports(args.allow_imports), f"checkpoint {resume.state_path}", overrides
+        )
     return config.load(args.config, overrides)
 
 
@@ -106,8 +127,9 @@ def group_rank(args: argparse.Namespace):
 
     given = [args.rank is not None, args.world_size is not None, args.master is not None]
     if any(given) and not all(given):
-        raise ApexError("--rank, --world-size and --master go together (or set RANK, WORLD_SIZE, MASTER_ADDR, "
-                        "MASTER_PORT)")
+        raise ApexError(
+            "--rank, --world-size and --master go together (or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)"
+        )
     if all(given):
         return Rank.checked(args.rank, args.world_size, args.master)
     return Rank.from_environment()
@@ -141,20 +163,30 @@ def learner(args: argparse.Namespace) -> int:
     stop = stop_conditions(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
     env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
-    from apex.learner import LearnerProcess
-
     from apex.launch import stop_args
+    from apex.learner import LearnerProcess
 
     # The closing line's "resume with": this command's own addresses, keys and stops.
     group_args = []
     if rank is not None:  # the whole group resumes: --ranks N on one host, each rank's own flags on several
-        group_args = (["--ranks", str(rank.world_size)] if rank.master.startswith("127.0.0.1:")
-                      else ["--rank", str(rank.rank), "--world-size", str(rank.world_size), "--master", rank.master])
-    resume_command = args.resume_command or shlex.join([
-        "apex", "learner", "--resume", str(logdir), *group_args,
-        *(["--port", str(args.port)] if args.port is not None else []),
-        *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
-        *(["--curve-dir", args.curve_dir] if args.curve_dir else []), *stop_args(stop)])
+        group_args = (
+            ["--ranks", str(rank.world_size)]
+            if rank.master.startswith("127.0.0.1:")
+            else ["--rank", str(rank.rank), "--world-size", str(rank.world_size), "--master", rank.master]
+        )
+    resume_command = args.resume_command or shlex.join(
+        [
+            "apex",
+            "learner",
+            "--resume",
+            str(logdir),
+            *group_args,
+            *(["--port", str(args.port)] if args.port is not None else []),
+            *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
+            *(["--curve-dir", args.curve_dir] if args.curve_dir else []),
+            *stop_args(stop),
+        ]
+    )
     group = None
     if rank is not None:
         from apex.distributed import LearnerGroup
@@ -166,16 +198,21 @@ def learner(args: argparse.Namespace) -> int:
             raise ApexError(f"--port {base} leaves no room for {rank.world_size} ranks: {problem}")
         # Where actors reach this rank's trajectories: None is the host they reached rank 0 at.
         host = None if is_loopback(args.bind_host) or args.bind_host in ("0.0.0.0", "::", "*") else args.bind_host
-        group = LearnerGroup(rank, pick_device(config.learner.device),
-                             (host, base + 1 if rank.is_leader else base + 2 + rank.rank), config.digest())
+        group = LearnerGroup(
+            rank,
+            pick_device(config.learner.device),
+            (host, base + 1 if rank.is_leader else base + 2 + rank.rank),
+            config.digest(),
+        )
         if not rank.is_leader:
             from apex.follower import FollowerProcess
 
             code = FollowerProcess(config, logdir, args.bind_host, args.port, group).run()
             logging.shutdown()
             os._exit(code)
-    process = LearnerProcess(config, logdir, args.bind_host, args.port, stop, resume=resume,
-                             resume_command=resume_command, group=group)
+    process = LearnerProcess(
+        config, logdir, args.bind_host, args.port, stop, resume=resume, resume_command=resume_command, group=group
+    )
     code = process.run()
     # Everything is written and closed by now; tearing down torch's interpreter state takes
     # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
@@ -204,9 +241,11 @@ def learner_link(args: argparse.Namespace, who: str):
     settable = ("transport.", "serve.") if who == "apex serve" else ("transport.",)
     for override in args.overrides:
         if not override.startswith(settable):
-            raise ApexError(f"--set {override}: {who} takes only {' and '.join(s + '*' for s in settable)} settings; "
-                            "the environment, model and "
-                            "algorithm come from the learner (set them there, e.g. apex learner --set ...)")
+            raise ApexError(
+                f"--set {override}: {who} takes only {' and '.join(s + '*' for s in settable)} settings; "
+                "the environment, model and "
+                "algorithm come from the learner (set them there, e.g. apex learner --set ...)"
+            )
     local = load_config(args, shorthands=False)
     return host, port, local.transport, allowed_imports(args.allow_imports, local.env)
 
@@ -215,8 +254,9 @@ def actor(args: argparse.Namespace) -> int:
     from apex.actor import run_actor
 
     host, port, options, allowed = learner_link(args, "an actor")
-    return run_actor(host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options,
-                     allow_imports=allowed)
+    return run_actor(
+        host, port, actor_index=args.actor_index, num_envs=args.num_envs, options=options, allow_imports=allowed
+    )
 
 
 def parse_address(flag: str, text: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -242,12 +282,19 @@ def serve(args: argparse.Namespace) -> int:
         raise ApexError(f"--max-episodes must be >= 1, got {args.max_episodes}")
     if not args.episode_timeout > 0:
         raise ApexError(f"--episode-timeout must be positive, got {args.episode_timeout}")
-    options = ServeOptions(http=http, zmq=zmq_address, token=read_token(args.token_file),
-                           max_episodes=args.max_episodes, episode_timeout_s=args.episode_timeout,
-                           curve_dir=transport.curve_dir, allow_imports=allowed,
-                           limits=load_config(args, shorthands=False).serve)
-    return run_serve(learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs,
-                     transport=transport)
+    options = ServeOptions(
+        http=http,
+        zmq=zmq_address,
+        token=read_token(args.token_file),
+        max_episodes=args.max_episodes,
+        episode_timeout_s=args.episode_timeout,
+        curve_dir=transport.curve_dir,
+        allow_imports=allowed,
+        limits=load_config(args, shorthands=False).serve,
+    )
+    return run_serve(
+        learner_host, port, options, actor_index=args.actor_index, num_envs=args.num_envs, transport=transport
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -260,21 +307,33 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
     if args.ranks > args.actors:
-        raise ApexError(f"--ranks {args.ranks} needs at least as many actors (each rank trains on its actors' batches): "
-                        f"give --actors {args.ranks} or more")
+        raise ApexError(
+            f"--ranks {args.ranks} needs at least as many actors (each rank trains on its actors' batches): "
+            f"give --actors {args.ranks} or more"
+        )
     resume = resume_checkpoint(args)
     config = load_config(args, resume)
     stop = stop_conditions(args)
     if resume is not None and args.logdir and Path(args.logdir).resolve() != resume.logdir.resolve():
-        raise ApexError(f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory")
+        raise ApexError(
+            f"--logdir {args.logdir} differs from --resume {args.resume}: a resumed run goes on in its own directory"
+        )
     logdir = resume.logdir if resume else run_logdir(args, config)
     port = args.port if args.port is not None else config.transport.port
     # A wrong env id fails here, in a second, not in every child process after its imports.
     from apex.envs import env_spec
 
     env_spec(config.env, config.algo)
-    return launch.run(config, args.actors, logdir, stop, port, resume=resume is not None,
-                      learner_restarts=args.learner_restarts, ranks=args.ranks)
+    return launch.run(
+        config,
+        args.actors,
+        logdir,
+        stop,
+        port,
+        resume=resume is not None,
+        learner_restarts=args.learner_restarts,
+        ranks=args.ranks,
+    )
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -283,12 +342,21 @@ def evaluate(args: argparse.Namespace) -> int:
     from apex.config.trust import allowed_imports
     from apex.evaluation import evaluate
 
-    result = evaluate(args.checkpoint, args.episodes, args.epsilon, args.seed, args.video, which=args.which,
-                      allow_imports=allowed_imports(args.allow_imports))
+    result = evaluate(
+        args.checkpoint,
+        args.episodes,
+        args.epsilon,
+        args.seed,
+        args.video,
+        which=args.which,
+        allow_imports=allowed_imports(args.allow_imports),
+    )
     print(f"{result['checkpoint']} ({result['which']})")
-    print(f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
-          f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
-          f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})")
+    print(
+        f"{result['env']} ({result['algo']}, {result['updates']} updates): return "
+        f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
+        f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

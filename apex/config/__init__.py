@@ -8,12 +8,49 @@ ConfigError that lists them all.
 
 from apex.config.loading import RETIRED_KEYS, from_dict, load, load_dict, read_yaml
 from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs
-from apex.config.sections import (ALGOS, ATARI_PREFIX, DEFAULT_PORT, MAX_ENVS_PER_ACTOR, ActorConfig, Config, EnvConfig, ImpalaConfig,
-                                  LearnerConfig, ModelConfig, ReplayConfig, StopConditions, TransportConfig, port_problem,
-                                  wrapper_problem)
+from apex.config.sections import (
+    ALGOS,
+    ATARI_PREFIX,
+    DEFAULT_PORT,
+    MAX_ENVS_PER_ACTOR,
+    ActorConfig,
+    Config,
+    EnvConfig,
+    ImpalaConfig,
+    LearnerConfig,
+    ModelConfig,
+    ReplayConfig,
+    StopConditions,
+    TransportConfig,
+    port_problem,
+    wrapper_problem,
+)
 from apex.errors import ConfigError
 
-__all__ = ["ALGOS", "ATARI_PREFIX", "DEFAULT_PORT", "MAX_ENVS_PER_ACTOR", "RETIRED_KEYS", "ActorConfig", "Config", "ConfigError", "EnvConfig",
-           "ImpalaConfig", "LearnerConfig", "ModelConfig", "ReplayConfig", "StopConditions", "TransportConfig",
-           "annotated_yaml", "describe_preset", "from_dict", "load", "load_dict", "port_problem", "presets",
-           "read_yaml", "setting_docs", "wrapper_problem"]
+__all__ = [
+    "ALGOS",
+    "ATARI_PREFIX",
+    "DEFAULT_PORT",
+    "MAX_ENVS_PER_ACTOR",
+    "RETIRED_KEYS",
+    "ActorConfig",
+    "Config",
+    "ConfigError",
+    "EnvConfig",
+    "ImpalaConfig",
+    "LearnerConfig",
+    "ModelConfig",
+    "ReplayConfig",
+    "StopConditions",
+    "TransportConfig",
+    "annotated_yaml",
+    "describe_preset",
+    "from_dict",
+    "load",
+    "load_dict",
+    "port_problem",
+    "presets",
+    "read_yaml",
+    "setting_docs",
+    "wrapper_problem",
+]

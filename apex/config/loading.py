@@ -74,14 +74,21 @@ def _check_expansion(root: yaml.Node, source: str) -> None:
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, counted = stack.pop()
-        children = ([v for pair in node.value for v in pair] if isinstance(node, yaml.MappingNode)
-                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        children = (
+            [v for pair in node.value for v in pair]
+            if isinstance(node, yaml.MappingNode)
+            else node.value
+            if isinstance(node, yaml.SequenceNode)
+            else []
+        )
         if counted:
             sizes[id(node)] = min(MAX_YAML_VALUES + 1, 1 + sum(sizes[id(c)] for c in children))
             open_nodes.discard(id(node))
             if sizes[id(node)] > MAX_YAML_VALUES:
-                raise ConfigError(f"{source}: its YAML aliases expand it past {MAX_YAML_VALUES} values (an alias "
-                                  "bomb?): write the values out, or use fewer aliases")
+                raise ConfigError(
+                    f"{source}: its YAML aliases expand it past {MAX_YAML_VALUES} values (an alias "
+                    "bomb?): write the values out, or use fewer aliases"
+                )
             continue
         if id(node) in sizes:
             continue
@@ -101,8 +108,10 @@ def read_yaml(path: str | Path) -> tuple[str, dict[str, Any]]:
     else:
         found = presets().get(name.removesuffix(".yaml")) if "/" not in name else None
         if found is None:
-            raise ConfigError(f"config {name} not found: pass a YAML file or a preset name "
-                              f"({', '.join(presets())}; `apex config list`)")
+            raise ConfigError(
+                f"config {name} not found: pass a YAML file or a preset name "
+                f"({', '.join(presets())}; `apex config list`)"
+            )
         source, text = f"preset {found.name}", found.read_text()
         if Path(f"{name}.yaml").is_file():
             log.warning("--config %s is the shipped preset; to read ./%s.yaml instead, pass it with .yaml", name, name)
@@ -212,9 +221,14 @@ def _number_problem(value: Any) -> str | None:
     while stack and seen <= MAX_YAML_VALUES:  # from_dict may have anything: a bounded walk
         item = stack.pop()
         seen += 1
-        if isinstance(item, _HugeInt) or isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT:
-            shown = item if isinstance(item, _HugeInt) else f"{item}" if abs(item) < 10**30 else \
-                f"an integer of {len(str(abs(item)))} digits"
+        if isinstance(item, _HugeInt) or (isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_INT):
+            shown = (
+                item
+                if isinstance(item, _HugeInt)
+                else f"{item}"
+                if abs(item) < 10**30
+                else f"an integer of {len(str(abs(item)))} digits"
+            )
             if item is value:
                 return f"must be within -2**53..2**53, got {shown}"
             return f"holds an integer outside -2**53..2**53: {shown}"

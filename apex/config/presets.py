@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,11 @@ def presets() -> dict[str, Any]:
         folder = files("apex.configs")
     except ModuleNotFoundError:  # apex imported from a source tree (PYTHONPATH), not installed
         folder = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/, beside apex/
-    return {f.name[: -len(".yaml")]: f for f in sorted(folder.iterdir(), key=lambda f: f.name)
-            if f.name.endswith(".yaml")} if folder.is_dir() else {}
+    return (
+        {f.name[: -len(".yaml")]: f for f in sorted(folder.iterdir(), key=lambda f: f.name) if f.name.endswith(".yaml")}
+        if folder.is_dir()
+        else {}
+    )
 
 
 def describe_preset(preset: Any) -> str:
@@ -46,10 +50,14 @@ def setting_docs() -> dict[tuple[str, str], str]:
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body
-        for field_node, doc in zip(body, body[1:]):
-            if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                    and isinstance(doc.value.value, str)):
+        for field_node, doc in itertools.pairwise(body):
+            if (
+                isinstance(field_node, ast.AnnAssign)
+                and isinstance(field_node.target, ast.Name)
+                and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)
+            ):
                 docs[(node.name, field_node.target.id)] = " ".join(doc.value.value.split())
     return docs
 

@@ -14,7 +14,6 @@ import yaml
 from apex.algos import REGISTRY
 from apex.errors import ConfigError
 
-
 ALGOS = tuple(REGISTRY)  # the names `algo` takes
 
 
@@ -38,7 +37,9 @@ def wrapper_problem(wrapper: Any) -> str | None:
     if isinstance(wrapper, dict):
         unknown = set(wrapper) - {"type", "kwargs"}
         if unknown:
-            return f"unknown keys {sorted(unknown)}: a wrapper is a dotted path or {{type: dotted.path, kwargs: {{...}}}}"
+            return (
+                f"unknown keys {sorted(unknown)}: a wrapper is a dotted path or {{type: dotted.path, kwargs: {{...}}}}"
+            )
         if not isinstance(wrapper.get("type"), str) or not wrapper["type"]:
             return "a mapping needs type: dotted.path.to.Wrapper"
         if not isinstance(wrapper.get("kwargs", {}), dict):
@@ -338,104 +339,191 @@ class Config:
         check(self.algo in ALGOS, f"algo must be one of {ALGOS}, got {self.algo!r}")
         check(0 <= self.seed < 2**32, f"seed must be in 0..2**32-1, got {self.seed}")
         check(bool(self.env.id), "env.id must name a Gymnasium environment")
-        check(all(isinstance(m, str) and m for m in self.env.imports),
-              f"env.imports must be a list of module names, got {self.env.imports!r}")
+        check(
+            all(isinstance(m, str) and m for m in self.env.imports),
+            f"env.imports must be a list of module names, got {self.env.imports!r}",
+        )
         for i, wrapper in enumerate(self.env.wrappers):
             problem = wrapper_problem(wrapper)
             check(problem is None, f"env.wrappers[{i}]: {problem}")
         for i, module in enumerate(self.env.allow_imports):
-            check(all(part.isidentifier() for part in module.split(".")),
-                  f"env.allow_imports[{i}] must be a module name such as mypackage.envs, got {module!r}")
-        check(1 <= self.env.frame_stack <= MAX_FRAME_STACK,
-              f"env.frame_stack must be in 1..{MAX_FRAME_STACK}, got {self.env.frame_stack}")
+            check(
+                all(part.isidentifier() for part in module.split(".")),
+                f"env.allow_imports[{i}] must be a module name such as mypackage.envs, got {module!r}",
+            )
+        check(
+            1 <= self.env.frame_stack <= MAX_FRAME_STACK,
+            f"env.frame_stack must be in 1..{MAX_FRAME_STACK}, got {self.env.frame_stack}",
+        )
         check(self.env.frame_skip >= 1, f"env.frame_skip must be >= 1, got {self.env.frame_skip}")
-        check(math.isfinite(self.env.reward_scale) and self.env.reward_scale > 0,
-              f"env.reward_scale must be a positive number, got {self.env.reward_scale}")
-        check(self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
-              f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}")
-        check(self.env.action_bounds in ("clip", "squash"),
-              f"env.action_bounds must be clip or squash, got {self.env.action_bounds!r}")
-        check(len(self.model.hidden) <= MAX_HIDDEN_LAYERS and all(1 <= h <= MAX_HIDDEN_UNITS for h in self.model.hidden),
-              f"model.hidden must be at most {MAX_HIDDEN_LAYERS} sizes in 1..{MAX_HIDDEN_UNITS}, got {self.model.hidden}")
-        check(self.model.recurrent in ("none", "lstm"), f"model.recurrent must be none or lstm, got {self.model.recurrent!r}")
-        check(1 <= self.model.lstm_size <= MAX_LSTM_SIZE,
-              f"model.lstm_size must be in 1..{MAX_LSTM_SIZE}, got {self.model.lstm_size}")
-        check(self.model.recurrent == "none" or self.algo == "impala",
-              f"model.recurrent {self.model.recurrent} needs algo impala (Ape-X DQN is feed-forward): "
-              "use --algo impala or model.recurrent: none")
+        check(
+            math.isfinite(self.env.reward_scale) and self.env.reward_scale > 0,
+            f"env.reward_scale must be a positive number, got {self.env.reward_scale}",
+        )
+        check(
+            self.env.max_episode_steps is None or self.env.max_episode_steps >= 1,
+            f"env.max_episode_steps must be >= 1 or null, got {self.env.max_episode_steps}",
+        )
+        check(
+            self.env.action_bounds in ("clip", "squash"),
+            f"env.action_bounds must be clip or squash, got {self.env.action_bounds!r}",
+        )
+        check(
+            len(self.model.hidden) <= MAX_HIDDEN_LAYERS and all(1 <= h <= MAX_HIDDEN_UNITS for h in self.model.hidden),
+            f"model.hidden must be at most {MAX_HIDDEN_LAYERS} sizes in 1..{MAX_HIDDEN_UNITS}, got {self.model.hidden}",
+        )
+        check(
+            self.model.recurrent in ("none", "lstm"),
+            f"model.recurrent must be none or lstm, got {self.model.recurrent!r}",
+        )
+        check(
+            1 <= self.model.lstm_size <= MAX_LSTM_SIZE,
+            f"model.lstm_size must be in 1..{MAX_LSTM_SIZE}, got {self.model.lstm_size}",
+        )
+        check(
+            self.model.recurrent == "none" or self.algo == "impala",
+            f"model.recurrent {self.model.recurrent} needs algo impala (Ape-X DQN is feed-forward): "
+            "use --algo impala or model.recurrent: none",
+        )
         r = self.replay
         check(r.capacity >= 1, f"replay.capacity must be a positive integer, got {r.capacity}")
         check(r.alpha >= 0, f"replay.alpha must be >= 0, got {r.alpha}")
         check(r.beta >= 0, f"replay.beta must be >= 0, got {r.beta}")
         check(r.eps > 0, f"replay.eps must be > 0, got {r.eps}")
-        check(1 <= r.min_size <= r.capacity, f"replay.min_size must be in 1..replay.capacity ({r.capacity}), got {r.min_size}")
+        check(
+            1 <= r.min_size <= r.capacity,
+            f"replay.min_size must be in 1..replay.capacity ({r.capacity}), got {r.min_size}",
+        )
         check(r.samples_per_insert > 0, f"replay.samples_per_insert must be > 0, got {r.samples_per_insert}")
-        check(r.rate_slack >= self.learner.batch_size,
-              f"replay.rate_slack must be >= learner.batch_size ({self.learner.batch_size}), got {r.rate_slack}")
-        check(r.frame_capacity is None or r.frame_capacity >= 1024, f"replay.frame_capacity must be >= 1024 or null, got {r.frame_capacity}")
+        check(
+            r.rate_slack >= self.learner.batch_size,
+            f"replay.rate_slack must be >= learner.batch_size ({self.learner.batch_size}), got {r.rate_slack}",
+        )
+        check(
+            r.frame_capacity is None or r.frame_capacity >= 1024,
+            f"replay.frame_capacity must be >= 1024 or null, got {r.frame_capacity}",
+        )
         lr = self.learner
         check(lr.batch_size >= 1, f"learner.batch_size must be >= 1, got {lr.batch_size}")
         check(lr.lr > 0, f"learner.lr must be > 0, got {lr.lr}")
         check(lr.adam_eps > 0, f"learner.adam_eps must be > 0, got {lr.adam_eps}")
         check(0 <= lr.gamma <= 1, f"learner.gamma must be in [0, 1], got {lr.gamma}")
         check(lr.n_step >= 1, f"learner.n_step must be >= 1, got {lr.n_step}")
-        check(lr.target_update_interval >= 1, f"learner.target_update_interval must be >= 1, got {lr.target_update_interval}")
+        check(
+            lr.target_update_interval >= 1,
+            f"learner.target_update_interval must be >= 1, got {lr.target_update_interval}",
+        )
         check(lr.grad_clip > 0, f"learner.grad_clip must be > 0, got {lr.grad_clip}")
         check(lr.publish_interval >= 1, f"learner.publish_interval must be >= 1, got {lr.publish_interval}")
-        check(lr.device == "auto" or lr.device == "cpu" or lr.device.startswith("cuda"),
-              f"learner.device must be auto, cpu or cuda[:N], got {lr.device!r}")
+        check(
+            lr.device == "auto" or lr.device == "cpu" or lr.device.startswith("cuda"),
+            f"learner.device must be auto, cpu or cuda[:N], got {lr.device!r}",
+        )
         check(lr.torch_threads >= 1, f"learner.torch_threads must be >= 1, got {lr.torch_threads}")
-        check(lr.prefetch_batches is None or 1 <= lr.prefetch_batches <= 64,
-              f"learner.prefetch_batches must be in 1..64 or null (sized by memory), got {lr.prefetch_batches}")
-        check(0 < lr.metrics_interval_s <= 5, f"learner.metrics_interval_s must be in (0, 5], got {lr.metrics_interval_s}")
-        check(lr.checkpoint_interval_s > 0, f"learner.checkpoint_interval_s must be > 0, got {lr.checkpoint_interval_s}")
-        check(lr.checkpoint_interval_updates >= 0,
-              f"learner.checkpoint_interval_updates must be >= 0 (0: by time only), got {lr.checkpoint_interval_updates}")
-        check(lr.best_checkpoint_interval_s >= 0,
-              f"learner.best_checkpoint_interval_s must be >= 0 (0: off), got {lr.best_checkpoint_interval_s}")
+        check(
+            lr.prefetch_batches is None or 1 <= lr.prefetch_batches <= 64,
+            f"learner.prefetch_batches must be in 1..64 or null (sized by memory), got {lr.prefetch_batches}",
+        )
+        check(
+            0 < lr.metrics_interval_s <= 5, f"learner.metrics_interval_s must be in (0, 5], got {lr.metrics_interval_s}"
+        )
+        check(
+            lr.checkpoint_interval_s > 0, f"learner.checkpoint_interval_s must be > 0, got {lr.checkpoint_interval_s}"
+        )
+        check(
+            lr.checkpoint_interval_updates >= 0,
+            f"learner.checkpoint_interval_updates must be >= 0 (0: by time only), got {lr.checkpoint_interval_updates}",
+        )
+        check(
+            lr.best_checkpoint_interval_s >= 0,
+            f"learner.best_checkpoint_interval_s must be >= 0 (0: off), got {lr.best_checkpoint_interval_s}",
+        )
         check(lr.keep_checkpoints >= 1, f"learner.keep_checkpoints must be >= 1, got {lr.keep_checkpoints}")
         a = self.actor
-        check(1 <= a.num_envs <= MAX_ENVS_PER_ACTOR, f"actor.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {a.num_envs}")
+        check(
+            1 <= a.num_envs <= MAX_ENVS_PER_ACTOR,
+            f"actor.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {a.num_envs}",
+        )
         check(0 < a.eps_base <= 1, f"actor.eps_base must be in (0, 1], got {a.eps_base}")
         check(a.eps_alpha >= 0, f"actor.eps_alpha must be >= 0, got {a.eps_alpha}")
-        check(a.eps_repeat_mu is None or 1 < a.eps_repeat_mu < math.inf,
-              f"actor.eps_repeat_mu must be > 1 (a zeta exponent; 2.0 is the paper's) or null, got {a.eps_repeat_mu}")
-        check(0 <= a.eval_envs <= a.num_envs, f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}"
-              + (f": with {a.num_envs} environments per actor also set actor.eval_envs (e.g. --set actor.eval_envs=0)"
-                 if a.eval_envs > a.num_envs else ""))
+        check(
+            a.eps_repeat_mu is None or 1 < a.eps_repeat_mu < math.inf,
+            f"actor.eps_repeat_mu must be > 1 (a zeta exponent; 2.0 is the paper's) or null, got {a.eps_repeat_mu}",
+        )
+        check(
+            0 <= a.eval_envs <= a.num_envs,
+            f"actor.eval_envs must be in 0..actor.num_envs ({a.num_envs}), got {a.eval_envs}"
+            + (
+                f": with {a.num_envs} environments per actor also set actor.eval_envs (e.g. --set actor.eval_envs=0)"
+                if a.eval_envs > a.num_envs
+                else ""
+            ),
+        )
         check(0 <= a.eval_epsilon <= 0.01, f"actor.eval_epsilon must be in [0, 0.01], got {a.eval_epsilon}")
-        check(1 <= a.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
-              f"actor.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {a.chunk_transitions}")
+        check(
+            1 <= a.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
+            f"actor.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {a.chunk_transitions}",
+        )
         check(a.weights_update_steps >= 1, f"actor.weights_update_steps must be >= 1, got {a.weights_update_steps}")
         im = self.impala
-        check(1 <= im.unroll_length <= MAX_UNROLL_LENGTH,
-              f"impala.unroll_length must be in 1..{MAX_UNROLL_LENGTH}, got {im.unroll_length}")
+        check(
+            1 <= im.unroll_length <= MAX_UNROLL_LENGTH,
+            f"impala.unroll_length must be in 1..{MAX_UNROLL_LENGTH}, got {im.unroll_length}",
+        )
         check(im.batch_unrolls >= 1, f"impala.batch_unrolls must be >= 1, got {im.batch_unrolls}")
-        check(im.queue_size >= im.batch_unrolls,
-              f"impala.queue_size must be >= impala.batch_unrolls ({im.batch_unrolls}), got {im.queue_size}")
-        check(im.queue_policy in ("block", "drop_oldest"), f"impala.queue_policy must be block or drop_oldest, got {im.queue_policy!r}")
-        check(im.rho_bar > 0 and im.c_bar > 0, f"impala.rho_bar and impala.c_bar must be > 0, got {im.rho_bar}, {im.c_bar}")
-        check(im.baseline_cost >= 0 and im.entropy_cost >= 0, "impala.baseline_cost and impala.entropy_cost must be >= 0")
+        check(
+            im.queue_size >= im.batch_unrolls,
+            f"impala.queue_size must be >= impala.batch_unrolls ({im.batch_unrolls}), got {im.queue_size}",
+        )
+        check(
+            im.queue_policy in ("block", "drop_oldest"),
+            f"impala.queue_policy must be block or drop_oldest, got {im.queue_policy!r}",
+        )
+        check(
+            im.rho_bar > 0 and im.c_bar > 0,
+            f"impala.rho_bar and impala.c_bar must be > 0, got {im.rho_bar}, {im.c_bar}",
+        )
+        check(
+            im.baseline_cost >= 0 and im.entropy_cost >= 0, "impala.baseline_cost and impala.entropy_cost must be >= 0"
+        )
         check(im.optimizer in ("rmsprop", "adam"), f"impala.optimizer must be rmsprop or adam, got {im.optimizer!r}")
         t = self.transport
         check(port_problem(t.port) is None, f"transport.{port_problem(t.port)}")
         check(t.trajectory_hwm >= 1, f"transport.trajectory_hwm must be >= 1, got {t.trajectory_hwm}")
-        check(t.trajectory_buffer_bytes >= 4096, f"transport.trajectory_buffer_bytes must be >= 4096, got {t.trajectory_buffer_bytes}")
+        check(
+            t.trajectory_buffer_bytes >= 4096,
+            f"transport.trajectory_buffer_bytes must be >= 4096, got {t.trajectory_buffer_bytes}",
+        )
         check(t.heartbeat_interval_s > 0, f"transport.heartbeat_interval_s must be > 0, got {t.heartbeat_interval_s}")
-        check(t.heartbeat_timeout_s > t.heartbeat_interval_s,
-              f"transport.heartbeat_timeout_s must exceed heartbeat_interval_s ({t.heartbeat_interval_s}), got {t.heartbeat_timeout_s}")
-        check(t.give_up_after_s == 0 or t.give_up_after_s > t.heartbeat_timeout_s,
-              f"transport.give_up_after_s must be 0 (never) or exceed heartbeat_timeout_s ({t.heartbeat_timeout_s}), got {t.give_up_after_s}")
-        check(t.max_abs_reward > 0 and t.max_abs_reward < float("inf"),
-              f"transport.max_abs_reward must be a positive finite number, got {t.max_abs_reward}")
-        check(t.max_abs_obs is None or 0 < t.max_abs_obs < float("inf"),
-              f"transport.max_abs_obs must be a positive finite number or null (the space's bounds), got {t.max_abs_obs}")
-        check(t.max_message_bytes >= 1 << 20, f"transport.max_message_bytes must be >= 1048576 (1 MiB), got {t.max_message_bytes}")
+        check(
+            t.heartbeat_timeout_s > t.heartbeat_interval_s,
+            f"transport.heartbeat_timeout_s must exceed heartbeat_interval_s ({t.heartbeat_interval_s}), "
+            f"got {t.heartbeat_timeout_s}",
+        )
+        check(
+            t.give_up_after_s == 0 or t.give_up_after_s > t.heartbeat_timeout_s,
+            f"transport.give_up_after_s must be 0 (never) or exceed heartbeat_timeout_s ({t.heartbeat_timeout_s}), "
+            f"got {t.give_up_after_s}",
+        )
+        check(
+            t.max_abs_reward > 0 and t.max_abs_reward < float("inf"),
+            f"transport.max_abs_reward must be a positive finite number, got {t.max_abs_reward}",
+        )
+        check(
+            t.max_abs_obs is None or 0 < t.max_abs_obs < float("inf"),
+            f"transport.max_abs_obs must be a positive finite number or null (the space's bounds), got {t.max_abs_obs}",
+        )
+        check(
+            t.max_message_bytes >= 1 << 20,
+            f"transport.max_message_bytes must be >= 1048576 (1 MiB), got {t.max_message_bytes}",
+        )
         sv = self.serve
         check(sv.max_connections >= 1, f"serve.max_connections must be >= 1, got {sv.max_connections}")
         check(0 < sv.idle_timeout_s <= 3600, f"serve.idle_timeout_s must be in (0, 3600], got {sv.idle_timeout_s}")
-        check(sv.max_body_bytes_in_flight >= 1 << 16,
-              f"serve.max_body_bytes_in_flight must be >= 65536 (64 KiB), got {sv.max_body_bytes_in_flight}")
+        check(
+            sv.max_body_bytes_in_flight >= 1 << 16,
+            f"serve.max_body_bytes_in_flight must be >= 65536 (64 KiB), got {sv.max_body_bytes_in_flight}",
+        )
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
 

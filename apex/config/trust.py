@@ -9,8 +9,9 @@ learner's address can send one). Importing a module runs its code, and a wrapper
 callable that is then called (``pydoc.pipepager`` runs a shell command), so such a config may
 import only what this side allows: ``--allow-import MODULE``, ``env.allow_imports`` of the
 local config (and what that config names itself), or ``APEX_ALLOW_IMPORTS``
-(comma-separated). Allowing a package allows its submodules. Gymnasium ids from installed packages (``CartPole-v1``, ``ALE/Pong-v5``, a
-plugin's ``MinAtar/Breakout-v1``) import nothing named by the config and need no allowance.
+(comma-separated). Allowing a package allows its submodules. Gymnasium ids from installed
+packages (``CartPole-v1``, ``ALE/Pong-v5``, a plugin's ``MinAtar/Breakout-v1``) import nothing
+named by the config and need no allowance.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ def allowed_imports(flags: Iterable[str] = (), local: EnvConfig | None = None) -
     ``APEX_ALLOW_IMPORTS``, and the local config's env.allow_imports and the modules it names
     itself (it is this side's own: `apex run` hands its actors the run's config file); never
     what the config from elsewhere says (that is the other side's word)."""
-    given = [*((name, "--allow-import") for name in flags),
-             *((name, ALLOW_IMPORTS_ENV) for name in os.environ.get(ALLOW_IMPORTS_ENV, "").split(",")),
-             *((name, "env.allow_imports") for name in (local.allow_imports if local else ()))]
+    given = [
+        *((name, "--allow-import") for name in flags),
+        *((name, ALLOW_IMPORTS_ENV) for name in os.environ.get(ALLOW_IMPORTS_ENV, "").split(",")),
+        *((name, "env.allow_imports") for name in (local.allow_imports if local else ())),
+    ]
     names = []
     for name, where in given:
         name = name.strip()
@@ -80,10 +83,13 @@ def check_imports(env: EnvConfig, allowed: Collection[str], source: str) -> None
             raise ConfigError(
                 f"{source} names module {module!r} ({key}), which this side does not allow to import: importing it "
                 f"would run its code; if you trust it, pass --allow-import {module or '?'} (or env.allow_imports in "
-                f"the local config, or {ALLOW_IMPORTS_ENV}={module or '?'})")
+                f"the local config, or {ALLOW_IMPORTS_ENV}={module or '?'})"
+            )
 
 
-def from_elsewhere(raw: Any, allowed: Collection[str], source: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def from_elsewhere(
+    raw: Any, allowed: Collection[str], source: str, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """The validated Config of ``raw`` (nested dicts from a checkpoint or a welcome, then the
     local ``overrides``), refused with a ConfigError if it would import what ``allowed`` does
     not allow (``source`` names where it came from, for the message)."""

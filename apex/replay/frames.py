@@ -143,7 +143,9 @@ class StackedReplay(LockedRing):
                 self.chunks.popleft()  # already evicted by the transition ring itself
         return indices
 
-    def sample(self, batch_size: int, beta: float, batches: int = 1) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    def sample(
+        self, batch_size: int, beta: float, batches: int = 1
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
         """(batch with obs and next_obs stacks, insertion indices, importance weights). With
         ``batches`` > 1, that many batches of ``batch_size`` drawn together, one after the
         other in the arrays; each is spread over the whole replay (the draw's strata dealt
@@ -153,8 +155,10 @@ class StackedReplay(LockedRing):
         with self.lock:
             slots, indices, priorities, min_priority = self.ring.draw(batch_size * batches)
             if batches > 1:  # stratum j goes to batch j % batches (a strided copy, not a gather)
-                slots, indices, priorities = (np.ascontiguousarray(a.reshape(batch_size, batches).T).reshape(-1)
-                                              for a in (slots, indices, priorities))
+                slots, indices, priorities = (
+                    np.ascontiguousarray(a.reshape(batch_size, batches).T).reshape(-1)
+                    for a in (slots, indices, priorities)
+                )
             batch = self.ring.gather(slots)
             obs = self.frames.gather(batch.pop("obs_frame")[:, None] + self._offsets)
             next_obs = self.frames.gather(batch.pop("next_obs_frame")[:, None] + self._offsets)

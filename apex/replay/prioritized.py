@@ -16,8 +16,9 @@ class PrioritizedReplay(LockedRing):
     Thread-safe: the learner's ingest thread may ``add`` while its train loop samples.
     """
 
-    def __init__(self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6, seed: int | None = None
+    ) -> None:
         super().__init__(PriorityRing(fields, capacity, alpha=alpha, eps=eps, seed=seed))
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+
 class RateLimiter:
     """Keeps sampled/inserted transitions near ``samples_per_insert`` once ``min_size``
     transitions are in (Reverb's SampleToInsertRatio): either side may run ``slack``

@@ -70,8 +70,9 @@ class PriorityRing:
     code, which copies and restores them under that lock.
     """
 
-    def __init__(self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self, fields: Fields, capacity: int, *, alpha: float = 0.6, eps: float = 1e-6, seed: int | None = None
+    ) -> None:
         if not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"replay capacity must be a positive integer, got {capacity!r}")
         if not alpha >= 0:
@@ -84,7 +85,9 @@ class PriorityRing:
         self.capacity = int(capacity)
         self.alpha = float(alpha)
         self.eps = float(eps)
-        self.storage = {name: committed((self.capacity, *field.shape), field.dtype) for name, field in self.fields.items()}
+        self.storage = {
+            name: committed((self.capacity, *field.shape), field.dtype) for name, field in self.fields.items()
+        }
         self.tree = SumTree(self.capacity)
         self.rng = np.random.default_rng(seed)
         self.added = 0  # insertion index of the next item
@@ -130,14 +133,17 @@ class PriorityRing:
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
         if n > self.capacity:
-            raise ValueError(f"cannot add {n} items to a replay of capacity {self.capacity}: "
-                             "add smaller batches or raise replay.capacity")
+            raise ValueError(
+                f"cannot add {n} items to a replay of capacity {self.capacity}: "
+                "add smaller batches or raise replay.capacity"
+            )
         arrays = {}
         for name, field in self.fields.items():
             array = np.asarray(batch[name])
             if array.shape != (n, *field.shape):
-                raise ValueError(f"field {name!r} must have shape {(n, *field.shape)} "
-                                 f"(n={n} from priorities), got {array.shape}")
+                raise ValueError(
+                    f"field {name!r} must have shape {(n, *field.shape)} (n={n} from priorities), got {array.shape}"
+                )
             if not np.can_cast(array.dtype, field.dtype, casting="same_kind"):
                 raise ValueError(f"field {name!r} of dtype {array.dtype} cannot be stored as {field.dtype}")
             arrays[name] = array
@@ -186,16 +192,19 @@ class PriorityRing:
         indices = indices.astype(np.int64, copy=False)
         priorities = self.transform(priorities)
         if len(indices) != len(priorities):
-            raise ValueError(f"indices and priorities must have the same length, "
-                             f"got {len(indices)} and {len(priorities)}")
+            raise ValueError(
+                f"indices and priorities must have the same length, got {len(indices)} and {len(priorities)}"
+            )
         return indices, priorities
 
     def update_priorities(self, indices: np.ndarray, priorities: np.ndarray) -> int:
         """Sets ``check_update``'s priorities; items evicted since they were drawn are
         skipped. Returns how many were applied."""
         if indices.size and (indices.min() < 0 or indices.max() >= self.added):
-            raise IndexError(f"indices must be insertion indices returned by add/sample, "
-                             f"in [0, {self.added}); got values in [{indices.min()}, {indices.max()}]")
+            raise IndexError(
+                f"indices must be insertion indices returned by add/sample, "
+                f"in [0, {self.added}); got values in [{indices.min()}, {indices.max()}]"
+            )
         live = indices >= self.oldest_live
         applied = int(np.count_nonzero(live))
         self.stale_priority_updates += len(indices) - applied

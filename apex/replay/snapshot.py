@@ -104,11 +104,18 @@ def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
     frame_copier = RingCopier(f, replay.lock, lambda: frames.added - frames.capacity, frames_start)
     for first in range(frames_start, frames_end, frames_step):
         last = min(frames_end, first + frames_step)
-        frame_copier.piece(first, last, lambda runs=slot_runs(first, last, frames.capacity): [
-            frames.storage[a:b].copy() for a, b in runs])
+        frame_copier.piece(
+            first,
+            last,
+            lambda runs=slot_runs(first, last, frames.capacity): [frames.storage[a:b].copy() for a, b in runs],
+        )
     return {
-        "frame_shape": list(replay.frame_shape), "frame_dtype": replay.frame_dtype.str, "stack": replay.stack,
-        "capacity": replay.capacity, "frame_capacity": frames.capacity, "chunk_items": items_step,
+        "frame_shape": list(replay.frame_shape),
+        "frame_dtype": replay.frame_dtype.str,
+        "stack": replay.stack,
+        "capacity": replay.capacity,
+        "frame_capacity": frames.capacity,
+        "chunk_items": items_step,
         "frames": [frames_start, frame_copier.valid_from, frames_end],
         "items": [items_start, item_copier.valid_from, items_end],
         "chunks": chunks,
@@ -117,8 +124,13 @@ def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
 
 def shape_mismatch(replay: StackedReplay, header: dict) -> str | None:
     """How a saved replay's header (``save``'s) differs in shape from ``replay``, or None."""
-    ours = {"frame_shape": list(replay.frame_shape), "frame_dtype": replay.frame_dtype.str,
-            "stack": replay.stack, "capacity": replay.capacity, "frame_capacity": replay.frames.capacity}
+    ours = {
+        "frame_shape": list(replay.frame_shape),
+        "frame_dtype": replay.frame_dtype.str,
+        "stack": replay.stack,
+        "capacity": replay.capacity,
+        "frame_capacity": replay.frames.capacity,
+    }
     for key, value in ours.items():
         if header[key] != value:
             return f"the saved replay has {key} {header[key]}, this run's has {value}"
@@ -163,15 +175,17 @@ def load(replay: StackedReplay, f: BinaryIO, header: dict, schema: BatchSchema |
         replay.chunks = deque((end, first) for end, first in header["chunks"] if end > kept_from)
 
 
-def _check_values(replay: StackedReplay, schema: BatchSchema, slots: np.ndarray, frames_valid: int,
-                  frames_end: int) -> None:
+def _check_values(
+    replay: StackedReplay, schema: BatchSchema, slots: np.ndarray, frames_valid: int, frames_end: int
+) -> None:
     """The kept transitions' fields and frame ids, and the frames they may refer to."""
     storage = replay.ring.storage
     if len(slots):
         last_frame = max(int(storage["obs_frame"][slots].max()), int(storage["next_obs_frame"][slots].max()))
         if last_frame + replay.stack > frames_end:
-            raise ValueError(f"the saved replay's transitions refer to frame {last_frame}, beyond the {frames_end} "
-                             "it holds")
+            raise ValueError(
+                f"the saved replay's transitions refer to frame {last_frame}, beyond the {frames_end} it holds"
+            )
     try:
         for name in replay.ring.fields:
             schema.check_values(name, storage[name][slots])

@@ -13,9 +13,10 @@ An actor says hello and gets a welcome with its setup (the run's config, its see
 algorithm's part), its actor index, a random session token and the learner's incarnation id
 (or a reject with a reason), then the current weights at once over the control channel, then
 newer ones as they are published. Every batch carries the session token and a sequence
-number: the learner accepts batches only from a live session, in order, each once. Both sides send heartbeats; an actor that stops hearing
-from the learner drops its control socket and says hello again until a learner answers
-(the lazy-pirate pattern), so a restarted learner gets its actors back by itself.
+number: the learner accepts batches only from a live session, in order, each once. Both
+sides send heartbeats; an actor that stops hearing from the learner drops its control socket
+and says hello again until a learner answers (the lazy-pirate pattern), so a restarted
+learner gets its actors back by itself.
 
 Optional CURVE (``apex keygen DIR``): every socket is encrypted and the learner accepts only
 the actor public keys in ``DIR/authorized/``.
@@ -33,9 +34,32 @@ from apex.transport.keys import generate_keys, load_keypair, load_public
 from apex.transport.learner_side import MAX_ENVS_PER_ACTOR, LearnerEndpoint
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import Session
-from apex.transport.settings import (DEFAULT_PORT, HandshakeRejected, LearnerGone, Ports, Rejected, Stopped,
-                                     TransportConfig, is_loopback)
+from apex.transport.settings import (
+    DEFAULT_PORT,
+    HandshakeRejected,
+    LearnerGone,
+    Ports,
+    Rejected,
+    Stopped,
+    TransportConfig,
+    is_loopback,
+)
 
-__all__ = ["DEFAULT_PORT", "MAX_ENVS_PER_ACTOR", "HandshakeRejected", "LearnerClient", "LearnerEndpoint", "LearnerGone",
-           "Ports", "Rejected", "Session", "Stopped", "TrajectoryReceiver", "TransportConfig", "generate_keys",
-           "is_loopback", "load_keypair", "load_public"]
+__all__ = [
+    "DEFAULT_PORT",
+    "MAX_ENVS_PER_ACTOR",
+    "HandshakeRejected",
+    "LearnerClient",
+    "LearnerEndpoint",
+    "LearnerGone",
+    "Ports",
+    "Rejected",
+    "Session",
+    "Stopped",
+    "TrajectoryReceiver",
+    "TransportConfig",
+    "generate_keys",
+    "is_loopback",
+    "load_keypair",
+    "load_public",
+]

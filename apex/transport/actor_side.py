@@ -19,8 +19,7 @@ from apex.errors import ApexError, ProtocolError
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.keys import load_keypair, load_learner_public
-from apex.transport.settings import (MAX_HOST_CHARS, HandshakeRejected, LearnerGone, Ports, Stopped,
-                                     TransportConfig)
+from apex.transport.settings import MAX_HOST_CHARS, HandshakeRejected, LearnerGone, Ports, Stopped, TransportConfig
 
 log = logging.getLogger("apex.transport")
 
@@ -103,12 +102,15 @@ class LearnerClient:
         wait = BACKOFF_FIRST_S
         retry_logged = False
         while True:
-            self._send_control("hello", {
-                "actor_index": self.actor_index,
-                "num_envs": self.num_envs,
-                "host": pysocket.gethostname()[:MAX_HOST_CHARS],
-                "pid": os.getpid(),
-            })
+            self._send_control(
+                "hello",
+                {
+                    "actor_index": self.actor_index,
+                    "num_envs": self.num_envs,
+                    "host": pysocket.gethostname()[:MAX_HOST_CHARS],
+                    "pid": os.getpid(),
+                },
+            )
             answer_by = time.monotonic() + wait
             if deadline is not None:
                 answer_by = min(answer_by, deadline)
@@ -134,7 +136,9 @@ class LearnerClient:
                     answer_by = min(answer_by, time.monotonic() + wait)
                     break
                 if msg.type == "reject":
-                    raise HandshakeRejected(f"learner at {self.host}:{self.ports.control} rejected this actor: {msg.fields['reason']}")
+                    raise HandshakeRejected(
+                        f"learner at {self.host}:{self.ports.control} rejected this actor: {msg.fields['reason']}"
+                    )
                 if msg.type == "stop":
                     self.stop_reason = msg.fields["reason"]
                     raise HandshakeRejected(f"learner is stopping: {self.stop_reason}")
@@ -195,8 +199,13 @@ class LearnerClient:
             raise ApexError("send_batch before a handshake: call handshake() first")
         frames = protocol.encode(
             "batch",
-            {"actor_index": self.actor_index, "weights_version": int(weights_version), "info": dict(info or {}),
-             "session": self._session, "seq": self._seq},
+            {
+                "actor_index": self.actor_index,
+                "weights_version": int(weights_version),
+                "info": dict(info or {}),
+                "session": self._session,
+                "seq": self._seq,
+            },
             arrays,
         )
         self._seq += 1
@@ -258,8 +267,17 @@ class LearnerClient:
         public, secret = load_keypair(directory / "actor.key_secret")
         return public, secret, load_learner_public(directory / "learner.key")
 
-    def _connect(self, kind: int, port: int, *, host: str | None = None, sndhwm: int = 0, conflate: bool = False,
-                 buffer_bytes: int = 0, routing_id: bytes | None = None) -> zmq.Socket:
+    def _connect(
+        self,
+        kind: int,
+        port: int,
+        *,
+        host: str | None = None,
+        sndhwm: int = 0,
+        conflate: bool = False,
+        buffer_bytes: int = 0,
+        routing_id: bytes | None = None,
+    ) -> zmq.Socket:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, ACTOR_MAX_MESSAGE_BYTES)
@@ -288,8 +306,13 @@ class LearnerClient:
         return (host, port)
 
     def _trajectory_socket(self) -> zmq.Socket:
-        return self._connect(zmq.PUSH, self._route[1], host=self._route[0], sndhwm=self.options.trajectory_hwm,
-                             buffer_bytes=self.options.trajectory_buffer_bytes)
+        return self._connect(
+            zmq.PUSH,
+            self._route[1],
+            host=self._route[0],
+            sndhwm=self.options.trajectory_hwm,
+            buffer_bytes=self.options.trajectory_buffer_bytes,
+        )
 
     def _control_socket(self) -> zmq.Socket:
         return self._connect(zmq.DEALER, self.ports.control, routing_id=self._routing_id)

@@ -23,7 +23,7 @@ from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.keys import load_keypair
 from apex.transport.receiver import TrajectoryReceiver
-from apex.transport.sessions import HelloLimiter, RejectCounter, Session, SessionSigner, Sessions, peer_address
+from apex.transport.sessions import HelloLimiter, RejectCounter, Session, Sessions, SessionSigner, peer_address
 from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
 
 log = logging.getLogger("apex.transport")
@@ -85,19 +85,38 @@ class LearnerEndpoint:
         try:
             curve = self._start_curve() if options.curve_dir else None
             # Control messages carry no arrays: a header's worth is the most a frame may hold.
-            self.control = self._bind(zmq.ROUTER, host, self.ports.control, curve,
-                                      max_message_bytes=protocol.MAX_HEADER_BYTES, rcvhwm=CONTROL_HWM)
+            self.control = self._bind(
+                zmq.ROUTER,
+                host,
+                self.ports.control,
+                curve,
+                max_message_bytes=protocol.MAX_HEADER_BYTES,
+                rcvhwm=CONTROL_HWM,
+            )
             # An actor keeps its routing id across the fresh sockets it opens while retrying
             # (lazy pirate); the newest connection takes that id over, so its hellos are known
             # as one actor's, with one index, instead of leaving ghosts behind.
             self.control.setsockopt(zmq.ROUTER_HANDOVER, 1)
             # Registrations are a session token; room for the CURVE handshake's commands.
-            self._weights_socket = self._bind(zmq.ROUTER, host, self.ports.weights, curve, sndhwm=1,
-                                              max_message_bytes=WEIGHTS_PORT_MAX_BYTES, rcvhwm=CONTROL_HWM)
+            self._weights_socket = self._bind(
+                zmq.ROUTER,
+                host,
+                self.ports.weights,
+                curve,
+                sndhwm=1,
+                max_message_bytes=WEIGHTS_PORT_MAX_BYTES,
+                rcvhwm=CONTROL_HWM,
+            )
             self._weights_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone actor raises, never blocks
-            pull = self._bind(zmq.PULL, host, self.ports.trajectories, curve, rcvhwm=options.trajectory_hwm,
-                              buffer_bytes=options.trajectory_buffer_bytes,
-                              max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES)
+            pull = self._bind(
+                zmq.PULL,
+                host,
+                self.ports.trajectories,
+                curve,
+                rcvhwm=options.trajectory_hwm,
+                buffer_bytes=options.trajectory_buffer_bytes,
+                max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES,
+            )
         except Exception:
             self.close()
             raise
@@ -144,8 +163,9 @@ class LearnerEndpoint:
     def publish_weights(self, version: int, arrays: Mapping[str, np.ndarray]) -> None:
         """Sends weights to every registered actor (copied now: later changes to the arrays
         are not sent). An actor that has not read the previous copy misses this one."""
-        frames = protocol.encode("weights", {"version": int(version), "incarnation": self.incarnation},
-                                 arrays, compress=False)
+        frames = protocol.encode(
+            "weights", {"version": int(version), "incarnation": self.incarnation}, arrays, compress=False
+        )
         packed = protocol.pack(frames)
         self._weights = (int(version), frames, packed)
         for session in self.sessions:
@@ -164,8 +184,15 @@ class LearnerEndpoint:
 
     def close(self) -> None:
         receiver = getattr(self, "receiver", None)
-        close_sockets(self.context, [getattr(self, "control", None), getattr(self, "_weights_socket", None),
-                                     receiver.socket if receiver is not None else None], self._auth)
+        close_sockets(
+            self.context,
+            [
+                getattr(self, "control", None),
+                getattr(self, "_weights_socket", None),
+                receiver.socket if receiver is not None else None,
+            ],
+            self._auth,
+        )
         self._auth = None
 
     # -- internals
@@ -189,8 +216,10 @@ class LearnerEndpoint:
         except ProtocolError as e:
             version = protocol.peek_version(frames[1]) if len(frames) > 1 else None
             if version is not None and version != protocol.PROTOCOL:
-                reason = (f"protocol mismatch: actor speaks version {version}, learner {protocol.PROTOCOL}; "
-                          "install the same apex version on both sides")
+                reason = (
+                    f"protocol mismatch: actor speaks version {version}, learner {protocol.PROTOCOL}; "
+                    "install the same apex version on both sides"
+                )
                 self._send(identity, "reject", {"reason": reason, "retry": False})
             self._reject("malformed", "rejected control message: %s", e)
             return
@@ -238,9 +267,17 @@ class LearnerEndpoint:
         if holder is not None and holder.identity != identity:
             # A live actor keeps its index: a restarted one takes it back once the old one
             # has gone silent (heartbeat timeout); a peer cannot take it over by saying hello.
-            self._send(identity, "reject", {"retry": True, "reason": (
-                f"actor index {index} is held by a live actor ({holder.host}, pid {holder.pid}); "
-                f"retrying until it has been silent for {self.options.heartbeat_timeout_s:g}s")})
+            self._send(
+                identity,
+                "reject",
+                {
+                    "retry": True,
+                    "reason": (
+                        f"actor index {index} is held by a live actor ({holder.host}, pid {holder.pid}); "
+                        f"retrying until it has been silent for {self.options.heartbeat_timeout_s:g}s"
+                    ),
+                },
+            )
             return
         try:
             setup = dict(self._setup_for(msg, index))
@@ -257,13 +294,17 @@ class LearnerEndpoint:
             num_envs = setup.get("num_envs", fields["num_envs"])
             rank = self._least_loaded_rank()
             token = os.urandom(TOKEN_BYTES) if self.signer is None else self.signer.token(index, num_envs, rank)
-            session = Session(index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic(),
-                              rank=rank)
+            session = Session(
+                index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic(), rank=rank
+            )
             self.sessions.open(session)
         if self.routes[session.rank] is not None:  # its batches go to another rank of the group
             setup["trajectories"] = dict(self.routes[session.rank])
-        if not self._send(identity, "welcome", {"actor_index": index, "setup": setup, "session": session.token,
-                                                "incarnation": self.incarnation}):
+        if not self._send(
+            identity,
+            "welcome",
+            {"actor_index": index, "setup": setup, "session": session.token, "incarnation": self.incarnation},
+        ):
             self.sessions.close(session)
             return
         if self._weights is not None:
@@ -311,8 +352,13 @@ class LearnerEndpoint:
         for session in self.sessions:
             if session.last_seen < deadline:
                 self.sessions.close(session)
-                log.info("actor %d (%s) went silent; dropped (its session sent %d env steps, %d episodes)",
-                         session.index, session.host, session.env_steps, session.episodes)
+                log.info(
+                    "actor %d (%s) went silent; dropped (its session sent %d env steps, %d episodes)",
+                    session.index,
+                    session.host,
+                    session.env_steps,
+                    session.episodes,
+                )
 
     def _send(self, identity: bytes, msg_type: str, fields: Mapping[str, Any]) -> bool:
         """Sends a control message; False if it could not be (encoded or queued)."""
@@ -334,14 +380,27 @@ def _hello_problem(fields: Mapping[str, Any]) -> str | None:
     if index is not None and not 0 <= index < MAX_ACTOR_INDEX:
         return f"actor index must be in 0..{MAX_ACTOR_INDEX - 1}, got {index}"
     if not 0 <= fields["num_envs"] <= MAX_ENVS_PER_ACTOR:
-        return f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR} (0: the learner's actor.num_envs), got {fields['num_envs']}"
+        return (
+            f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR} (0: the learner's actor.num_envs), got {fields['num_envs']}"
+        )
     if len(fields["host"]) > MAX_HOST_CHARS or not 0 <= fields["pid"] < 2**32:
         return f"host must be at most {MAX_HOST_CHARS} characters and pid in 0..2**32-1"
     return None
 
 
-def bind_socket(context: zmq.Context, kind: int, host: str, port: int, curve, ports: Ports, *, sndhwm: int = 0,
-                rcvhwm: int = 0, buffer_bytes: int = 0, max_message_bytes: int = 0) -> zmq.Socket:
+def bind_socket(
+    context: zmq.Context,
+    kind: int,
+    host: str,
+    port: int,
+    curve,
+    ports: Ports,
+    *,
+    sndhwm: int = 0,
+    rcvhwm: int = 0,
+    buffer_bytes: int = 0,
+    max_message_bytes: int = 0,
+) -> zmq.Socket:
     """A learner socket bound at host:port with apex's limits (and CURVE's server keys)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -362,8 +421,10 @@ def bind_socket(context: zmq.Context, kind: int, host: str, port: int, curve, po
         sock.bind(address)
     except zmq.ZMQError as e:
         sock.close(linger=0)
-        raise ApexError(f"cannot bind {address}: {e.strerror} (is another learner using ports {ports.control}-"
-                        f"{ports.weights} or its ranks' ports? pick another with --port)") from None
+        raise ApexError(
+            f"cannot bind {address}: {e.strerror} (is another learner using ports {ports.control}-"
+            f"{ports.weights} or its ranks' ports? pick another with --port)"
+        ) from None
     return sock
 
 
@@ -405,9 +466,17 @@ class TrajectoryEndpoint:
             curve = None
             if options.curve_dir:
                 self._auth, curve = start_curve(self.context, options.curve_dir)
-            pull = bind_socket(self.context, zmq.PULL, host, port, curve, ports, rcvhwm=options.trajectory_hwm,
-                               buffer_bytes=options.trajectory_buffer_bytes,
-                               max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES)
+            pull = bind_socket(
+                self.context,
+                zmq.PULL,
+                host,
+                port,
+                curve,
+                ports,
+                rcvhwm=options.trajectory_hwm,
+                buffer_bytes=options.trajectory_buffer_bytes,
+                max_message_bytes=options.max_message_bytes + protocol.MAX_HEADER_BYTES,
+            )
         except Exception:
             self.close()
             raise

@@ -127,13 +127,19 @@ class Sessions:
             if session is None:
                 raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
             if session.rank != 0:
-                raise RejectedMessage("wrong_rank", f"a batch of actor {session.index}, whose batches go to rank "
-                                      f"{session.rank}, sent to rank 0")
+                raise RejectedMessage(
+                    "wrong_rank",
+                    f"a batch of actor {session.index}, whose batches go to rank {session.rank}, sent to rank 0",
+                )
             if fields["actor_index"] != session.index:
-                raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
+                raise RejectedMessage(
+                    "wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}"
+                )
             if fields["seq"] <= session.last_seq:
-                raise RejectedMessage("replayed", f"batch {fields['seq']} of actor {session.index} again "
-                                      f"(last accepted: {session.last_seq})")
+                raise RejectedMessage(
+                    "replayed",
+                    f"batch {fields['seq']} of actor {session.index} again (last accepted: {session.last_seq})",
+                )
             session.last_seq = fields["seq"]
             return session
 
@@ -205,18 +211,26 @@ class SignedSessions:
             if session is None:
                 issued = None if token in self._closed else self._signer.verify(token)
                 if issued is None:
-                    raise RejectedMessage("no_session", "a batch without a live session: the actor must say hello first")
+                    raise RejectedMessage(
+                        "no_session", "a batch without a live session: the actor must say hello first"
+                    )
                 index, num_envs, rank = issued
                 if rank != self.rank:  # e.g. a batch another rank accepted, sent here again
-                    raise RejectedMessage("wrong_rank", f"a batch of actor {index}, whose batches go to rank {rank}, "
-                                          f"sent to rank {self.rank}")
+                    raise RejectedMessage(
+                        "wrong_rank",
+                        f"a batch of actor {index}, whose batches go to rank {rank}, sent to rank {self.rank}",
+                    )
                 session = Session(index, b"", token, "", 0, num_envs, last_seen=time.monotonic(), rank=rank)
                 self._by_token[token] = session
             if fields["actor_index"] != session.index:
-                raise RejectedMessage("wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}")
+                raise RejectedMessage(
+                    "wrong_actor", f"a batch of actor {fields['actor_index']} in the session of actor {session.index}"
+                )
             if fields["seq"] <= session.last_seq:
-                raise RejectedMessage("replayed", f"batch {fields['seq']} of actor {session.index} again "
-                                      f"(last accepted: {session.last_seq})")
+                raise RejectedMessage(
+                    "replayed",
+                    f"batch {fields['seq']} of actor {session.index} again (last accepted: {session.last_seq})",
+                )
             session.last_seq = fields["seq"]
             return session
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from apex.config import DEFAULT_PORT, TransportConfig, port_problem
 from apex.errors import ApexError
 
-__all__ = ["DEFAULT_PORT", "TransportConfig", "MAX_HOST_CHARS", "Ports", "is_loopback"]
+__all__ = ["DEFAULT_PORT", "MAX_HOST_CHARS", "Ports", "TransportConfig", "is_loopback"]
 MAX_HOST_CHARS = 255  # an actor's host name in its hello
 
 
