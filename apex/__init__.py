@@ -5,6 +5,8 @@ The Python API (see README, "Python API"): ``apex.train``, ``apex.load_config``,
 imported on first use, so that ``import apex`` (and ``apex --help``) stays light.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 _API = {
@@ -28,7 +30,7 @@ __all__ = [
 ]  # _API's names
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _API:
         import importlib
 

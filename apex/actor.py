@@ -99,7 +99,7 @@ def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)
-        episodes: list[list] = []
+        episodes: list[algos.EpisodeRecord] = []
         last_tick = 0.0
         sent = False
         while client.stop_reason is None and not signals.received:

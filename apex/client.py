@@ -42,7 +42,7 @@ class PolicyServerError(Exception):
         self.status = status
 
 
-def _array(values: Any) -> dict:
+def _array(values: Any) -> dict[str, Any]:
     array = np.ascontiguousarray(values)
     if array.dtype.kind == "f" and array.dtype != np.float32:
         array = array.astype(np.float64)
@@ -63,9 +63,11 @@ class PolicyClient:
         self.address = address if "://" in address else f"tcp://{address}"
         self.token = token
         self.timeout_s = timeout_s
-        self._curve = None
+        self._curve: tuple[bytes, bytes, bytes] | None = None
         if curve_dir is not None:
             public, secret = zmq.auth.load_certificate(f"{curve_dir}/client.key_secret")
+            if not secret:
+                raise ValueError(f"{curve_dir}/client.key_secret holds no secret key: use the .key_secret file")
             server_public, _ = zmq.auth.load_certificate(f"{curve_dir}/serve.key")
             self._curve = (public, secret, server_public)
         self._context = zmq.Context()
@@ -73,7 +75,7 @@ class PolicyClient:
         self._unanswered: set[int] = set()  # sent with wait=False
         self._socket = self._connect()
 
-    def _connect(self) -> zmq.Socket:
+    def _connect(self) -> zmq.Socket[bytes]:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
@@ -81,7 +83,7 @@ class PolicyClient:
         sock.connect(self.address)
         return sock
 
-    def request(self, op: str, wait: bool = True, **fields: Any) -> dict:
+    def request(self, op: str, wait: bool = True, **fields: Any) -> dict[str, Any]:
         """One request and its reply (the wire format in the README). ``wait=False`` sends it
         and returns at once: its reply is read with the next request's (replies come in
         order), and an error it brings is raised then, so that a simulator can pipeline,
@@ -103,7 +105,7 @@ class PolicyClient:
                 self._socket = self._connect()
                 self._unanswered.clear()
                 raise TimeoutError(f"no reply from apex serve at {self.address} within {self.timeout_s} s")
-            reply = msgpack.unpackb(self._socket.recv(), raw=False)
+            reply: dict[str, Any] = msgpack.unpackb(self._socket.recv(), raw=False)
             if reply.get("id") in self._unanswered:
                 self._unanswered.discard(reply["id"])
                 if not reply.get("ok") and error is None:
@@ -118,17 +120,18 @@ class PolicyClient:
 
     # -- one episode a request
 
-    def spaces(self) -> dict:
-        return self.request("spaces")["spaces"]
+    def spaces(self) -> dict[str, Any]:
+        spaces: dict[str, Any] = self.request("spaces")["spaces"]
+        return spaces
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         reply = self.request("health")
         return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
     def start_episode(self) -> str:
         return self.start_episodes(1)[0]
 
-    def get_action(self, episode_id: str, observation: Any, reward: float | None = None):
+    def get_action(self, episode_id: str, observation: Any, reward: float | None = None) -> int | list[int]:
         """The policy's action for ``observation``; ``reward`` (the previous step's, if not
         logged already) saves a ``log_returns`` request."""
         action = self.get_actions([episode_id], [observation], None if reward is None else [reward])[0]
@@ -155,7 +158,8 @@ class PolicyClient:
     # -- many episodes a request
 
     def start_episodes(self, count: int) -> list[str]:
-        return self.request("start", count=count)["episode_ids"]
+        ids: list[str] = self.request("start", count=count)["episode_ids"]
+        return ids
 
     def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
         """Actions for each episode's observation ([n, *observation shape]); ``rewards``: each
@@ -207,7 +211,7 @@ class PolicyClient:
     def __enter__(self) -> PolicyClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -220,9 +224,9 @@ class HttpPolicyClient:
         self.host, self.port, self.timeout_s = host, int(port), timeout_s
         self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
         self._connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
-        self._deferred_end: dict | None = None  # end_episodes(wait=False): goes with the next request
+        self._deferred_end: dict[str, Any] | None = None  # end_episodes(wait=False): goes with the next request
 
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         if self._deferred_end is not None:
             deferred, self._deferred_end = self._deferred_end, None
             if path == "/v1/batch/action":  # one round trip: the server ends them, then acts
@@ -234,7 +238,7 @@ class HttpPolicyClient:
             try:
                 self._connection.request(method, path, payload, self._headers)
                 response = self._connection.getresponse()
-                data = json.loads(response.read() or b"{}")
+                data: dict[str, Any] = json.loads(response.read() or b"{}")
                 break
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 self._connection.close()
@@ -252,21 +256,23 @@ class HttpPolicyClient:
             raise PolicyServerError(response.status, data.get("error", response.reason))
         return data
 
-    def spaces(self) -> dict:
+    def spaces(self) -> dict[str, Any]:
         return self.request("GET", "/v1/spaces")
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         return self.request("GET", "/v1/health")
 
     def start_episode(self) -> str:
-        return self.request("POST", "/v1/episodes", {})["episode_id"]
+        episode_id: str = self.request("POST", "/v1/episodes", {})["episode_id"]
+        return episode_id
 
-    def get_action(self, episode_id: str, observation: Any, reward: float | None = None):
+    def get_action(self, episode_id: str, observation: Any, reward: float | None = None) -> int | list[int]:
         body = {
             "observation": np.asarray(observation).tolist(),
             **({} if reward is None else {"reward": float(reward)}),
         }
-        return self.request("POST", f"/v1/episodes/{episode_id}/action", body)["action"]
+        action: int | list[int] = self.request("POST", f"/v1/episodes/{episode_id}/action", body)["action"]
+        return action
 
     def log_action(self, episode_id: str, observation: Any, action: Any, reward: float | None = None) -> None:
         body = {
@@ -297,7 +303,8 @@ class HttpPolicyClient:
         self.request("POST", f"/v1/episodes/{episode_id}/end", body)
 
     def start_episodes(self, count: int) -> list[str]:
-        return self.request("POST", "/v1/episodes", {"count": int(count)})["episode_ids"]
+        ids: list[str] = self.request("POST", "/v1/episodes", {"count": int(count)})["episode_ids"]
+        return ids
 
     def get_actions(self, episode_ids: list[str], observations: Any, rewards: Any = None) -> np.ndarray:
         body = {
@@ -359,5 +366,5 @@ class HttpPolicyClient:
     def __enter__(self) -> HttpPolicyClient:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

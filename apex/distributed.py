@@ -25,7 +25,9 @@ import datetime
 import os
 import re
 import socket
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import torch
@@ -33,6 +35,10 @@ import torch.distributed as dist
 
 from apex import optim
 from apex.errors import ApexError
+
+if TYPE_CHECKING:
+    from apex.algos import LearnerCore
+    from apex.pipeline import Pipeline
 
 # A rank that stops answering (killed, hung) is noticed within this: the others' collective
 # fails and the group stops.
@@ -56,10 +62,11 @@ class Rank:
         return self.rank == 0
 
     @classmethod
-    def from_environment(cls, env: dict[str, str] | None = None) -> Rank | None:
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Rank | None:
         """The rank torchrun (or a user) set in RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
         None when RANK and WORLD_SIZE are not set."""
-        env = os.environ if env is None else env
+        if env is None:
+            env = os.environ
         if "RANK" not in env and "WORLD_SIZE" not in env:
             return None
         try:
@@ -108,15 +115,17 @@ def init_group(rank: Rank, device: torch.device) -> None:
         ) from None
 
 
-def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:
+def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:  # type: ignore[name-defined]  # torch.distributed imports it from torch._C, unexported
     """The group's TCP store: rank 0 serves it on --master's address alone, the others
     connect to it. (torch's own ``tcp://`` rendezvous listens on every interface, where
     anyone who reaches the port can write keys of any size into rank 0's memory.)"""
     host, _, port = rank.master.rpartition(":")
     host = host.strip("[]")
     if not rank.is_leader:
-        return dist.TCPStore(host, int(port), rank.world_size, is_master=False, timeout=timeout)
-    return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]  # as above: public, but not re-exported
+            host, int(port), rank.world_size, is_master=False, timeout=timeout
+        )
+    return dist.TCPStore(  # type: ignore[attr-defined]  # as above
         host,
         int(port),
         rank.world_size,
@@ -186,7 +195,11 @@ class GradientAllReduce:
 
 
 def step_without_batch(
-    optimizer: torch.optim.Optimizer, parameters, grad_clip: float, figures: int, all_reduce: GradientAllReduce
+    optimizer: torch.optim.Optimizer,
+    parameters: Iterable[torch.nn.Parameter],
+    grad_clip: float,
+    figures: int,
+    all_reduce: GradientAllReduce,
 ) -> torch.Tensor:
     """``optim.guarded_step`` on a rank that has no batch for this step: a loss with no
     gradient (nothing of this rank's goes into the average) and ``figures`` zeros; the
@@ -203,7 +216,7 @@ def step_without_batch(
     )
 
 
-def train_steps(pipeline, core, steps: int) -> int:
+def train_steps(pipeline: Pipeline, core: LearnerCore, steps: int) -> int:
     """A group's ``steps`` agreed steps on this rank: on its staged batches while it has
     them, then without (``core.train_without_batch``); returns how many had no batch."""
     without = 0
@@ -303,7 +316,7 @@ class LearnerGroup:
     def barrier(self) -> None:
         self._collective(dist.barrier)
 
-    def _collective(self, operation, *args, **kwargs) -> None:
+    def _collective(self, operation: Callable[..., object], *args: Any, **kwargs: Any) -> None:
         try:
             operation(*args, **kwargs, **({"group": self._control} if self._control is not None else {}))
         except RuntimeError as e:  # gloo: a peer closed its connection, or the timeout passed

@@ -299,7 +299,8 @@ class VectorEnv:
             frame, _ = env.reset(seed=self._seed + i)
             self._frames[i] = frame
             self._tick()
-        return self._frames.copy()
+        frames: np.ndarray = self._frames.copy()
+        return frames
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         """(frames, rewards, terminated, truncated, final_frames by env index)."""

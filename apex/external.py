@@ -16,8 +16,9 @@ import math
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import ApexError
 from apex.schema import UNKNOWN_STEP_LIMIT
+
+if TYPE_CHECKING:
+    from apex.algos import EpisodeActorCore, EpisodeRecord
 
 MAX_EPISODE_ID_CHARS = 64
 
@@ -52,19 +56,19 @@ class Episode:
     acted: bool = False  # an action is out whose outcome (reward, next observation) is pending
     logged: bool = False  # the client chose an action of this episode (not the policy)
     state: Any = None
-    frames: deque = field(default_factory=deque)  # the last ``stack`` frames: the observation
+    frames: deque[np.ndarray] = field(default_factory=deque)  # the last ``stack`` frames: the observation
 
 
-def episode_record(episode: Episode, is_eval: bool) -> list:
+def episode_record(episode: Episode, is_eval: bool) -> EpisodeRecord:
     """[return, length, is_eval] of an episode whose final step's reward is ``episode.reward``,
     as actors report finished episodes to the learner."""
     return [float(episode.episode_return + episode.reward), episode.length + 1, bool(is_eval)]
 
 
-def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict:
+def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
     """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
 
-    def bounds(values: np.ndarray) -> list | float | None:
+    def bounds(values: np.ndarray) -> list[float | None] | float | None:
         values = np.asarray(values, np.float64)
         if not np.isfinite(values).any():
             return None
@@ -72,6 +76,7 @@ def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict:
             return float(values.flat[0])
         return [None if not math.isfinite(v) else float(v) for v in values.ravel()]
 
+    action: dict[str, Any]
     if spec.action_nvec is None:
         action = {"type": "Discrete", "n": spec.num_actions}
     else:
@@ -98,11 +103,11 @@ class ExternalEpisodes:
         spec: EnvSpec,
         low: np.ndarray,
         high: np.ndarray,
-        actor,
+        actor: EpisodeActorCore,
         *,
         max_episodes: int,
         episode_timeout_s: float,
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.spec = spec
@@ -156,7 +161,7 @@ class ExternalEpisodes:
         self.started += count
         return ids
 
-    def act(self, ids: list, observations: Any, rewards: Any = None, ended: Any = None) -> np.ndarray:
+    def act(self, ids: list[str], observations: Any, rewards: Any = None, ended: Any = None) -> np.ndarray:
         """The policy's actions for these episodes' current observations; ``rewards``, when
         given, are added to each episode's step under way first (one request a step).
         ``ended``: episodes that ended since the last request, as ``end`` takes them (a map of
@@ -179,7 +184,7 @@ class ExternalEpisodes:
         self._after_step(episodes)
         return actions
 
-    def log_action(self, ids: list, observations: Any, actions: Any, rewards: Any = None) -> None:
+    def log_action(self, ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
         """The client chose these actions (its own policy, a human): recorded as if the
         policy had taken them, where the algorithm can learn from them off-policy."""
         episodes = self._episodes(ids)
@@ -201,7 +206,7 @@ class ExternalEpisodes:
             episode.logged = True
         self._after_step(episodes)
 
-    def add_rewards(self, ids: list, rewards: Any) -> None:
+    def add_rewards(self, ids: list[str], rewards: Any) -> None:
         """Adds each reward to its episode's step under way (several calls a step add up)."""
         self._add_rewards(self._episodes(ids), rewards)
 
@@ -233,12 +238,14 @@ class ExternalEpisodes:
             episode.reward += reward
             episode.last_seen = now
 
-    def end(self, ids: list, observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> None:
+    def end(self, ids: list[str], observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> None:
         """Ends these episodes at their final observations: ``terminated`` (no future to
         bootstrap) or ``truncated`` (a time limit: the future is the policy's own estimate)."""
         self._end_checked(*self._checked_end(ids, observations, terminated, truncated, rewards))
 
-    def _checked_end(self, ids: Any, observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> tuple:
+    def _checked_end(
+        self, ids: Any, observations: Any, terminated: Any, truncated: Any, rewards: Any = None
+    ) -> tuple[list[Episode], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         episodes = self._episodes(ids)
         frames = self.frames(observations, len(episodes))
         term = self._flags(terminated, len(episodes), "terminated")
@@ -266,7 +273,7 @@ class ExternalEpisodes:
         self.finished += len(episodes)
 
     @staticmethod
-    def _end_fields(ended: Any) -> dict:
+    def _end_fields(ended: Any) -> dict[str, Any]:
         """An act request's ``end`` map as ``end``'s arguments."""
         known = {"episode_ids", "observations", "terminated", "truncated", "rewards"}
         if not isinstance(ended, dict) or not {"episode_ids", "observations"} <= ended.keys() or ended.keys() - known:
@@ -295,7 +302,7 @@ class ExternalEpisodes:
         self.expired += len(idle)
         return len(idle)
 
-    def take(self, flush: bool = False) -> list[tuple[dict, list]]:
+    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]:
         """Batches ready for the learner, each with the records of the episodes it ends;
         ``flush``: what is held back for a fuller batch too."""
         return self.actor.take(flush)
@@ -386,7 +393,8 @@ class ExternalEpisodes:
                 f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
                 "bounds, 1e6 where it has none)",
             )
-        return wide.astype(target, copy=False) if values.dtype != target else values
+        frames: np.ndarray = wide.astype(target, copy=False) if values.dtype != target else values
+        return frames
 
     def actions(self, actions: Any, count: int) -> np.ndarray:
         spec = self.spec

@@ -12,6 +12,7 @@ only, of at most the size the caller expects.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 import secrets
@@ -104,7 +105,7 @@ _KINDS = (
 )
 
 
-def open_regular(path: Path, max_bytes: int) -> BinaryIO:
+def open_regular(path: Path, max_bytes: int) -> io.BufferedReader:
     """``path`` opened for reading, if it is a regular file of at most ``max_bytes`` bytes;
     RefusedFile (one line: what it is instead) if it is a symbolic link (its last component:
     a linked run directory is the user's own), anything but a regular file, or larger;

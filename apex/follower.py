@@ -18,6 +18,7 @@ import io
 import logging
 import select
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import torch
@@ -37,7 +38,7 @@ from apex.schema import UNKNOWN_STEP_LIMIT
 from apex.signals import StopSignals
 from apex.transport import Ports
 from apex.transport.learner_side import TrajectoryEndpoint
-from apex.transport.sessions import SessionSigner, SignedSessions
+from apex.transport.sessions import RejectCounter, SessionSigner, SignedSessions
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +58,20 @@ class RecordedStats(EpisodeStats):
 class RankCounts:
     """What a follower's ingest counted since the last sync (``take``), for rank 0."""
 
-    def __init__(self, counters: RunCounters, rejected) -> None:
+    def __init__(self, counters: RunCounters, rejected: RejectCounter) -> None:
+        """Keeps ``counters``' episodes until rank 0 has been told of them."""
         self.counters = counters
+        self.stats = counters.stats = RecordedStats()
         self.rejected = rejected
         self._sent_steps = 0
         self._sent_by_host: dict[str, int] = {}
         self._sent_rejected: dict[str, int] = {}
 
-    def take(self, extra: dict) -> bytes:
+    def take(self, extra: dict[str, Any]) -> bytes:
         c = self.counters
         with c.lock:
             steps, by_host = c.env_steps, dict(c.env_steps_by_host)
-            episodes, c.stats.unsent = c.stats.unsent, []
+            episodes, self.stats.unsent = self.stats.unsent, []
             lags = c.take_lags()
         rejected = self.rejected.by_reason()
         report = {
@@ -84,7 +87,8 @@ class RankCounts:
             **extra,
         }
         self._sent_steps, self._sent_by_host, self._sent_rejected = steps, by_host, rejected
-        return msgpack.packb(report)
+        packed: bytes = msgpack.packb(report)
+        return packed
 
 
 class FollowerProcess:
@@ -107,8 +111,7 @@ class FollowerProcess:
         self.learner.all_reduce = GradientAllReduce(group.world_size)
         self.endpoint.receiver.lazy = True
         self.counters = RunCounters()
-        self.counters.stats = RecordedStats()
-        self.counts = RankCounts(self.counters, self.endpoint.rejected)
+        self.counts = RankCounts(self.counters, self.endpoint.rejected)  # its stats keep episodes for rank 0
         self._version = 0  # rank 0's published weights, as of the last sync
         self.steps_without_batch = 0  # the group's steps this rank took without a batch of its own
         self.ingest = Ingest(
@@ -193,7 +196,7 @@ class FollowerProcess:
         """This rank's part of a group checkpoint: its replay shard beside rank 0's files
         (nothing when rank 0 writes nothing), its manifest entry (or the error) to rank 0."""
         name = self.group.broadcast(None).decode()
-        entry: dict = {}  # none: nothing to write, or no replay to keep (IMPALA, checkpoint_replay off)
+        entry: dict[str, Any] = {}  # none: nothing to write, or no replay to keep (IMPALA, checkpoint_replay off)
         replay = self.learner.checkpoint_replay
         if name and replay is not None:
             try:

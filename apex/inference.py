@@ -11,19 +11,45 @@ The NumPy networks read the learner's weights by the torch modules' state-dict n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
 import numpy as np
 
 from apex.config import ModelConfig
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 
+if TYPE_CHECKING:
+    import torch
+
 # A Gaussian policy's log-std is clamped to these (apex.models imports them: one definition,
 # where an actor can read it without torch).
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 LOG_2PI = float(np.log(2 * np.pi))
 
+CoreState = tuple[np.ndarray, np.ndarray]  # an LSTM core's (h, c), each [B, lstm_size]
 
-def q_network(spec: EnvSpec, config: ModelConfig):
+
+class QFunction(Protocol):
+    """An Ape-X actor's network (``q_network``): Q-values [B, A] of observations [B, ...]."""
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None: ...
+    def __call__(self, obs: np.ndarray, /) -> np.ndarray: ...
+
+
+class PolicyValueFunction(Protocol):
+    """An IMPALA actor's network (``policy_value_network``): (policy parameters [B, P],
+    values [B], the core's next state or None) of observations and the core's state."""
+
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None: ...
+    def initial_state(self, batch: int) -> CoreState | None: ...
+    def __call__(
+        self, obs: np.ndarray, state: CoreState | None = None, /
+    ) -> tuple[np.ndarray, np.ndarray, CoreState | None]: ...
+
+
+def q_network(spec: EnvSpec, config: ModelConfig) -> QFunction:
     """Q(s, ·) for an Ape-X actor: ``net(obs) -> [B, A]``, ``net.load(arrays)``."""
     if spec.is_image:
         from apex.models import QNetwork
@@ -33,7 +59,7 @@ def q_network(spec: EnvSpec, config: ModelConfig):
     return NumpyQNetwork(spec, config, heads)
 
 
-def policy_value_network(spec: EnvSpec, config: ModelConfig):
+def policy_value_network(spec: EnvSpec, config: ModelConfig) -> PolicyValueFunction:
     """Policy parameters and values for an IMPALA actor: ``net(obs, state) -> ([B, P], [B],
     next state)``, the state an LSTM core's (h, c) (None for a feed-forward network, or to
     start episodes); ``net.initial_state(B)``."""
@@ -82,7 +108,7 @@ class NumpyMLP:
         rng = np.random.default_rng(0)  # acts (randomly) before the first weights arrive
         self.load({name: rng.normal(0, 0.01, shape).astype(np.float32) for name, shape in self.shapes.items()})
 
-    def load(self, arrays: dict) -> None:
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Takes the learner's weights; a message that does not fit this network (names,
         shapes or dtypes, or non-finite values) is a ProtocolError, and the previous weights
         stay."""
@@ -123,7 +149,8 @@ class NumpyMLP:
 
     def head(self, name: str, features: np.ndarray) -> np.ndarray:
         weight, bias = self.heads[name]
-        return features @ weight + bias
+        out: np.ndarray = features @ weight + bias
+        return out
 
 
 class NumpyQNetwork(NumpyMLP):
@@ -134,7 +161,8 @@ class NumpyQNetwork(NumpyMLP):
         advantage = self.head("advantage", features)
         if "value" not in self.heads:
             return advantage
-        return self.head("value", features) + advantage - advantage.mean(axis=1, keepdims=True)
+        q: np.ndarray = self.head("value", features) + advantage - advantage.mean(axis=1, keepdims=True)
+        return q
 
 
 class NumpyPolicyValueNetwork(NumpyMLP):
@@ -159,15 +187,20 @@ class NumpyPolicyValueNetwork(NumpyMLP):
             extra["log_std"] = (spec.num_actions,)
         super().__init__(spec, config, {"policy": spec.num_actions, "value": 1}, extra)
 
-    def initial_state(self, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def initial_state(self, batch: int) -> CoreState | None:
         if not self.lstm_size:
             return None
+        return self._zero_state(batch)
+
+    def _zero_state(self, batch: int) -> CoreState:
         return np.zeros((batch, self.lstm_size), np.float32), np.zeros((batch, self.lstm_size), np.float32)
 
-    def __call__(self, obs: np.ndarray, state: tuple[np.ndarray, np.ndarray] | None = None):
+    def __call__(
+        self, obs: np.ndarray, state: CoreState | None = None
+    ) -> tuple[np.ndarray, np.ndarray, CoreState | None]:
         features = self.features(obs)
         if self.lstm_size:
-            state = self._core(features, state if state is not None else self.initial_state(len(obs)))
+            state = self._core(features, state if state is not None else self._zero_state(len(obs)))
             features = state[0]
         params = self.head("policy", features)
         if "log_std" in self.extras:
@@ -175,7 +208,7 @@ class NumpyPolicyValueNetwork(NumpyMLP):
             params = np.concatenate([params, np.broadcast_to(log_std, params.shape)], axis=1)
         return params, self.head("value", features)[:, 0], state
 
-    def _core(self, x: np.ndarray, state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _core(self, x: np.ndarray, state: CoreState) -> CoreState:
         h, c = state
         a = self.extras  # weights transposed: [in, 4L]
         gates = x @ a["core.weight_ih"] + a["core.bias_ih"] + h @ a["core.weight_hh"] + a["core.bias_hh"]
@@ -191,14 +224,14 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 class TorchNetwork:
     """A torch network (conv torsos) behind the same calls: NumPy in, NumPy out."""
 
-    def __init__(self, module) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         import torch
 
         torch.set_num_threads(1)  # one core per actor process
         self._torch = torch
         self.module = module.eval()
 
-    def load(self, arrays: dict) -> None:
+    def load(self, arrays: Mapping[str, np.ndarray]) -> None:
         from apex.models import load_numpy_weights
 
         if not all(
@@ -212,12 +245,20 @@ class TorchNetwork:
         except (KeyError, RuntimeError, ValueError, TypeError) as e:
             raise ProtocolError(f"weights do not fit this actor's network: {str(e).splitlines()[0][:200]}") from None
 
-    def initial_state(self, batch: int):
-        state = self.module.initial_state(batch)
-        return None if state is None else tuple(part.numpy() for part in state)
+    def initial_state(self, batch: int) -> CoreState | None:
+        from apex.models import PolicyValueNetwork
 
-    def __call__(self, obs: np.ndarray, *state):
-        """``state``: for a policy-value network, the core's state (NumPy, or None)."""
+        if not isinstance(self.module, PolicyValueNetwork):
+            raise AttributeError(f"{type(self.module).__name__} has no core state")
+        state = self.module.initial_state(batch)
+        if state is None:
+            return None
+        h, c = state
+        return h.numpy(), c.numpy()
+
+    def __call__(self, obs: np.ndarray, *state: Any) -> Any:
+        """``state``: for a policy-value network, the core's state (NumPy, or None). Returns
+        what ``QFunction`` or ``PolicyValueFunction`` does, as the module is one or the other."""
         torch = self._torch
         with torch.no_grad():
             if state and state[0] is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from apex.config import Config
 from apex.errors import ProtocolError
@@ -16,6 +17,9 @@ from apex.metrics import EpisodeStats
 from apex.protocol import Message
 from apex.schema import check_episodes
 from apex.transport import Session, TrajectoryReceiver
+
+if TYPE_CHECKING:
+    from apex.algos import LearnerCore
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +44,7 @@ class RunCounters:
         lags, self.lags = self.lags, []
         return lags
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """For a checkpoint (call with ``lock`` held)."""
         return {
             "env_steps": self.env_steps,
@@ -48,7 +52,7 @@ class RunCounters:
             "episode_stats": self.stats.state_dict(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.env_steps = state["env_steps"]
         self.env_steps_by_host = dict(state.get("env_steps_by_host", {}))
         self.stats.load_state_dict(state["episode_stats"])
@@ -61,7 +65,7 @@ class Ingest:
     def __init__(
         self,
         receiver: TrajectoryReceiver,
-        core,
+        core: LearnerCore,
         config: Config,
         step_limit: int,
         counters: RunCounters,
@@ -135,7 +139,7 @@ class Ingest:
                     if 0 <= m.fields["weights_version"] <= version:  # an older learner's versions say nothing
                         counters.lags.append(version - m.fields["weights_version"])
 
-    def _validate(self, msg: Message) -> tuple[dict, int, list, int]:
+    def _validate(self, msg: Message) -> tuple[dict[str, Any], int, list[tuple[float, int, bool]], int]:
         """A batch checked against the algorithm's schema and its session's limits: (arrays
         as stored, env steps it stands for, its episode records, their steps). Raises
         ProtocolError."""

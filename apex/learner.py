@@ -10,7 +10,9 @@ import logging
 import resource
 import shlex
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -28,7 +30,7 @@ from apex.checkpoint import (
 )
 from apex.config import Config, StopConditions
 from apex.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
-from apex.envs import env_spec
+from apex.envs import EnvSpec, env_spec
 from apex.errors import ApexError
 from apex.ingest import Ingest, RunCounters
 from apex.logs import RateLimitedLog
@@ -73,7 +75,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def learner_runtime(config: Config) -> tuple:
+def learner_runtime(config: Config) -> tuple[EnvSpec, torch.device]:
     """What every learner process (a group's ranks alike) sets up first: (env spec, device),
     torch's CPU threads, and malloc keeping large blocks (decoded arrays off fresh pages)."""
     spec = env_spec(config.env, config.algo)
@@ -167,7 +169,7 @@ class LearnerProcess:
         self.pipeline = Pipeline(self.learner, self.times, on_ready=self._wakeup.notify, on_error=self._prefetch_failed)
         self._signals = StopSignals()
         self._elapsed_before = 0.0  # run time of the checkpoint resumed from
-        self.resumed_from = None
+        self.resumed_from: str | None = None
         try:
             self.checkpoints = CheckpointWriter(self.logdir / "checkpoints", config.learner.keep_checkpoints)
             if resume is not None:
@@ -194,7 +196,7 @@ class LearnerProcess:
 
     @staticmethod
     @contextlib.contextmanager
-    def _fitting(checkpoint: Checkpoint):
+    def _fitting(checkpoint: Checkpoint) -> Iterator[None]:
         """torch's errors of a state that does not fit this run's networks, as one line."""
         try:
             yield
@@ -238,7 +240,7 @@ class LearnerProcess:
 
     # -- actors
 
-    def _actor_setup(self, hello: Message, index: int) -> dict:
+    def _actor_setup(self, hello: Message, index: int) -> dict[str, Any]:
         """What a joining actor is told in its welcome: the run's config, its environments
         and seed, and the algorithm's part (``LearnerCore.actor_setup``)."""
         num_envs = hello.fields["num_envs"] or self.config.actor.num_envs
@@ -332,7 +334,7 @@ class LearnerProcess:
                     )
                     if agreed.sync:
                         next_sync = now + GROUP_SYNC_S
-                        self._sync_group()
+                        self._sync_group(self.group)
                     if agreed.stop:
                         stop_reason = stop_reason or "another rank of the group was told to stop"
                         stopped_together = True
@@ -345,9 +347,9 @@ class LearnerProcess:
                     self.times.add("idle", time.perf_counter() - started)
                 if self.group is None:
                     for _ in range(steps):
-                        self.pipeline.submit(
-                            self.learner.train(self.pipeline.take())
-                        )  # written back by the prefetch thread
+                        # (taken: `steps` were staged, and only this thread takes them)
+                        if (staged := self.pipeline.take()) is not None:
+                            self.pipeline.submit(self.learner.train(staged))  # written back by the prefetch thread
                 else:  # the group's steps: on this rank's batches while it has them, then without
                     self.steps_without_batch[0] += train_steps(self.pipeline, self.learner, steps)
                 self.times.steps += steps
@@ -401,7 +403,7 @@ class LearnerProcess:
         finally:
             stopped_unix_s = time.time()
             run_over = not self._group_broken and stop_reason is not None
-            if run_over:
+            if run_over and stop_reason is not None:
                 # The run is over: every actor stops. Not when this learner fails (a broken
                 # group, a bug): a restarted learner (apex run, compose, k8s) gets them back.
                 self.endpoint.stop_actors(stop_reason)
@@ -419,7 +421,7 @@ class LearnerProcess:
                 except GroupBroken as e:  # a rank died at the very end: the checkpoint before stands
                     log.error("%s: the last checkpoint was not written", e)
             stats = self.counters.stats
-            summary = {
+            summary: dict[str, Any] = {
                 "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
                 "data_nbytes_mb": round(self.learner.memory_nbytes / 2**20, 1),
                 "env_steps": self.counters.env_steps,
@@ -444,11 +446,11 @@ class LearnerProcess:
             self._say_goodbye(summary)
         return 1 if self._group_broken else self._signals.exit_code()
 
-    def _sync_group(self) -> None:
+    def _sync_group(self, group: LearnerGroup) -> None:
         """Takes in what the other ranks counted since the last sync (env steps, episodes,
         policy lags, refusals) and tells them the sessions closed since and the weights
         version published."""
-        reports = [msgpack.unpackb(data, strict_map_key=False) for data in self.group.gather(b"")[1:]]
+        reports = [msgpack.unpackb(data, strict_map_key=False) for data in group.gather(b"")[1:]]
         with self.counters.lock:
             counters = self.counters
             for report in reports:
@@ -463,7 +465,7 @@ class LearnerProcess:
                 self.endpoint.rejected.add(reason, count)
         self.group_replay_size = sum(report["replay_size"] for report in reports)
         self.steps_without_batch[1:] = [report["steps_without_batch"] for report in reports]
-        self.group.broadcast(msgpack.packb({"version": self._version, "closed": self.endpoint.sessions.take_closed()}))
+        group.broadcast(msgpack.packb({"version": self._version, "closed": self.endpoint.sessions.take_closed()}))
 
     def _prefetch_failed(self, error: BaseException) -> None:
         """Called by the prefetch thread inside its ``except``: our own bug, loud and counted."""
@@ -481,7 +483,7 @@ class LearnerProcess:
             self._wakeup.waiting = False
             self._wakeup.drain()
 
-    def _say_goodbye(self, summary: dict) -> None:
+    def _say_goodbye(self, summary: dict[str, Any]) -> None:
         """The closing line: why the run stopped, its returns, its checkpoints, how to go on."""
         try:
             checkpoints = best_and_newest(self.logdir)
@@ -489,7 +491,7 @@ class LearnerProcess:
             checkpoints = RunCheckpoints(None, None, None)
         log.info("%s", closing_line(summary, checkpoints, self.resume_command))
 
-    def _write_summary(self, summary: dict) -> None:
+    def _write_summary(self, summary: dict[str, Any]) -> None:
         try:
             write_json_atomic(self.logdir / "summary.json", summary)
         except OSError as e:  # a full disk: the run's end is logged all the same
@@ -517,7 +519,7 @@ class LearnerProcess:
         s = self.stop
         with self.counters.lock:
             mean, full = self.counters.stats.return_mean, self.counters.stats.full_window
-        if s.return_mean is not None and full and mean >= s.return_mean:
+        if s.return_mean is not None and full and mean is not None and mean >= s.return_mean:
             return f"return_mean_100 {mean:.1f} >= {s.return_mean}"
         if s.seconds is not None and elapsed >= s.seconds:
             return f"{s.seconds} seconds"
@@ -525,11 +527,13 @@ class LearnerProcess:
             return f"{s.env_steps} env steps"
         return None
 
-    def _metrics_row(self, elapsed: float, step_rate: Rate, update_rate: Rate, last: dict) -> dict:
+    def _metrics_row(
+        self, elapsed: float, step_rate: Rate, update_rate: Rate, last: dict[str, float]
+    ) -> dict[str, Any]:
         counters = self.counters
         with counters.lock:
             lags, stats = counters.take_lags(), counters.stats
-            row = {
+            row: dict[str, Any] = {
                 "time": round(elapsed, 2),
                 "env_steps": counters.env_steps,
                 "learner_updates": self.learner.updates,

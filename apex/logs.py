@@ -23,7 +23,7 @@ class RateLimitedLog:
         """An error with the traceback being handled (one every interval, like warnings)."""
         self._log(logging.ERROR, fmt, args, exc_info=True)
 
-    def _log(self, level: int, fmt: str, args: tuple, exc_info: bool) -> None:
+    def _log(self, level: int, fmt: str, args: tuple[Any, ...], exc_info: bool) -> None:
         now = time.monotonic()
         if now < self._next:
             self._suppressed += 1

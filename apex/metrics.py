@@ -15,12 +15,15 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from apex.errors import ApexError
 from apex.files import open_append, refuse_link, remove_stale_temps, write_atomic
 from apex.logs import RateLimitedLog
 from apex.schema import possible_return
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,10 @@ class EpisodeStats:
         self.train_returns.append(float(episode_return))
         if is_eval:
             self.eval_returns.append(float(episode_return))
-            if len(self.eval_returns) == self.window:
-                self.best_return_mean = max(self.best_return_mean, self.return_mean)
+            if len(self.eval_returns) == self.window and (mean := self.return_mean) is not None:
+                self.best_return_mean = max(self.best_return_mean, mean)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "eval": list(self.eval_returns),
             "train": list(self.train_returns),
@@ -51,14 +54,14 @@ class EpisodeStats:
             "best": self.best_return_mean,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.eval_returns.extend(state["eval"])
         self.train_returns.extend(state["train"])
         self.episodes = state["episodes"]
         self.best_return_mean = state["best"]
 
     @staticmethod
-    def problem(state: dict, step_limit: int, max_abs_reward: float) -> str | None:
+    def problem(state: dict[str, Any], step_limit: int, max_abs_reward: float) -> str | None:
         """Why ``state`` (a checkpoint's ``state_dict()``, its types checked) cannot be a run's
         whose episodes last at most ``step_limit`` steps, or None: every return, and the best
         mean, must be one an actor's episode record could bring (schema.possible_return)."""
@@ -146,11 +149,11 @@ class MetricsWriter:
         self._failed = RateLimitedLog(log, interval_s=5.0)  # a full disk fails every write
         self._file_failing = False
         self._cut_to: int | None = None  # the file's size before a line that failed half way
-        self._tb = None
+        self._tb: SummaryWriter | None = None
         if tensorboard:
             self._tb = self._open_tensorboard(logdir / "tb")
 
-    def _open_tensorboard(self, directory: Path):
+    def _open_tensorboard(self, directory: Path) -> SummaryWriter | None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: not at start-up
 
         _quiet_tensorboard_thread_errors()
@@ -171,14 +174,17 @@ class MetricsWriter:
             self._progress(row)
 
     def _append(self, line: bytes) -> None:
+        fd = self._fd
+        if fd is None:
+            raise ValueError(f"{self.path} was closed: no more rows")
         try:
-            self._cut_partial_line()
-            self._cut_to = os.fstat(self._fd).st_size
-            _write_all(self._fd, line)
+            self._cut_partial_line(fd)
+            self._cut_to = os.fstat(fd).st_size
+            _write_all(fd, line)
             self._cut_to = None
         except OSError as e:
             try:
-                self._cut_partial_line()
+                self._cut_partial_line(fd)
             except OSError:
                 pass  # cut before the next line instead
             self.write_failures += 1
@@ -189,18 +195,21 @@ class MetricsWriter:
             self._file_failing = False
             log.info("%s is written again", self.path)
 
-    def _cut_partial_line(self) -> None:
+    def _cut_partial_line(self, fd: int) -> None:
         """Removes what a failed write left of its line: readers (apex plot) parse every line."""
         if self._cut_to is not None:
-            os.ftruncate(self._fd, self._cut_to)
+            os.ftruncate(fd, self._cut_to)
             self._cut_to = None
 
     def _add_scalars(self, row: dict[str, Any]) -> None:
+        tb = self._tb
+        if tb is None:
+            return
         step = row["env_steps"]
         try:
             for key, value in row.items():
                 if key not in ("time", "env_steps") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(tensorboard_tag(key), value, step, walltime=None)
+                    tb.add_scalar(tensorboard_tag(key), value, step, walltime=None)
         except OSError as e:  # raised by its writer thread on a later call
             self._tensorboard_failed(e)
 

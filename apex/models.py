@@ -6,6 +6,11 @@ continuous actions."""
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -24,10 +29,11 @@ class MLP(nn.Module):
             layers += [nn.Linear(in_features, size), nn.ReLU()]
             in_features = size
         self.net = nn.Sequential(*layers)
-        self.out_features = in_features
+        self.out_features: int = in_features
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs.float())
+        out: torch.Tensor = self.net(obs.float())
+        return out
 
 
 def _conv_features(convs: list[nn.Module], channels: int, height: int, width: int) -> int:
@@ -47,12 +53,13 @@ class ConvTorso(nn.Module):
         super().__init__()
         features = _conv_features(convs, channels, height, width)
         self.net = nn.Sequential(*convs, nn.Flatten(), nn.Linear(features, hidden), nn.ReLU())
-        self.out_features = hidden
+        self.out_features: int = hidden
         self.scale = scale
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         x = obs.float() if self.scale == 1.0 else obs.float() * self.scale
-        return self.net(x.flatten(1, -3))  # [B, stack * C, H, W]
+        out: torch.Tensor = self.net(x.flatten(1, -3))  # [B, stack * C, H, W]
+        return out
 
 
 def NatureCNN(in_channels: int, height: int = 84, width: int = 84, scale: float = 1 / 255) -> ConvTorso:
@@ -94,7 +101,7 @@ def SmallCNN(in_channels: int, height: int, width: int, scale: float) -> ConvTor
 NATURE_CNN_MIN_SIDE = 64
 
 
-def make_torso(spec: EnvSpec, config: ModelConfig) -> nn.Module:
+def make_torso(spec: EnvSpec, config: ModelConfig) -> MLP | ConvTorso:
     """A conv torso for image frames (the Nature CNN from 64 x 64, as for Atari), an MLP for
     vectors."""
     if spec.is_image:
@@ -155,7 +162,9 @@ class PolicyValueNetwork(nn.Module):
             features = state[0]
         return *self._heads(features), state
 
-    def unroll(self, obs: torch.Tensor, done: torch.Tensor, state: State | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def unroll(
+        self, obs: torch.Tensor, done: torch.Tensor | None, state: State | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The learner's pass over unrolls, time-major: obs [T+1, B, ...], ``done`` [T, B]
         (step t ended its episode, so the core starts afresh at observation t + 1), ``state``
         the core's state at observation 0 -> policy parameters [T+1, B, P], values [T+1, B].
@@ -163,6 +172,8 @@ class PolicyValueNetwork(nn.Module):
         steps, size = obs.shape[:2]
         features = self.torso(obs.reshape(steps * size, *obs.shape[2:])).reshape(steps, size, -1)
         if self.core is not None:
+            if done is None or state is None:
+                raise ValueError("a recurrent network unrolls from the core's state, with the steps' done flags")
             h, c = state
             keep = 1.0 - done.to(h.dtype)[..., None]  # [T, B, 1]: 0 after a step that ended an episode
             outputs = []
@@ -188,7 +199,7 @@ class PolicyValueNetwork(nn.Module):
             return params[..., : params.shape[-1] // 2]
         if self.nvec is None:
             return params.argmax(dim=-1)
-        return torch.stack([part.argmax(dim=-1) for part in params.split(self.nvec, dim=-1)], dim=-1)
+        return torch.stack([part.argmax(dim=-1) for part in torch.split(params, list(self.nvec), dim=-1)], dim=-1)
 
 
 def log_prob_and_entropy(
@@ -225,7 +236,7 @@ def squashed_log_prob(params: torch.Tensor, u: torch.Tensor, low: torch.Tensor, 
     adapter makes of u: ``gaussian_log_prob`` less log |da/du|, which does not depend on the
     policy's parameters (log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), stable for
     large |u|)."""
-    log_det = (torch.log((high - low) / 2) + 2 * (np.log(2.0) - u - F.softplus(-2 * u))).sum(-1)
+    log_det: torch.Tensor = (torch.log((high - low) / 2) + 2 * (np.log(2.0) - u - F.softplus(-2 * u))).sum(-1)
     return gaussian_log_prob(params, u) - log_det
 
 
@@ -234,7 +245,7 @@ def log_probs(logits: torch.Tensor, nvec: tuple[int, ...] | None) -> list[torch.
     (``nvec`` None), one per component for a factorised MultiDiscrete policy."""
     if nvec is None:
         return [F.log_softmax(logits, dim=-1)]
-    return [F.log_softmax(part, dim=-1) for part in logits.split(nvec, dim=-1)]
+    return [F.log_softmax(part, dim=-1) for part in torch.split(logits, list(nvec), dim=-1)]
 
 
 def action_log_prob(
@@ -244,12 +255,14 @@ def action_log_prob(
     (actions [...] for Discrete, [..., components] for MultiDiscrete) -> [...]."""
     if nvec is None:
         return log_policies[0].gather(-1, actions[..., None]).squeeze(-1)
-    return sum(lp.gather(-1, actions[..., i, None]).squeeze(-1) for i, lp in enumerate(log_policies))
+    return functools.reduce(
+        operator.add, (lp.gather(-1, actions[..., i, None]).squeeze(-1) for i, lp in enumerate(log_policies))
+    )
 
 
 def entropy(log_policies: list[torch.Tensor]) -> torch.Tensor:
     """The policy's entropy, summed over components (they are independent) -> [...]."""
-    return sum(-(lp.exp() * lp).sum(-1) for lp in log_policies)
+    return functools.reduce(operator.add, (-(lp.exp() * lp).sum(-1) for lp in log_policies))
 
 
 class QNetwork(nn.Module):
@@ -265,25 +278,26 @@ class QNetwork(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:  # [B, *obs_shape] -> [B, A]
         features = self.torso(obs)
-        advantage = self.advantage(features)
+        advantage: torch.Tensor = self.advantage(features)
         if self.value is None:
             return advantage
-        return self.value(features) + advantage - advantage.mean(dim=1, keepdim=True)
+        value: torch.Tensor = self.value(features)
+        return value + advantage - advantage.mean(dim=1, keepdim=True)
 
 
-def numpy_weights(model: nn.Module) -> dict:
+def numpy_weights(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's parameters and buffers as NumPy arrays on the host. On a CPU learner these
     are views of the live tensors: the publisher copies them as it encodes (no torn weights),
     so a copy here would be a second one."""
     return {name: t.detach().cpu().numpy() for name, t in model.state_dict().items()}
 
 
-def load_numpy_weights(model: nn.Module, arrays: dict) -> None:
+def load_numpy_weights(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
     state = {name: torch.from_numpy(arrays[name].copy()) for name in model.state_dict()}
     model.load_state_dict(state)
 
 
-def check_fits(model: nn.Module, saved: dict, name: str) -> None:
+def check_fits(model: nn.Module, saved: Mapping[Any, Any], name: str) -> None:
     """ValueError (one line) unless ``saved`` holds ``model``'s state_dict keys with its
     shapes: the run's model or env is not the checkpoint's."""
     ours = model.state_dict()

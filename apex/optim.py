@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -77,18 +78,22 @@ def guarded_step(
     """
     parameters = list(parameters)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
     with torch.no_grad():
         values = torch.stack(figures).float()
         on_device = skips_on_device(optimizer)
-        bad = ~torch.isfinite(values).all() if on_device or all_reduce is not None else None
-        if all_reduce is not None:
-            bad = all_reduce(parameters, bad)  # any rank's
+        bad: torch.Tensor | None = None
+        if on_device or all_reduce is not None:
+            bad = ~torch.isfinite(values).all()
+            if all_reduce is not None:
+                bad = all_reduce(parameters, bad)  # any rank's
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip).float()[None]
-        if on_device:
-            optimizer.found_inf = (bad | ~torch.isfinite(grad_norm)).float().reshape(())
+        if on_device and bad is not None:  # (bad is always set on the device)
+            found_inf = (bad | ~torch.isfinite(grad_norm)).float().reshape(())
+            # fused Adam reads found_inf as GradScaler sets it; torch's Optimizer type does not declare it
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             step(optimizer)
-            return torch.cat([optimizer.found_inf[None], values, grad_norm])
+            return torch.cat([found_inf[None], values, grad_norm])
         packed = torch.cat([values, grad_norm])
         skipped = (bad is not None and bool(bad)) or not all(math.isfinite(x) for x in packed.tolist())
         if skipped:
@@ -98,7 +103,7 @@ def guarded_step(
         return torch.cat([packed.new_tensor([float(skipped)]), packed])
 
 
-def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     """The per-parameter state this optimizer keeps (names, shapes, dtypes), from a throwaway
     copy stepped once on zeros of its parameters' shapes."""
     groups = []
@@ -107,12 +112,15 @@ def _fresh_state(optimizer: torch.optim.Optimizer) -> dict[int, dict]:
         options = {k: v for k, v in group.items() if k != "params"}
         options.update({k: False for k in ("fused", "foreach", "capturable") if k in options})  # the plain loop
         groups.append({**options, "params": params})
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.RMSprop)):
+        raise ValueError(f"unknown optimizer {type(optimizer).__name__}: adam or rmsprop")
     probe = type(optimizer)(groups)
     for group in probe.param_groups:
         for p in group["params"]:
             p.grad = torch.zeros_like(p)
     step(probe)
-    return probe.state_dict()["state"]
+    state: dict[int, dict[str, Any]] = probe.state_dict()["state"]
+    return state
 
 
 def check_state(optimizer: torch.optim.Optimizer, saved: object) -> None:
@@ -149,7 +157,7 @@ def check_state(optimizer: torch.optim.Optimizer, saved: object) -> None:
                 )
 
 
-def load_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """Restores a checkpoint's per-parameter state (Adam's moments and step counts), which
     ``check_state`` passed (call it first: torch checks nothing), and keeps ``optimizer``'s own
     hyper-parameters: this run's config (a resume with another learner.lr takes it; a

@@ -28,10 +28,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from apex.algos import LearnerCore
 
 PREFETCH_WAIT_S = 0.05  # longest the prefetch thread waits for data before looking at its stop flag
 # The prefetch thread waits for room on a timer of its own, asleep until the main loop is due
@@ -71,7 +74,8 @@ class Pending:
     context: Any = None
 
     def result(self) -> np.ndarray:
-        return collect([self])[0]
+        row: np.ndarray = collect([self])[0]
+        return row
 
 
 class DeviceStager:
@@ -80,13 +84,14 @@ class DeviceStager:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # (torch leaves torch.cuda.Stream and Event unannotated)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def stage(self, arrays: dict[str, np.ndarray], context: Any = None, sample_s: float = 0.0) -> Staged:
         """One batch (``stage_batches`` of one)."""
         return self.stage_batches(arrays, [context], sample_s)[0]
 
-    def stage_batches(self, arrays: dict[str, np.ndarray], contexts: list, sample_s: float = 0.0) -> list[Staged]:
+    def stage_batches(self, arrays: dict[str, np.ndarray], contexts: list[Any], sample_s: float = 0.0) -> list[Staged]:
         """``len(contexts)`` batches laid one after the other along each array's first
         dimension, staged together (one copy a field on CUDA) and split into views, one Staged
         each: per batch no more work than a dict of views, which the prefetch thread does with
@@ -107,7 +112,7 @@ class DeviceStager:
                     name: torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True).tensor_split(count)
                     for name, array in arrays.items()
                 }
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
                 ready.record(self.stream)
         copy_s = (time.perf_counter() - start) / count
         return [
@@ -124,7 +129,7 @@ def fetch(parts: list[torch.Tensor], context: Any = None) -> Pending:
     packed = torch.cat([part.detach().to(torch.float64) for part in parts])
     host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(packed, non_blocking=True)
-    done = torch.cuda.Event()
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
     done.record()
     return Pending([host], done, context)
 
@@ -205,7 +210,7 @@ class Pipeline:
 
     def __init__(
         self,
-        core,
+        core: LearnerCore,
         times: SectionTimes,
         on_ready: Callable[[], None] = lambda: None,
         on_error: Callable[[BaseException], None] | None = None,
@@ -222,7 +227,7 @@ class Pipeline:
         self.refill_at = self.depth // 2  # staged batches left when the thread samples more
         self._staged: queue.SimpleQueue[Staged] = queue.SimpleQueue()
         self._pending: queue.SimpleQueue[Pending] = queue.SimpleQueue()
-        self._metrics: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        self._metrics: queue.SimpleQueue[dict[str, float]] = queue.SimpleQueue()
         self._last_take = time.perf_counter()
         self._period = 0.0  # between the main loop's takes (moving average): when to look again
         self._stop = threading.Event()
@@ -260,7 +265,7 @@ class Pipeline:
         """A trained step whose results the thread writes back."""
         self._pending.put(pending)
 
-    def results(self) -> list[dict]:
+    def results(self) -> list[dict[str, float]]:
         """The metrics of the steps written back since the last call ({} for a skipped one)."""
         out = []
         while True:

@@ -213,7 +213,7 @@ _PACK_COUNT = struct.Struct("<I")
 _PACK_SIZE = struct.Struct("<Q")
 
 
-def pack(frames: Sequence[bytes]) -> bytes:
+def pack(frames: Sequence[bytes | bytearray]) -> bytes:
     """Joins frames into one (for CONFLATE sockets): count, sizes, then the frames."""
     sizes = b"".join(_PACK_SIZE.pack(len(f)) for f in frames)
     return b"".join([_PACK_COUNT.pack(len(frames)), sizes, *frames])
@@ -290,10 +290,11 @@ def split_head(frame: Any) -> tuple[Any, Any]:
     return head[_PREFIX.size : end], head[min(_align(end), len(head)) :]
 
 
-def header_of(frames: Sequence[Any]) -> dict:
+def header_of(frames: Sequence[Any]) -> dict[str, Any]:
     """The header map of a message's frames (for tools that inspect or forge messages)."""
     header, _ = split_head(frames[0])
-    return msgpack.unpackb(header, raw=False)
+    fields: dict[str, Any] = msgpack.unpackb(header, raw=False)
+    return fields
 
 
 def with_header(frames: Sequence[Any], header: Mapping[str, Any]) -> list[bytes]:

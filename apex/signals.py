@@ -7,6 +7,14 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # What signal.signal takes and returns.
+    Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -22,19 +30,19 @@ class StopSignals:
     def __init__(self, then: Callable[[], None] | None = None) -> None:
         self.signum: int | None = None
         self._then = then
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._record) for s in STOP_SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
 
-    def _record(self, signum: int, _frame) -> None:
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
         self.signum = signum
         if self._then is not None:
             self._then()

@@ -109,7 +109,7 @@ def image_layout(shape: tuple[int, ...]) -> str | None:
     return layout if min(sides) >= IMAGE_MIN_SIDE else None
 
 
-def observation_plan(space: gym.Space, layout: str | None = None) -> ObservationPlan:
+def observation_plan(space: gym.Space[Any], layout: str | None = None) -> ObservationPlan:
     """How observations of ``space`` become frames (see the module docstring); ``layout``
     overrides the image rule. ConfigError for a space that cannot be flattened."""
     if isinstance(space, spaces.Box):
@@ -134,6 +134,8 @@ def observation_plan(space: gym.Space, layout: str | None = None) -> Observation
             "Discrete, MultiBinary, MultiDiscrete, Tuple or Dict with a wrapper (env.wrappers)"
         )
     flat = spaces.flatten_space(space)
+    if not isinstance(flat, spaces.Box):  # what the fixed-size kinds flatten to
+        raise ConfigError(f"observations of {space} do not flatten into a vector")
     if isinstance(space, spaces.Discrete):  # the common case, without gymnasium's int64 detour
         n, start = int(space.n), int(space.start)
 
@@ -153,7 +155,7 @@ def _float_box(low: np.ndarray, high: np.ndarray) -> spaces.Box:
         return spaces.Box(np.asarray(low, np.float32), np.asarray(high, np.float32), dtype=np.float32)
 
 
-def _unflattenable(space: gym.Space) -> gym.Space | None:
+def _unflattenable(space: gym.Space[Any]) -> gym.Space[Any] | None:
     """The first (sub)space that is not of a fixed-size kind, or None."""
     if not isinstance(space, _FLATTENABLE):
         return space
@@ -182,7 +184,8 @@ def _image_plan(space: spaces.Box, layout: str) -> ObservationPlan:
             x = x.transpose(2, 0, 1)
         x = x.reshape(shape)
         if scale != 1:
-            return np.multiply(x, scale, dtype=dtype)
+            scaled: np.ndarray = np.multiply(x, scale, dtype=dtype)
+            return scaled
         return np.ascontiguousarray(x, dtype)
 
     if source == np.uint8:
@@ -206,7 +209,8 @@ class ObservationAdapter(gym.ObservationWrapper):
         self.observation_space = plan.space
 
     def observation(self, observation: Any) -> np.ndarray:
-        return self.plan.convert(observation)
+        convert = self.plan.convert
+        return observation if convert is None else convert(observation)
 
 
 # -- actions
@@ -235,20 +239,20 @@ def bounded(space: spaces.Box, how: str) -> Callable[[Any], np.ndarray]:
     return lambda u: np.clip(np.asarray(u, np.float64), low, high).astype(dtype).reshape(shape)
 
 
-def action_plan(space: gym.Space, env_id: str, bounds: str = "clip") -> ActionPlan:
+def action_plan(space: gym.Space[Any], env_id: str, bounds: str = "clip") -> ActionPlan:
     """What the network picks for ``space``; ConfigError naming a fix for what apex cannot
     act in. ``bounds``: how a continuous action gets into a Box (``env.action_bounds``)."""
     if isinstance(space, spaces.Discrete):
         start = int(space.start)
         return ActionPlan("Discrete", (int(space.n),), None if start == 0 else (lambda a: int(a) + start))
     if isinstance(space, spaces.MultiDiscrete):
-        nvec, start = np.asarray(space.nvec), np.asarray(space.start)
+        nvec, starts = np.asarray(space.nvec), np.asarray(space.start)
         shape, dtype = nvec.shape, space.dtype
-        same = nvec.ndim == 1 and not start.any()
+        same = nvec.ndim == 1 and not starts.any()
         return ActionPlan(
             "MultiDiscrete",
             tuple(int(n) for n in nvec.ravel()),
-            None if same else (lambda a: (np.asarray(a).reshape(shape) + start).astype(dtype)),
+            None if same else (lambda a: (np.asarray(a).reshape(shape) + starts).astype(dtype)),
         )
     if isinstance(space, spaces.MultiBinary):
         shape = space.shape
@@ -288,7 +292,7 @@ def check_algo_actions(plan_kind: str, nvec: tuple[int, ...], algo: str, env_id:
     )
 
 
-def network_action_space(plan: ActionPlan) -> gym.Space:
+def network_action_space(plan: ActionPlan) -> gym.Space[Any]:
     """The actions the network gives: indices from 0, or a Gaussian's unbounded sample."""
     if plan.kind == "Box":
         return spaces.Box(-np.inf, np.inf, plan.nvec, np.float32)
@@ -307,7 +311,8 @@ class ActionAdapter(gym.ActionWrapper):
         self.action_space = network_action_space(plan)
 
     def action(self, action: Any) -> Any:
-        return self.plan.convert(action)
+        convert = self.plan.convert
+        return action if convert is None else convert(action)
 
 
 def adapt(env: gym.Env, env_id: str, action_bounds: str = "clip") -> tuple[gym.Env, ObservationPlan, ActionPlan]:

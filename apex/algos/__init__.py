@@ -11,18 +11,25 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:  # the registry itself imports nothing heavy: `apex --help` stays fast
     import numpy as np
     import torch
 
     from apex.config import Config, ModelConfig
+    from apex.distributed import GradientAllReduce
     from apex.envs import EnvSpec
+    from apex.errors import ProtocolError
+    from apex.external import Episode
     from apex.pipeline import Pending, Staged
     from apex.protocol import Message
     from apex.replay import StackedReplay
     from apex.schema import BatchSchema
+
+
+# A finished episode as actors report it to the learner: [return, length, is_eval].
+EpisodeRecord = list[Any]
 
 
 class LearnerCore(Protocol):
@@ -30,16 +37,21 @@ class LearnerCore(Protocol):
 
     schema: BatchSchema  # the one check of what actors send
     updates: int
-    all_reduce: Callable | None  # set by a data-parallel group: see optim.guarded_step
+    all_reduce: GradientAllReduce | None  # set by a data-parallel group: see optim.guarded_step
     samples_per_update: int
-    checkpoint_replay: StackedReplay | None  # what checkpoints hold beside state_dict()
+
+    @property
+    def checkpoint_replay(self) -> StackedReplay | None: ...  # what checkpoints hold beside state_dict()
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None: ...
-    def actor_setup(self, actor_index: int, num_envs: int) -> dict: ...  # the algorithm's part of an actor's setup
+    def actor_setup(
+        self, actor_index: int, num_envs: int
+    ) -> dict[str, Any]: ...  # the algorithm's part of an actor's setup
     def batch_limits(self, num_envs: int) -> dict[str, int]: ...
     def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
     def wait_to_insert(self, timeout: float) -> bool: ...
-    def insert_many(self, batches: list[dict]) -> list[Exception | None]: ...
+    # Validated batches: arrays by name, frames possibly still lz4 (``Compressed``).
+    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]: ...  # each one's error
 
     # The update in three stages (apex.pipeline): prefetch thread, then main thread, then
     # main thread a step later; step() runs all three in a row.
@@ -51,11 +63,11 @@ class LearnerCore(Protocol):
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]: ...  # their metrics; {} for a skipped one
     def step(self) -> dict[str, float]: ...
     def weights(self) -> dict[str, np.ndarray]: ...
-    def metrics(self) -> dict: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+    def metrics(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def check_state(
-        self, state: dict
+        self, state: dict[str, Any]
     ) -> None: ...  # CorruptCheckpoint/ValueError if it cannot be loaded; changes nothing
     @property
     def memory_nbytes(self) -> int: ...
@@ -67,11 +79,12 @@ class ActorCore(Protocol):
     steps: int
     weights_version: int
 
-    def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = ...) -> None: ...
+    def __init__(self, config: Config, setup: dict[str, Any], seed: int, tick: Callable[[], None] = ...) -> None: ...
     @property
     def num_envs(self) -> int: ...
     def set_weights(self, msg: Message) -> None: ...  # ProtocolError: refused, the old ones act on
-    def act(self) -> tuple[dict | None, list[list]]: ...  # (a batch to send or None, finished episodes)
+    # (a batch to send or None, finished episodes as [return, length, is_eval])
+    def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]: ...
     def close(self) -> None: ...
 
 
@@ -82,30 +95,34 @@ class EpisodeActorCore(Protocol):
     learns_logged_actions: bool
     reuse_freed_slots: bool
 
-    def __init__(self, config: Config, setup: dict, spec: EnvSpec, seed: int) -> None: ...
+    def __init__(self, config: Config, setup: dict[str, Any], spec: EnvSpec, seed: int) -> None: ...
     def set_weights(self, msg: Message) -> None: ...
-    def begin(self, episode: Any) -> None: ...
-    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray: ...
-    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None: ...
-    def abandon(self, episode: Any) -> None: ...
-    def take(self, flush: bool = False) -> list[tuple[dict, list]]: ...
+    def begin(self, episode: Episode) -> None: ...
+    def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray: ...
+    def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None: ...
+    def abandon(self, episode: Episode) -> None: ...
+    # batches, each with the records of the episodes whose last transitions it holds
+    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]: ...
+
+
+NetworkT = TypeVar("NetworkT", bound="torch.nn.Module")
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy(Generic[NetworkT]):
     """The network an algorithm's greedy policy acts with, and where checkpoints keep it."""
 
     checkpoint_key: str  # e.g. "online": the state dict in a checkpoint
     description: str  # e.g. "the online Q network", for errors
-    network: Callable[[EnvSpec, ModelConfig], torch.nn.Module]
+    network: Callable[[EnvSpec, ModelConfig], NetworkT]
     # (net, obs [B, ...], core state or None) -> (actions [B(, components)], the next core state or None)
-    greedy: Callable[[torch.nn.Module, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+    greedy: Callable[[NetworkT, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
 
 @dataclass(frozen=True)
 class LearnerSide:
     Learner: type[LearnerCore]
-    policy: Policy
+    policy: Policy[Any]  # each algorithm's network type: its greedy takes what its network makes
 
 
 @dataclass(frozen=True)
@@ -114,7 +131,7 @@ class ActorSide:
     EpisodeActor: type[EpisodeActorCore]
     # What is wrong with the algorithm's part of a welcome's setup (its common part checked
     # first: a dict with num_envs in range), or None: a welcome may be forged.
-    setup_problem: Callable[[dict], str | None]
+    setup_problem: Callable[[dict[str, Any]], str | None]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from apex.algos.apex_dqn_actor import merge_chunks
 from apex.algos.exploration import actor_epsilons
 from apex.compression import Compressed
 from apex.config import Config
-from apex.distributed import NO_BATCH, step_without_batch
+from apex.distributed import NO_BATCH, GradientAllReduce, step_without_batch
 from apex.envs import EnvSpec
 from apex.errors import ProtocolError
 from apex.models import QNetwork, check_fits, numpy_weights
@@ -148,7 +148,9 @@ class Learner:
         self.limiter = RateLimiter(config.replay.samples_per_insert, config.replay.min_size, config.replay.rate_slack)
         self.stager = DeviceStager(device)
         self.prefetch_batches = config.learner.prefetch_batches or prefetch_depth(spec, config.learner.batch_size)
-        self.all_reduce = None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
+        self.all_reduce: GradientAllReduce | None = (
+            None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
+        )
         self.updates = 0  # applied (known once finished)
         self.steps = 0  # trained, applied or skipped: the target network's clock
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
@@ -170,7 +172,7 @@ class Learner:
         """Env steps a validated batch stands for: one transition per step."""
         return sizes["transitions"]
 
-    def actor_setup(self, actor_index: int, num_envs: int) -> dict:
+    def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]:
         epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.actor)
         return {"epsilons": epsilons, "eval_envs": eval_mask}
 
@@ -184,7 +186,7 @@ class Learner:
         may run over), and at least 1."""
         return max(1.0, PRIORITY_SLACK * self.largest_td)
 
-    def insert(self, arrays: dict) -> int:
+    def insert(self, arrays: dict[str, Any]) -> int:
         """Stores a batch validated by ``self.schema``; frames may still be lz4-compressed
         (decode(lazy=True)): the replay decompresses them straight into its frame ring.
         Initial priorities above ``priority_cap`` are lowered to it (counted)."""
@@ -197,13 +199,13 @@ class Learner:
         self.limiter.inserted(count)
         return count
 
-    def insert_many(self, batches: list[dict]) -> list[Exception | None]:
+    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]:
         """Inserts several validated batches; returns each one's error (a ProtocolError for
         a corrupt lz4 payload), or None. Batches with plain frames go in merged, as one
         insert (the bookkeeping of a small CartPole batch costs more than its data), if
         together they fit the replay; compressed frames go in one by one, straight into
         the frame ring."""
-        errors: list[Exception | None] = [None] * len(batches)
+        errors: list[ProtocolError | None] = [None] * len(batches)
         plain = [i for i, b in enumerate(batches) if not isinstance(b["frames"], Compressed)]
         if len(plain) > 1:
             merged = merge_chunks([batches[i] for i in plain])
@@ -276,6 +278,8 @@ class Learner:
     def train_without_batch(self) -> Pending:
         """A learner group's step on this rank without a batch (``apex.distributed``): the
         other ranks' gradient applied; finished with no priorities to write back."""
+        if self.all_reduce is None:
+            raise RuntimeError("a step without a batch is a learner group's: all_reduce is not set")
         results = step_without_batch(
             self.optimizer, self.online.parameters(), self.config.learner.grad_clip, 4, self.all_reduce
         )
@@ -326,7 +330,7 @@ class Learner:
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.online)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "online": self.online.state_dict(),
             "target": self.target.state_dict(),
@@ -335,7 +339,7 @@ class Learner:
             "limiter": {"inserts": self.limiter.inserts, "samples": self.limiter.samples},
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Networks, optimizer and counters of a checkpoint. Call after the replay was
         restored (if it was): the sample-to-insert limit then goes on where it was instead of
         waiting for replay.min_size new transitions."""
@@ -352,7 +356,7 @@ class Learner:
             samples = min(max(state["limiter"]["samples"], allowed - limiter.slack), allowed + limiter.slack)
             limiter.inserts, limiter.samples = inserts, max(0, int(samples))
 
-    def check_state(self, state: dict) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
         """What load_state_dict checks before it changes anything (the learner calls it before
         restoring the replay, so that a refused checkpoint leaves that empty): networks that do
         not fit this run's model are ValueError, an optimizer state that does not fit them is
@@ -370,7 +374,7 @@ class Learner:
     def memory_nbytes(self) -> int:
         return self.replay.nbytes
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         return {
             "replay_size": len(self.replay),
             "replay_capacity": self.replay.capacity,
@@ -385,7 +389,7 @@ class Learner:
         }
 
 
-def _greedy(net: QNetwork, obs: torch.Tensor, state=None) -> tuple[torch.Tensor, None]:
+def _greedy(net: QNetwork, obs: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
     return net(obs).argmax(dim=1), None
 
 

@@ -13,6 +13,7 @@ observations are images (``apex.inference``): the learner side is ``apex.algos.a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +23,14 @@ from apex.config import Config
 from apex.envs import FrameStacker, VectorEnv
 from apex.inference import q_network
 from apex.protocol import Message
+
+if TYPE_CHECKING:
+    from apex.algos import EpisodeRecord
+    from apex.envs import EnvSpec
+    from apex.external import Episode
+
+# An n-step chunk, or a batch of merged ones: frames and per-transition arrays by name.
+Chunk = dict[str, np.ndarray]
 
 
 class NStepChunker:
@@ -63,7 +72,7 @@ class NStepChunker:
         self.t = 0  # current step index
         self.episode_return = 0.0
 
-    def record_action(self, action: int, q_taken: float, value: float) -> dict | None:
+    def record_action(self, action: int, q_taken: float, value: float) -> Chunk | None:
         """Acting on s_t; returns a chunk when enough transitions have their bootstrap value."""
         self.actions.append(int(action))
         self.q_taken.append(float(q_taken))
@@ -79,13 +88,13 @@ class NStepChunker:
         self.track.push(next_frame)
         self.t += 1
 
-    def end_episode(self, terminated: bool, final_value: float) -> dict | None:
+    def end_episode(self, terminated: bool, final_value: float) -> Chunk | None:
         """The episode ended at step t (``final_value``: max_a Q of the final observation,
         used only on truncation). Returns a chunk of every remaining transition."""
         count = self.t - self.c
         return self._emit(count, end=self.t, terminated=terminated, final_value=final_value) if count else None
 
-    def _emit(self, count: int, *, end: int | None, terminated: bool, final_value: float) -> dict:
+    def _emit(self, count: int, *, end: int | None, terminated: bool, final_value: float) -> Chunk:
         c, n = self.c, self.n
         steps = np.arange(c, c + count)
         horizon = steps + n if end is None else np.minimum(steps + n, end)  # bootstrap step
@@ -127,7 +136,7 @@ def make_chunker(config: Config, stack: int) -> NStepChunker:
     )
 
 
-def merge_chunks(chunks: list[dict]) -> dict:
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
     """Concatenates chunks into one batch, offsetting frame indices."""
     if len(chunks) == 1:
         return chunks[0]
@@ -139,7 +148,7 @@ def merge_chunks(chunks: list[dict]) -> dict:
     return merged
 
 
-def setup_problem(setup: dict) -> str | None:
+def setup_problem(setup: dict[str, Any]) -> str | None:
     """What is wrong with a welcome's ladder (``LearnerCore.actor_setup``), or None."""
     n, epsilons, evaluating = setup["num_envs"], setup.get("epsilons"), setup.get("eval_envs")
     if not (
@@ -156,7 +165,9 @@ def setup_problem(setup: dict) -> str | None:
 class Actor:
     """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
 
-    def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, config: Config, setup: dict[str, Any], seed: int, tick: Callable[[], None] = lambda: None
+    ) -> None:
         """``tick`` keeps the connection alive while the environments are made."""
         self.config = config
         self.epsilons = np.asarray(setup["epsilons"])
@@ -175,7 +186,7 @@ class Actor:
         )
         self.steps = 0  # vector steps taken
         self.weights_version = -1
-        self._pending: list[dict] = []
+        self._pending: list[Chunk] = []
         for i, frame in enumerate(self.envs.reset()):
             self.stacker.reset(i, frame)
             self.chunkers[i].start(frame)
@@ -191,7 +202,7 @@ class Actor:
     def _q_values(self, obs: np.ndarray) -> np.ndarray:
         return self.net(obs)
 
-    def act(self) -> tuple[dict | None, list[list]]:
+    def act(self) -> tuple[Chunk | None, list[EpisodeRecord]]:
         """One step of every environment: (a batch to send, or None; finished episodes as
         [return, length, is_eval])."""
         q = self._q_values(self.stacker.obs)
@@ -205,11 +216,11 @@ class Actor:
         frames, rewards, terminated, truncated, final = self.envs.step(actions)
         self.steps += 1
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
-        final_values = {}
+        final_values: dict[int, np.floating[Any]] = {}
         if truncated_only:  # bootstrap values of the final observations
             obs = np.stack([self.stacker.peek(i, final[i]) for i in truncated_only])
             final_values = dict(zip(truncated_only, self._q_values(obs).max(axis=1)))
-        episodes = []
+        episodes: list[EpisodeRecord] = []
         for i, chunker in enumerate(self.chunkers):
             chunker.record_step(rewards[i], final.get(i, frames[i]))
             if i in final:
@@ -248,7 +259,7 @@ class EpisodeActor:
     learns_logged_actions = True
     reuse_freed_slots = False  # slots in turn: every rung of the ladder plays
 
-    def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
+    def __init__(self, config: Config, setup: dict[str, Any], spec: EnvSpec, seed: int) -> None:
         self.config = config
         self.spec = spec
         self.epsilons = np.asarray(setup["epsilons"])
@@ -256,18 +267,20 @@ class EpisodeActor:
         self.net = q_network(spec, config.model)
         self.rng = np.random.default_rng(seed)
         self.weights_version = -1
-        self._pending: list[tuple[dict | None, list]] = []  # chunks with the episodes they end
+        self._pending: list[tuple[Chunk | None, list[EpisodeRecord]]] = []  # chunks with the episodes they end
 
     def set_weights(self, msg: Message) -> None:
         self.net.load(msg.arrays)
         self.weights_version = msg.fields["version"]
 
-    def begin(self, episode) -> None:
+    def begin(self, episode: Episode) -> None:
+        if episode.slot is None:
+            raise ValueError(f"episode {episode.id} begins before it has a slot")
         rung = episode.slot % len(self.epsilons)
         chunker = make_chunker(self.config, self.spec.stack)
         episode.state = _ExternalEpisode(chunker, float(self.epsilons[rung]), bool(self.eval_mask[rung]))
 
-    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
+    def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         """Actions for ``obs`` [n, stack, ...] (or ``chosen`` ones), recorded with their Q-values;
         the step before each (``episode.reward``) ends here."""
         q = self.net(obs)
@@ -289,8 +302,8 @@ class EpisodeActor:
                 self._pending.append((chunk, []))
         return actions
 
-    def _explore(self, episodes: list, greedy: np.ndarray) -> np.ndarray:
-        states = [e.state for e in episodes]
+    def _explore(self, episodes: list[Episode], greedy: np.ndarray) -> np.ndarray:
+        states: list[_ExternalEpisode] = [e.state for e in episodes]
         epsilons = np.fromiter((s.epsilon for s in states), np.float64, len(states))
         repeat_mu = self.config.actor.eps_repeat_mu
         if repeat_mu is None:
@@ -303,7 +316,7 @@ class EpisodeActor:
             state.held, state.left = h, n
         return actions
 
-    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+    def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
         from apex.external import episode_record
 
         cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
@@ -315,7 +328,7 @@ class EpisodeActor:
             record = episode_record(episode, episode.state.is_eval and not episode.logged)
             self._pending.append((chunk, [record]))
 
-    def abandon(self, episode) -> None:
+    def abandon(self, episode: Episode) -> None:
         """An idle episode closed: its transitions up to the last observation, bootstrapped
         from the Q-values recorded there (a time limit); the action out there is dropped."""
         if episode.acted:
@@ -323,10 +336,13 @@ class EpisodeActor:
             if chunk is not None:
                 self._pending.append((chunk, []))
 
-    def take(self, flush: bool = False) -> list[tuple[dict, list]]:
+    def take(self, flush: bool = False) -> list[tuple[Chunk, list[EpisodeRecord]]]:
         """Batches of at least chunk_transitions (all that is pending with ``flush``), each
         with the records of the episodes whose last transitions it holds."""
-        batches, chunks, records, count = [], [], [], 0
+        batches: list[tuple[Chunk, list[EpisodeRecord]]] = []
+        chunks: list[Chunk] = []
+        records: list[EpisodeRecord] = []
+        count = 0
         for chunk, ended in self._pending:
             if chunk is not None:
                 chunks.append(chunk)

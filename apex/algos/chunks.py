@@ -9,7 +9,7 @@ and, per step, where its stack starts; the learner gathers the stacks from them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class FrameTrack:
         self.starts = [start - shift for start in self.starts[steps:]]
 
 
-def frame_offsets(frame_lists: Sequence[Sequence]) -> np.ndarray:
+def frame_offsets(frame_lists: Sequence[Sized]) -> np.ndarray:
     """Where each chunk's frames begin once the chunks' frames are concatenated (what to add
     to its frame indices), from each chunk's frames."""
     return np.cumsum([0] + [len(frames) for frames in frame_lists[:-1]]).astype(np.int32)

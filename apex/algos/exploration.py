@@ -8,6 +8,7 @@ one-step dithering stays put, as in MinAtar Freeway).
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from apex.config import ActorConfig
 
@@ -25,7 +26,8 @@ def epsilon_ladder(i: int, n: int, base: float = 0.4, alpha: float = 7.0) -> flo
 
 def ladder_epsilon(u: float, base: float = 0.4, alpha: float = 7.0) -> float:
     """Exploration rate at position u in [0, 1] of the ladder: base at 0, base ** (1 + alpha) at 1."""
-    return base ** (1 + alpha * u)
+    epsilon: float = base ** (1 + alpha * u)  # (float ** float is typed Any: it may be complex)
+    return epsilon
 
 
 def actor_offset(actor_index: int) -> float:
@@ -83,6 +85,8 @@ def choose_actions(
     random = rng.integers(0, num_actions, count)
     if repeat_mu is None:
         return np.where(explore, random, greedy)
+    if held is None or left is None or may_repeat is None:
+        raise ValueError("holding actions (repeat_mu) needs held, left and may_repeat")
     start = explore & (left == 0) & may_repeat
     held[start] = random[start]
     left[start] = np.minimum(rng.zipf(repeat_mu, int(start.sum())), MAX_REPEAT)
@@ -97,7 +101,12 @@ class Explorer:
     holds; the rows in ``plain`` (evaluation) never hold an action."""
 
     def __init__(
-        self, epsilons, num_actions: int, rng: np.random.Generator, repeat_mu: float | None = None, plain=None
+        self,
+        epsilons: ArrayLike,
+        num_actions: int,
+        rng: np.random.Generator,
+        repeat_mu: float | None = None,
+        plain: ArrayLike | None = None,
     ) -> None:
         self.epsilons = np.asarray(epsilons, np.float64)
         self.num_actions, self.rng, self.repeat_mu = num_actions, rng, repeat_mu

@@ -21,7 +21,7 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -30,12 +30,14 @@ from apex import optim
 from apex.algos import Policy
 from apex.compression import Compressed
 from apex.config import Config
-from apex.distributed import NO_BATCH, step_without_batch
+from apex.distributed import NO_BATCH, GradientAllReduce, step_without_batch
 from apex.envs import EnvSpec
 from apex.errors import ApexError, ProtocolError
-from apex.models import LOG_2PI, LOG_STD_MIN, PolicyValueNetwork, check_fits, log_prob_and_entropy, numpy_weights
+from apex.inference import LOG_2PI, LOG_STD_MIN
+from apex.models import PolicyValueNetwork, State, check_fits, log_prob_and_entropy, numpy_weights
 from apex.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.replay import UnrollQueue
+from apex.replay.unrolls import Unroll
 from apex.schema import FINITE, FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
 
 
@@ -193,7 +195,9 @@ class Learner:
         self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
         self.stager = DeviceStager(device)
         self.prefetch_batches = 1  # the unrolls' age is the policy lag: none staged further ahead
-        self.all_reduce = None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
+        self.all_reduce: GradientAllReduce | None = (
+            None  # set by a data-parallel group (apex.distributed): averages gradients over ranks
+        )
         self.updates = 0
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.samples_per_update = im.batch_unrolls * im.unroll_length
@@ -210,7 +214,7 @@ class Learner:
         """Env steps a validated batch stands for: T per unroll."""
         return sizes["unrolls"] * self.config.impala.unroll_length
 
-    def actor_setup(self, actor_index: int, num_envs: int) -> dict:
+    def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]:
         if num_envs > self.config.impala.queue_size:
             # one batch holds an unroll per environment: it must fit the queue
             raise ApexError(
@@ -222,7 +226,7 @@ class Learner:
     def wait_to_insert(self, timeout: float) -> bool:
         return self.queue.wait_for_room(timeout)
 
-    def insert(self, arrays: dict) -> int:
+    def insert(self, arrays: dict[str, Any]) -> int:
         """Queues the unrolls of a batch validated by ``self.schema``, each with a view of the
         frames its stacks use (one decoded array per batch, nothing copied here; ``step``
         gathers the stacks): for Atari about T + stack frames an unroll instead of (T + 1) * stack."""
@@ -243,16 +247,17 @@ class Learner:
         )
         return unrolls * self.config.impala.unroll_length
 
-    def _stacks(self, unrolls: list[dict]) -> np.ndarray:
+    def _stacks(self, unrolls: list[Unroll]) -> np.ndarray:
         """The observation stacks of a batch of unrolls, time-major: [T+1, B, stack, ...]."""
         frames = np.concatenate([u["frames"] for u in unrolls])
         starts = np.cumsum([0] + [len(u["frames"]) for u in unrolls[:-1]])
         ids = np.stack([u["obs_frame"] for u in unrolls], axis=1) + starts  # [T+1, B]
-        return np.take(frames, ids[..., None] + self._offsets, axis=0)
+        stacks: np.ndarray = np.take(frames, ids[..., None] + self._offsets, axis=0)
+        return stacks
 
-    def insert_many(self, batches: list[dict]) -> list[Exception | None]:
+    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]:
         """Queues validated batches; each one's error (a corrupt lz4 payload), or None."""
-        errors: list[Exception | None] = []
+        errors: list[ProtocolError | None] = []
         for batch in batches:
             try:
                 self.insert(batch)
@@ -317,6 +322,8 @@ class Learner:
     def train_without_batch(self) -> Pending:
         """A learner group's step on this rank without a batch (``apex.distributed``): the
         other ranks' gradient applied."""
+        if self.all_reduce is None:
+            raise RuntimeError("a step without a batch is a learner group's: all_reduce is not set")
         results = step_without_batch(
             self.optimizer, self.net.parameters(), self.config.learner.grad_clip, 4, self.all_reduce
         )
@@ -325,7 +332,7 @@ class Learner:
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
         """The trained steps' metrics, in order: {} (counted) for one skipped as non-finite,
         {} for a group's step this rank took without a batch."""
-        metrics = []
+        metrics: list[dict[str, float]] = []
         for step, (skipped, *figures) in zip(pending, collect(pending).tolist()):
             if skipped:
                 self.skipped_updates += 1
@@ -345,16 +352,16 @@ class Learner:
     def weights(self) -> dict[str, np.ndarray]:
         return numpy_weights(self.net)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(), "updates": self.updates}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)
         self.net.load_state_dict(state["net"])
         optim.load_state(self.optimizer, state["optimizer"])
         self.updates = state["updates"]
 
-    def check_state(self, state: dict) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
         """What load_state_dict checks before it changes anything (as Ape-X's)."""
         check_fits(self.net, state["net"], "net")
         optim.check_state(self.optimizer, state["optimizer"])
@@ -369,7 +376,7 @@ class Learner:
         per_unroll = (self.config.impala.unroll_length + 1) * self.spec.stack * frame
         return per_unroll * 2 * self.queue.capacity
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         return {
             "replay_bytes_per_transition": round(self.queue.bytes_per_transition(self.config.impala.unroll_length), 1),
             "queue_unrolls": len(self.queue),
@@ -381,7 +388,9 @@ class Learner:
         }
 
 
-def _greedy(net: PolicyValueNetwork, obs: torch.Tensor, state=None) -> tuple[torch.Tensor, object]:
+def _greedy(
+    net: PolicyValueNetwork, obs: torch.Tensor, state: State | None = None
+) -> tuple[torch.Tensor, State | None]:
     params, _, state = net(obs, state)
     return net.greedy(params), state
 

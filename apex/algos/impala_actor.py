@@ -9,7 +9,10 @@ here unless the observations are images (``apex.inference``).
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -20,6 +23,10 @@ from apex.errors import ConfigError
 from apex.inference import LOG_2PI, log_probs, policy_value_network
 from apex.protocol import Message
 
+if TYPE_CHECKING:
+    from apex.algos import EpisodeRecord
+    from apex.external import Episode
+
 
 def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple[np.ndarray, np.ndarray]:
     """a ~ pi and log pi(a) for policy parameters [B, P]: categorical (Gumbel-max, per
@@ -28,27 +35,33 @@ def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple
     if spec.continuous:
         mean, log_std = np.split(params, 2, axis=1)
         noise = rng.standard_normal(mean.shape).astype(np.float32)
-        logp = (-0.5 * noise * noise - log_std).sum(axis=1) - 0.5 * LOG_2PI * mean.shape[1]
+        logp: np.ndarray = (-0.5 * noise * noise - log_std).sum(axis=1) - 0.5 * LOG_2PI * mean.shape[1]
         return (mean + np.exp(log_std) * noise).astype(np.float32), logp
     log_policies = log_probs(params, spec.action_nvec)
     rows = np.arange(len(log_policies[0]))
     picks = [np.argmax(lp + rng.gumbel(size=lp.shape), axis=1) for lp in log_policies]
-    logp = sum(lp[rows, a] for lp, a in zip(log_policies, picks))
+    logp = functools.reduce(operator.add, (lp[rows, a] for lp, a in zip(log_policies, picks)))
     return (picks[0] if spec.action_nvec is None else np.stack(picks, axis=1)), logp
 
 
-def train_reward(reward, config: Config):
+@overload
+def train_reward(reward: float, config: Config) -> float: ...
+@overload
+def train_reward(reward: np.ndarray, config: Config) -> np.ndarray: ...
+def train_reward(reward: float | np.ndarray, config: Config) -> float | np.ndarray:
     """The reward trained on: sign-clipped for Atari when env.clip_rewards, times env.reward_scale."""
     return (np.sign(reward) if config.env.is_atari and config.env.clip_rewards else reward) * config.env.reward_scale
 
 
-def setup_problem(setup: dict) -> str | None:
+def setup_problem(setup: dict[str, Any]) -> str | None:
     """IMPALA's actors need nothing beyond the setup's common part (``LearnerCore.actor_setup``)."""
     return None
 
 
 class Actor:
-    def __init__(self, config: Config, setup: dict, seed: int, tick: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, config: Config, setup: dict[str, Any], seed: int, tick: Callable[[], None] = lambda: None
+    ) -> None:
         """``tick`` keeps the connection alive while the environments are made."""
         self.config = config
         self.envs = VectorEnv(config.env, setup["num_envs"], seed, tick)
@@ -83,7 +96,7 @@ class Actor:
         self.net.load(msg.arrays)
         self.weights_version = msg.fields["version"]
 
-    def act(self) -> tuple[dict | None, list[list]]:
+    def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]:
         K, t = self.num_envs, self.t
         if t == 0:
             self.first_core = self.core
@@ -99,7 +112,7 @@ class Actor:
         discount = np.where(terminated | truncated, 0.0, self.gamma)
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate
-            final_core = None if core is None else tuple(part[truncated_only] for part in core)
+            final_core = None if core is None else (core[0][truncated_only], core[1][truncated_only])
             _, final_values, _ = self.net(
                 np.stack([self.stacker.peek(i, final[i]) for i in truncated_only]), final_core
             )
@@ -113,7 +126,7 @@ class Actor:
             for part in core:
                 part[ended] = 0.0
         self.core = core
-        episodes = []
+        episodes: list[EpisodeRecord] = []
         for i in range(K):
             if i in final:
                 episodes.append([float(self._returns[i]), int(self._lengths[i]), True])
@@ -128,7 +141,7 @@ class Actor:
             return None, episodes
         return self._emit(), episodes
 
-    def _emit(self) -> dict:
+    def _emit(self) -> dict[str, np.ndarray]:
         T = self.config.impala.unroll_length
         frames, starts = zip(*(track.take(T) for track in self._tracks))
         batch = {  # every environment's frames stacked in one copy
@@ -163,8 +176,15 @@ class _Row:
         self.discount = np.zeros(T, np.float32)
         self.behaviour_logp = np.zeros(T, np.float32)
         self.track = FrameTrack(stack)
-        self.records: list[list] = []  # of the episodes that ended in this row
+        self.records: list[EpisodeRecord] = []  # of the episodes that ended in this row
         self.t = 0
+
+
+def _slot(episode: Episode) -> int:
+    """The slot of an episode that acts (``ExternalEpisodes`` seats it before it begins)."""
+    if episode.slot is None:
+        raise ValueError(f"episode {episode.id} has no slot")
+    return episode.slot
 
 
 class EpisodeActor:
@@ -176,7 +196,7 @@ class EpisodeActor:
     learns_logged_actions = False
     reuse_freed_slots = True  # a new episode continues the row an episode just left: no stale half rows
 
-    def __init__(self, config: Config, setup: dict, spec, seed: int) -> None:
+    def __init__(self, config: Config, setup: dict[str, Any], spec: EnvSpec, seed: int) -> None:
         if config.model.recurrent != "none" or spec.continuous:
             what = (
                 "a recurrent model (model.recurrent lstm)" if config.model.recurrent != "none" else "continuous actions"
@@ -195,24 +215,26 @@ class EpisodeActor:
         self.max_unrolls = setup["num_envs"]  # per batch: the learner's limit for this session
         self.weights_version = -1
         self._rows: dict[int, _Row] = {}
-        self._ready: list[tuple[dict, list]] = []  # one unroll each, with the episodes it ends
+        # one unroll each, with the episodes it ends
+        self._ready: list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]] = []
 
     def set_weights(self, msg: Message) -> None:
         self.net.load(msg.arrays)
         self.weights_version = msg.fields["version"]
 
-    def begin(self, episode) -> None:
+    def begin(self, episode: Episode) -> None:
         episode.state = {"value": 0.0}
-        if episode.slot not in self._rows:
-            self._rows[episode.slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
+        slot = _slot(episode)
+        if slot not in self._rows:
+            self._rows[slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
 
-    def act(self, episodes: list, obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
+    def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         if chosen is not None:
             raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
         params, values, _ = self.net(obs)
         actions, logp = sample(self.rng, params, self.spec)
         for i, episode in enumerate(episodes):
-            row = self._rows[episode.slot]
+            row = self._rows[_slot(episode)]
             frame = obs[i, -1]
             if episode.acted:  # the outcome of its step t, then its next observation
                 self._finish_step(row, float(train_reward(episode.reward, self.config)), self.gamma)
@@ -226,13 +248,13 @@ class EpisodeActor:
             episode.state["value"] = float(values[i])
         return actions
 
-    def end(self, episodes: list, obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
+    def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
         from apex.external import episode_record
 
         cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
         final_values = dict(zip(cut, self.net(obs[cut])[1])) if cut else {}
         for i, episode in enumerate(episodes):
-            row = self._rows[episode.slot]
+            row = self._rows[_slot(episode)]
             # a time limit: the future is worth gamma * V(final observation), as a local actor does
             reward = float(train_reward(episode.reward, self.config)) + self.gamma * float(final_values.get(i, 0.0))
             self._finish_step(row, reward, 0.0)
@@ -241,12 +263,12 @@ class EpisodeActor:
                 row.track.begin(obs[i, -1])
                 self._emit(row, keep=False)
 
-    def abandon(self, episode) -> None:
+    def abandon(self, episode: Episode) -> None:
         """An idle episode closed: cut at its last observation (a time limit there, worth
         gamma * V of it); the action out there is dropped."""
         if not episode.acted:
             return
-        row = self._rows[episode.slot]
+        row = self._rows[_slot(episode)]
         row.track.pop()
         if episode.length > 0 and row.t > 0:  # its previous step is in this row: make it the last
             row.reward[row.t - 1] += self.gamma * episode.state["value"]
@@ -277,9 +299,9 @@ class EpisodeActor:
         row.records = []
         row.t = 0
 
-    def take(self, flush: bool = False) -> list[tuple[dict, list]]:
+    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]:
         """Batches of up to the session's unrolls per batch (fewer with ``flush``)."""
-        batches = []
+        batches: list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]] = []
         while len(self._ready) >= self.max_unrolls or (flush and self._ready):
             group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
             frames = [u["frames"] for u, _ in group]

@@ -48,5 +48,5 @@ def finite_or_none(value: Any) -> float | None:
     return float(value)
 
 
-def score_of(manifest: dict) -> float | None:
+def score_of(manifest: dict[str, Any]) -> float | None:
     return finite_or_none(manifest.get("return_mean_100"))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from apex.checkpoint.common import (
     FORMAT,
@@ -23,6 +24,10 @@ from apex.checkpoint.common import (
 from apex.checkpoint.state import check_state, load_failure, read_state
 from apex.files import RefusedFile, open_regular, read_regular
 
+if TYPE_CHECKING:
+    from apex.replay import StackedReplay
+    from apex.schema import BatchSchema
+
 _READ_BYTES = 16 << 20
 
 
@@ -31,16 +36,17 @@ class Checkpoint:
     """A verified checkpoint: its manifest and the paths of its files."""
 
     manifest_path: Path
-    manifest: dict
+    manifest: dict[str, Any]
 
     @property
     def name(self) -> str:
         return self.manifest_path.stem
 
     @property
-    def config(self) -> dict:
+    def config(self) -> dict[str, Any]:
         """The run's configuration, as saved with the checkpoint."""
-        return self.manifest["config"]
+        config: dict[str, Any] = self.manifest["config"]
+        return config
 
     @property
     def logdir(self) -> Path:
@@ -61,7 +67,7 @@ class Checkpoint:
         or a checkpoint older than scores)."""
         return score_of(self.manifest)
 
-    def load_state(self) -> dict:
+    def load_state(self) -> dict[str, Any]:
         """The learner state (networks, optimizer, counters, config), loaded without running
         code; CorruptCheckpoint if it cannot be loaded or is not an apex learner state."""
         return check_state(read_state(self.state_path, self.manifest["files"]["state"]["bytes"]), self.state_path.name)
@@ -75,7 +81,7 @@ class Checkpoint:
         """Where rank ``rank`` (> 0) of a learner group keeps its replay shard of this checkpoint."""
         return self.manifest_path.with_name(shard_file_name(self.name, rank))
 
-    def load_shard(self, rank: int, replay, schema=None) -> None:
+    def load_shard(self, rank: int, replay: StackedReplay, schema: BatchSchema | None = None) -> None:
         """Fills ``replay`` (new and empty) from rank ``rank``'s shard, after checking the
         file's size and CRC-32; the errors of ``load_replay``."""
         entry = self.manifest["shards"][rank - 1]
@@ -90,24 +96,28 @@ class Checkpoint:
                 f"{path.name} does not hold the replay shard its manifest describes ({load_failure(e)})"
             ) from None
 
-    def load_replay(self, replay, schema=None) -> None:
+    def load_replay(self, replay: StackedReplay, schema: BatchSchema | None = None) -> None:
         """Fills ``replay`` (new and empty, of the checkpoint's shape) from the replay file.
         IncompatibleCheckpoint if this run's replay has another shape; CorruptCheckpoint if
         the file does not hold what its header says, or (given the algorithm's batch
         ``schema``) values that a batch could not bring. After either, ``replay`` is still
-        empty (its counters are set last), so the one before may be loaded into it."""
+        empty (its counters are set last), so the one before may be loaded into it.
+        ValueError for a checkpoint without a replay file (``replay_path`` None)."""
+        path = self.replay_path
+        if path is None:
+            raise ValueError(f"checkpoint {self.name} holds no replay")
         header = self.manifest["replay_header"]
         _check_replay_fits(header, replay, self.name)
         try:
-            with _open(self.replay_path, self.manifest["files"]["replay"]["bytes"]) as f:
+            with _open(path, self.manifest["files"]["replay"]["bytes"]) as f:
                 replay.load(f, header, schema)
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
             raise CorruptCheckpoint(
-                f"{self.replay_path.name} does not hold the replay its manifest describes ({load_failure(e)})"
+                f"{path.name} does not hold the replay its manifest describes ({load_failure(e)})"
             ) from None
 
 
-def _check_replay_fits(header: dict, replay, name: str) -> None:
+def _check_replay_fits(header: dict[str, Any], replay: StackedReplay, name: str) -> None:
     """The replay's shape checked first: another shape is the run's configuration
     changing, not a damaged file."""
     if (mismatch := replay.shape_mismatch(header)) is not None:
@@ -129,9 +139,9 @@ def verify(manifest_path: Path) -> Checkpoint:
     return checkpoint
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(_read(path, MAX_MANIFEST_BYTES))
+        manifest: dict[str, Any] = json.loads(_read(path, MAX_MANIFEST_BYTES))
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise CorruptCheckpoint(f"cannot read {path.name}: {e}") from e
     problems = _manifest_problems(manifest, path.stem)
@@ -179,7 +189,7 @@ def _manifest_problems(manifest: Any, name: str) -> list[str]:
     return problems
 
 
-def shard_file_name(name: str, rank: int) -> str:
+def shard_file_name(name: str, rank: int | str) -> str:  # rank "*": a glob of every rank's
     return f"{name}.rank{rank}.replay"
 
 
@@ -218,7 +228,7 @@ def _replay_header_problems(header: Any) -> list[str]:
     return problems or _chunks_problems(header)
 
 
-def _range_problems(header: dict, key: str, capacity: int, capacity_key: str) -> list[str]:
+def _range_problems(header: dict[str, Any], key: str, capacity: int, capacity_key: str) -> list[str]:
     """[start, valid, end]: ids of the oldest saved, the oldest intact and one past the newest."""
     value = header.get(key)
     if not (isinstance(value, list) and len(value) == 3 and all(is_int(n) for n in value)):
@@ -231,7 +241,7 @@ def _range_problems(header: dict, key: str, capacity: int, capacity_key: str) ->
     return []
 
 
-def _chunks_problems(header: dict) -> list[str]:
+def _chunks_problems(header: dict[str, Any]) -> list[str]:
     """[end, first] pairs, oldest first: where each chunk's transitions end (insertion ids)
     and its first frame id. A chunk has one frame at least, so there are at most
     frame_capacity of them and their first frames strictly increase."""
@@ -254,7 +264,7 @@ def _chunks_problems(header: dict) -> list[str]:
     return []
 
 
-def _open(path: Path, max_bytes: int) -> BinaryIO:
+def _open(path: Path, max_bytes: int) -> io.BufferedReader:
     """A checkpoint's file opened if it is a regular file of at most ``max_bytes``;
     CorruptCheckpoint if it is not (a link, a FIFO: a planted file, set aside like any)."""
     try:
@@ -270,7 +280,7 @@ def _read(path: Path, max_bytes: int) -> bytes:
         raise CorruptCheckpoint(str(e)) from None
 
 
-def _check_file(path: Path, expected: dict) -> None:
+def _check_file(path: Path, expected: dict[str, Any]) -> None:
     try:
         # Any size opens, so that a short file is said to be truncated; no more than the
         # manifest's is read (a file of another size fails either way).
@@ -286,7 +296,7 @@ def _check_file(path: Path, expected: dict) -> None:
         raise CorruptCheckpoint(f"{path.name} fails its CRC-32 check (corrupted on disk)")
 
 
-def _crc(f: BinaryIO, max_bytes: int) -> tuple[int, int]:
+def _crc(f: io.BufferedReader, max_bytes: int) -> tuple[int, int]:
     """(bytes read, their CRC-32), of at most ``max_bytes``."""
     crc, size = 0, 0
     while size < max_bytes and (chunk := f.read(min(_READ_BYTES, max_bytes - size))):

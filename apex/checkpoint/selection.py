@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from apex.checkpoint.common import MANIFESTS, ORDERS, CorruptCheckpoint, score_of
 from apex.checkpoint.manifest import Checkpoint, read_manifest, verify
@@ -15,7 +15,7 @@ log = logging.getLogger("apex.checkpoint")
 T = TypeVar("T")
 
 
-def readable(manifests: list[Path], set_aside: bool = False) -> list[tuple[Path, dict]]:
+def readable(manifests: list[Path], set_aside: bool = False) -> list[tuple[Path, dict[str, Any]]]:
     """(path, manifest) of those whose manifest is valid; the others are set aside if asked,
     else left for ``candidates`` to report and set aside when a checkpoint is chosen."""
     found = []
@@ -28,14 +28,14 @@ def readable(manifests: list[Path], set_aside: bool = False) -> list[tuple[Path,
     return found
 
 
-def _rank(entry: tuple[Path, dict]) -> tuple[bool, float, str]:
+def _rank(entry: tuple[Path, dict[str, Any]]) -> tuple[bool, float, str]:
     """Best first when sorted in reverse: scored before unscored, then by score, then newest."""
     path, manifest = entry
     score = score_of(manifest)
     return score is not None, score or 0.0, path.name
 
 
-def best_of(readable: list[tuple[Path, dict]]) -> tuple[Path, dict] | None:
+def best_of(readable: list[tuple[Path, dict[str, Any]]]) -> tuple[Path, dict[str, Any]] | None:
     """The highest-scoring of (path, manifest) pairs, the newest of equals; None if none
     has a score."""
     best = max(readable, key=_rank, default=None)

@@ -61,7 +61,7 @@ def load_failure(error: Exception) -> str:
     return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
-def check_state(state: Any, source: str) -> dict:
+def check_state(state: Any, source: str) -> dict[str, Any]:
     """``state`` if it holds what every apex learner checkpoint does (the counters, the
     episode stats, the config and its algorithm's networks and optimizer);
     CorruptCheckpoint naming the first thing missing or of the wrong type."""
@@ -87,7 +87,8 @@ def check_state(state: Any, source: str) -> dict:
     algo = state["config"].get("algo", _DEFAULT_ALGO)
     if not isinstance(algo, str) or algo not in REGISTRY:
         raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(REGISTRY)}")
-    seen, budget = set(), [MAX_STATE_NODES]  # for all the state_dicts: they may share
+    seen: set[int] = set()
+    budget = [MAX_STATE_NODES]  # for all the state_dicts: they may share
     for key in REGISTRY[algo].state_keys:
         if not isinstance(state.get(key), dict):
             raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
@@ -134,7 +135,7 @@ def _not_finite(value: Any, where: str, seen: set[int], budget: list[int]) -> st
     return None
 
 
-def _check_episode_stats(stats: dict, source: str) -> None:
+def _check_episode_stats(stats: dict[str, Any], source: str) -> None:
     """What EpisodeStats.load_state_dict reads."""
     numbers = all(
         isinstance(stats.get(k), list) and all(isinstance(x, (int, float)) for x in stats[k]) for k in ("eval", "train")
@@ -146,7 +147,7 @@ def _check_episode_stats(stats: dict, source: str) -> None:
         )
 
 
-def _check_optional(state: dict, source: str) -> None:
+def _check_optional(state: dict[str, Any], source: str) -> None:
     """Keys that older checkpoints may lack, checked when present (the learner reads them)."""
     hosts = state.get("env_steps_by_host", {})
     if not (

@@ -11,12 +11,15 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from apex.checkpoint.common import FORMAT, MANIFESTS, finite_or_none, score_of
 from apex.checkpoint.manifest import shard_file_name
 from apex.checkpoint.selection import best_of, best_saved_score, readable
 from apex.files import remove_stale_temps, write_atomic
+
+if TYPE_CHECKING:
+    from apex.replay import StackedReplay
 
 log = logging.getLogger("apex.checkpoint")
 
@@ -29,13 +32,13 @@ class _CrcWriter:
         self.crc = 0
         self.size = 0
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += memoryview(data).nbytes
         return self._f.write(data)
 
 
-def _write_atomic(path: Path, write: Callable[[_CrcWriter], Any]) -> tuple[dict, Any]:
+def _write_atomic(path: Path, write: Callable[[_CrcWriter], Any]) -> tuple[dict[str, int], Any]:
     """Calls ``write`` with a file at a temporary name, then fsyncs and renames it to
     ``path``; returns ({"bytes", "crc32"}, what ``write`` returned)."""
 
@@ -83,12 +86,12 @@ class CheckpointWriter:
     def save(
         self,
         name: str,
-        state: dict,
-        replay=None,
+        state: dict[str, Any],
+        replay: StackedReplay | None = None,
         *,
         background: bool = False,
         score: float | None = None,
-        shards: list[dict] | None = None,
+        shards: list[dict[str, Any]] | None = None,
     ) -> bool:
         """Writes checkpoint ``name`` (e.g. ``ckpt-000001000``): ``state`` (serialised now, so
         training may go on) and, if given, the replay (copied piece by piece while ingest goes
@@ -116,10 +119,18 @@ class CheckpointWriter:
             self._write(*args)
         return True
 
-    def _write(self, name: str, state: io.BytesIO, replay, config: dict | None, scored: dict | None = None) -> None:
+    def _write(
+        self,
+        name: str,
+        state: io.BytesIO,
+        replay: StackedReplay | None,
+        config: dict[str, Any] | None,
+        scored: dict[str, Any] | None = None,
+    ) -> None:
         start = time.monotonic()
         try:
-            files, header = {}, None
+            files: dict[str, dict[str, int]] = {}
+            header = None
             if replay is not None:
                 files["replay"], header = _write_atomic(self.directory / f"{name}.replay", replay.save)
             files["state"], _ = _write_atomic(self.directory / f"{name}.pt", lambda f: f.write(state.getbuffer()))
@@ -166,7 +177,7 @@ class CheckpointWriter:
                 orphan.unlink(missing_ok=True)
 
 
-def _eval_episodes(state: dict) -> int | None:
+def _eval_episodes(state: dict[str, Any]) -> int | None:
     """How many evaluation episodes the score is the mean of (at most 100): a best of one
     lucky episode is told apart from a best of a hundred."""
     stats = state.get("episode_stats")
@@ -174,7 +185,7 @@ def _eval_episodes(state: dict) -> int | None:
     return len(returns) if isinstance(returns, list) else None
 
 
-def write_shard(directory: Path, name: str, rank: int, replay) -> dict:
+def write_shard(directory: Path, name: str, rank: int, replay: StackedReplay) -> dict[str, Any]:
     """Writes rank ``rank``'s replay shard of checkpoint ``name`` (atomically); returns its
     manifest entry (rank, bytes, crc32, replay_header). Raises OSError if it cannot."""
     files, header = _write_atomic(Path(directory) / shard_file_name(name, rank), replay.save)

@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what a command passes on to its children
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
-        return args.handler(args)
+        code: int = args.handler(args)
+        return code
     except ApexError as e:
         print(f"apex {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -10,10 +10,16 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from apex.cli.environment import ENV
 from apex.config import DEFAULT_PORT, port_problem
 from apex.errors import ApexError
+
+if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
+    from apex.checkpoint import Checkpoint
+    from apex.config import Config, StopConditions, TransportConfig
+    from apex.distributed import Rank
 
 
 def shorthand_overrides(args: argparse.Namespace) -> list[str]:
@@ -80,7 +86,7 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
+def load_config(args: argparse.Namespace, resume: Checkpoint | None = None, shorthands: bool = True) -> Config:
     """The config of --config (or the embedded default) with --set; when resuming without
     --config, the checkpoint's with --set, importing only what --allow-import allows (the
     checkpoint may have come from elsewhere: apex.config.trust). An actor's --num-envs is its own, not a shorthand
@@ -99,14 +105,14 @@ def load_config(args: argparse.Namespace, resume=None, shorthands: bool = True):
     return config.load(args.config, overrides)
 
 
-def resume_checkpoint(args: argparse.Namespace):
+def resume_checkpoint(args: argparse.Namespace) -> Checkpoint | None:
     """The newest valid checkpoint of --resume DIR (None without --resume)."""
     from apex.checkpoint import find_latest
 
     return find_latest(Path(args.resume)) if args.resume else None
 
 
-def stop_conditions(args: argparse.Namespace):
+def stop_conditions(args: argparse.Namespace) -> StopConditions:
     from apex.config import StopConditions
 
     stop = StopConditions(args.stop_return, args.stop_seconds, args.stop_env_steps)
@@ -114,13 +120,13 @@ def stop_conditions(args: argparse.Namespace):
     return stop
 
 
-def run_logdir(args: argparse.Namespace, config) -> Path:
+def run_logdir(args: argparse.Namespace, config: Config) -> Path:
     from apex.launch import default_logdir
 
     return Path(args.logdir) if args.logdir else default_logdir(config)
 
 
-def group_rank(args: argparse.Namespace):
+def group_rank(args: argparse.Namespace) -> Rank | None:
     """This process's place in a learner group (--rank/--world-size/--master, or torchrun's
     variables), or None."""
     from apex.distributed import Rank
@@ -222,7 +228,7 @@ def learner(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def learner_link(args: argparse.Namespace, who: str):
+def learner_link(args: argparse.Namespace, who: str) -> tuple[str, int, TransportConfig, tuple[str, ...]]:
     """What `apex actor` and `apex serve` (an actor too) take to join a learner: its address
     (--learner HOST[:PORT]), --num-envs, transport options (only transport.* may be set), and
     what the learner's config may import here (--allow-import, the local env.allow_imports,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from apex import __version__
 from apex.cli import commands as cmd
@@ -24,10 +26,11 @@ UNKNOWN_FLAG_HINTS = {
 class Parser(argparse.ArgumentParser):
     """argparse, with a hint for an unknown flag that says where such a setting goes."""
 
-    def parse_args(self, args=None, namespace=None):
+    def parse_args(self, args: Iterable[str] | None = None, namespace: Any = None) -> Any:
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
-            hint = UNKNOWN_FLAG_HINTS.get(getattr(parsed, "command", None))
+            command = getattr(parsed, "command", None)
+            hint = UNKNOWN_FLAG_HINTS.get(command) if command is not None else None
             self.error(
                 f"unrecognized arguments: {' '.join(unknown)}"
                 + (f"; {hint}" if hint else "")
@@ -36,7 +39,7 @@ class Parser(argparse.ArgumentParser):
         return parsed
 
 
-def _env_default(name: str, cast=str):
+def _env_default(name: str, cast: Callable[[str], Any] = str) -> Any:
     value = os.environ.get(ENV[name])
     if value in (None, ""):
         return None
@@ -171,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="actor counts to run (e2e default: 1,2,4; soak: one count, default 3)",
     )
     e2e.add_argument("--plot", metavar="FILE.png", help="also draw the scaling curves (soak: the RSS curve)")
-    learner = bench.add_argument_group("learner options")
-    learner.add_argument(
+    learner_options = bench.add_argument_group("learner options")
+    learner_options.add_argument(
         "--ranks",
         default=None,
         metavar="N,N,...",

@@ -11,7 +11,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
@@ -19,7 +19,11 @@ from apex.config.presets import presets
 from apex.config.sections import Config
 from apex.errors import ConfigError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger("apex.config")
+T = TypeVar("T", bound="DataclassInstance")
 
 MAX_YAML_VALUES = 100_000  # what a config's YAML may expand to, aliases followed: a 510-byte alias bomb makes 10**9
 MAX_INT = 2**53  # past it a config's integer is no count nor size (and JSON's doubles no longer hold it exactly)
@@ -37,14 +41,17 @@ class _HugeInt:
 
 
 class _Loader(yaml.SafeLoader):
-    def construct_yaml_int(self, node):
-        try:
-            return super().construct_yaml_int(node)
-        except ValueError:
-            return _HugeInt(len(node.value))
+    pass
 
 
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+def _construct_yaml_int(loader: _Loader, node: yaml.ScalarNode) -> int | _HugeInt:
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        return _HugeInt(len(node.value))
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_yaml_int)
 
 
 def parse_yaml(text: str, source: str) -> Any:
@@ -182,7 +189,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
+def _build(cls: type[T], raw: Any, prefix: str, problems: list[str]) -> T:
     if not isinstance(raw, dict):
         problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
         return cls()
@@ -201,7 +208,7 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str]) -> Any:
         if number is not None:
             problems.append(f"{name} {number}")
             continue
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # (a hint is a class, never an instance)
             kwargs[key] = _build(hint, value, f"{name}.", problems)
         else:
             converted, ok = _convert(value, hint)

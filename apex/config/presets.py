@@ -6,14 +6,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from apex.config.sections import Config
 
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
-def presets() -> dict[str, Any]:
+
+def presets() -> dict[str, Traversable]:
     """The shipped presets (configs/*.yaml, installed as apex.configs): name -> file."""
     from importlib.resources import files
 
@@ -28,7 +31,7 @@ def presets() -> dict[str, Any]:
     )
 
 
-def describe_preset(preset: Any) -> str:
+def describe_preset(preset: Traversable) -> str:
     """A preset's first header comment line (what it is), without the '#'."""
     for line in preset.read_text().splitlines():
         if line.startswith("#"):

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from apex.compression import Compressed
 from apex.replay import snapshot
 from apex.replay.ring import LockedRing, PriorityRing, committed, importance_weights
+
+if TYPE_CHECKING:
+    from apex.schema import BatchSchema
 
 
 class FrameRing:
@@ -167,15 +170,15 @@ class StackedReplay(LockedRing):
 
     # -- snapshots (checkpoints): apex.replay.snapshot
 
-    def save(self, f: BinaryIO, lock_bytes: int = 16 << 20) -> dict:
+    def save(self, f: snapshot.WritableFile, lock_bytes: int = 16 << 20) -> dict[str, Any]:
         """Writes the contents and priorities to ``f`` while ingest goes on; returns the
         header that ``load`` needs (``snapshot.save``)."""
         return snapshot.save(self, f, lock_bytes)
 
-    def shape_mismatch(self, header: dict) -> str | None:
+    def shape_mismatch(self, header: dict[str, Any]) -> str | None:
         return snapshot.shape_mismatch(self, header)
 
-    def load(self, f: BinaryIO, header: dict, schema=None) -> None:
+    def load(self, f: snapshot.ReadableFile, header: dict[str, Any], schema: BatchSchema | None = None) -> None:
         """Restores what ``save`` wrote into this (new, empty) replay of the same shape;
         ``schema``: the batch schema its contents are checked against (``snapshot.load``)."""
         snapshot.load(self, f, header, schema)

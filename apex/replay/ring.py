@@ -16,10 +16,11 @@ by ``w_i = (N * P(i)) ** -beta / max_j w_j``, where the max runs over the whole 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from apex.native import SumTree
 
@@ -45,7 +46,7 @@ class Field:
     dtype: np.dtype
 
     @classmethod
-    def of(cls, value: Field | tuple) -> Field:
+    def of(cls, value: Field | tuple[Sequence[int], DTypeLike]) -> Field:
         """Accepts a Field or a ``(shape, dtype)`` pair."""
         if isinstance(value, Field):
             return value
@@ -53,7 +54,9 @@ class Field:
         return cls(tuple(int(d) for d in shape), np.dtype(dtype))
 
 
-Fields = Mapping[str, "Field | tuple"]  # a replay's named fields, each a Field or (shape, dtype)
+Fields = Mapping[
+    str, "Field | tuple[Sequence[int], DTypeLike]"
+]  # a replay's named fields, each a Field or (shape, dtype)
 
 
 def importance_weights(priorities: np.ndarray, min_priority: float, beta: float) -> np.ndarray:

@@ -11,14 +11,29 @@ left out: the snapshot is the replay as it was when saving began, less that olde
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import deque
-from typing import TYPE_CHECKING, BinaryIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from apex.replay.frames import StackedReplay
     from apex.schema import BatchSchema
+
+
+class WritableFile(Protocol):
+    """Where ``save`` writes: a binary file, or a wrapper that counts what goes through."""
+
+    def write(self, data: memoryview, /) -> object: ...
+
+
+class ReadableFile(Protocol):
+    """What ``load`` reads from: a binary file that reads into a buffer (io.BufferedIOBase)."""
+
+    def readinto(self, buffer: memoryview, /) -> int | None: ...
 
 
 def slot_runs(first: int, last: int, capacity: int) -> list[tuple[int, int]]:
@@ -31,13 +46,13 @@ def slot_runs(first: int, last: int, capacity: int) -> list[tuple[int, int]]:
     return [(a, capacity), (0, a + n - capacity)]
 
 
-def _write_all(f: BinaryIO, arrays: list[np.ndarray]) -> None:
+def _write_all(f: WritableFile, arrays: list[np.ndarray]) -> None:
     for array in arrays:
-        f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        f.write(np.ascontiguousarray(array).data.cast("B"))
 
 
-def _read_into(f: BinaryIO, array: np.ndarray) -> None:
-    view = memoryview(array).cast("B")
+def _read_into(f: ReadableFile, array: np.ndarray) -> None:
+    view = array.data.cast("B")
     while view.nbytes:
         n = f.readinto(view)
         if not n:
@@ -55,13 +70,13 @@ class RingCopier:
     ingest waits for the disk rather than overtake the copy.
     """
 
-    def __init__(self, f: BinaryIO, lock, overwritten_below, start: int) -> None:
+    def __init__(self, f: WritableFile, lock: threading.Lock, overwritten_below: Callable[[], int], start: int) -> None:
         self.f, self.lock, self.overwritten_below = f, lock, overwritten_below
         self.valid_from = start  # ids below it may have been overwritten before they were copied
         self._below: int | None = None
         self._advance = 0  # most ids the inserter wrote during one piece so far
 
-    def piece(self, first: int, last: int, copy) -> None:
+    def piece(self, first: int, last: int, copy: Callable[[], list[np.ndarray]]) -> None:
         with self.lock:
             below = self.overwritten_below()
             if self._below is not None:  # the most it ever got during one piece: disks stall in bursts
@@ -77,7 +92,7 @@ class RingCopier:
             self.valid_from = max(self.valid_from, min(last, below))
 
 
-def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
+def save(replay: StackedReplay, f: WritableFile, lock_bytes: int) -> dict[str, Any]:
     """Writes the replay's transitions, priorities and frames to ``f``; returns the header
     that ``load`` needs with them."""
     ring, frames = replay.ring, replay.frames
@@ -92,23 +107,23 @@ def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
     items_step = max(1, lock_bytes // item_bytes)
     item_copier = RingCopier(f, replay.lock, lambda: ring.added - ring.capacity, items_start)
 
-    def copy_items(runs):  # under the replay's lock (RingCopier.piece)
+    def copy_items(runs: list[tuple[int, int]]) -> list[np.ndarray]:  # under the replay's lock (RingCopier.piece)
         pieces = [ring.storage[name][a:b].copy() for name in fields for a, b in runs]
         return pieces + [ring.tree.get(np.arange(a, b, dtype=np.int64)) for a, b in runs]
 
     for first in range(items_start, items_end, items_step):
         last = min(items_end, first + items_step)
-        item_copier.piece(first, last, lambda runs=slot_runs(first, last, ring.capacity): copy_items(runs))
+        item_copier.piece(first, last, functools.partial(copy_items, slot_runs(first, last, ring.capacity)))
     frame_bytes = max(1, frames.storage[0].nbytes)
     frames_step = max(1, lock_bytes // frame_bytes)
     frame_copier = RingCopier(f, replay.lock, lambda: frames.added - frames.capacity, frames_start)
+
+    def copy_frames(runs: list[tuple[int, int]]) -> list[np.ndarray]:  # under the replay's lock
+        return [frames.storage[a:b].copy() for a, b in runs]
+
     for first in range(frames_start, frames_end, frames_step):
         last = min(frames_end, first + frames_step)
-        frame_copier.piece(
-            first,
-            last,
-            lambda runs=slot_runs(first, last, frames.capacity): [frames.storage[a:b].copy() for a, b in runs],
-        )
+        frame_copier.piece(first, last, functools.partial(copy_frames, slot_runs(first, last, frames.capacity)))
     return {
         "frame_shape": list(replay.frame_shape),
         "frame_dtype": replay.frame_dtype.str,
@@ -122,7 +137,7 @@ def save(replay: StackedReplay, f: BinaryIO, lock_bytes: int) -> dict:
     }
 
 
-def shape_mismatch(replay: StackedReplay, header: dict) -> str | None:
+def shape_mismatch(replay: StackedReplay, header: dict[str, Any]) -> str | None:
     """How a saved replay's header (``save``'s) differs in shape from ``replay``, or None."""
     ours = {
         "frame_shape": list(replay.frame_shape),
@@ -137,7 +152,7 @@ def shape_mismatch(replay: StackedReplay, header: dict) -> str | None:
     return None
 
 
-def load(replay: StackedReplay, f: BinaryIO, header: dict, schema: BatchSchema | None = None) -> None:
+def load(replay: StackedReplay, f: ReadableFile, header: dict[str, Any], schema: BatchSchema | None = None) -> None:
     """Restores what ``save`` wrote into ``replay`` (new, empty, of the same shape). With
     ``schema`` (the algorithm's batch schema) the transitions and frames kept are held to the
     rules actors' batches are: a replay file is as untrusted as a message (ValueError; the

@@ -5,6 +5,11 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+import numpy as np
+
+# One unroll: its named arrays (a row of an actor's batch).
+Unroll = dict[str, np.ndarray]
+
 
 class UnrollQueue:
     """A bounded FIFO of unrolls between the ingest thread and the train loop (IMPALA).
@@ -18,7 +23,7 @@ class UnrollQueue:
             raise ValueError(f"queue capacity must be a positive integer, got {capacity}")
         self.capacity = capacity
         self.block = block
-        self._items: deque = deque()
+        self._items: deque[Unroll] = deque()
         self._cond = threading.Condition()
         self.inserted = 0
         self.dropped = 0
@@ -40,7 +45,7 @@ class UnrollQueue:
         with self._cond:
             return self._cond.wait_for(lambda: len(self._items) < self.capacity, timeout)
 
-    def put(self, items: list) -> None:
+    def put(self, items: list[Unroll]) -> None:
         """Appends items; when blocking, call after ``wait_for_room`` (a batch of items may
         then overshoot the capacity by less than its own size)."""
         with self._cond:
@@ -55,7 +60,7 @@ class UnrollQueue:
         with self._cond:
             return self._cond.wait_for(lambda: len(self._items) >= n, timeout)
 
-    def take(self, n: int) -> list:
+    def take(self, n: int) -> list[Unroll]:
         """The n oldest items (fewer if there are not that many)."""
         with self._cond:
             items = [self._items.popleft() for _ in range(min(n, len(self._items)))]

@@ -29,9 +29,10 @@ XPUB even with manual subscriptions, keep every topic a subscriber sends: measur
 of random 1 KiB subscriptions grew the learner by 48 MB for good).
 """
 
+from apex.config import MAX_ENVS_PER_ACTOR
 from apex.transport.actor_side import LearnerClient
 from apex.transport.keys import generate_keys, load_keypair, load_public
-from apex.transport.learner_side import MAX_ENVS_PER_ACTOR, LearnerEndpoint
+from apex.transport.learner_side import LearnerEndpoint
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import Session
 from apex.transport.settings import (

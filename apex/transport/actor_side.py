@@ -7,7 +7,7 @@ import logging
 import os
 import socket as pysocket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,7 @@ class LearnerClient:
         self._last_beat = 0.0
         self._bad_log = RateLimitedLog(log)
         self.context = zmq.Context()
-        self._curve = self._load_curve() if options.curve_dir else None
+        self._curve = self._load_curve(options.curve_dir) if options.curve_dir else None
         self._routing_id = b"actor-" + os.urandom(8).hex().encode()
         self.control = self._control_socket()
         self._route = (host, self.ports.trajectories)  # where batches go: the rank the welcome named
@@ -211,7 +211,7 @@ class LearnerClient:
         self._seq += 1
         return self.send_frames(frames, timeout_s=timeout_s)
 
-    def send_frames(self, frames: list[bytes], *, timeout_s: float | None = None) -> bool:
+    def send_frames(self, frames: Sequence[bytes | bytearray], *, timeout_s: float | None = None) -> bool:
         """Sends an encoded batch (see ``send_batch``)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.stop_reason is None:
@@ -262,8 +262,8 @@ class LearnerClient:
                 raise Stopped("told to stop while waiting for the learner")
             time.sleep(min(left, POLL_SLICE_S))
 
-    def _load_curve(self) -> tuple[bytes, bytes, bytes]:
-        directory = Path(self.options.curve_dir)
+    def _load_curve(self, curve_dir: str) -> tuple[bytes, bytes, bytes]:
+        directory = Path(curve_dir)
         public, secret = load_keypair(directory / "actor.key_secret")
         return public, secret, load_learner_public(directory / "learner.key")
 
@@ -277,7 +277,7 @@ class LearnerClient:
         conflate: bool = False,
         buffer_bytes: int = 0,
         routing_id: bytes | None = None,
-    ) -> zmq.Socket:
+    ) -> zmq.Socket[bytes]:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, ACTOR_MAX_MESSAGE_BYTES)
@@ -305,7 +305,7 @@ class LearnerClient:
             return (self.host, self.ports.trajectories)
         return (host, port)
 
-    def _trajectory_socket(self) -> zmq.Socket:
+    def _trajectory_socket(self) -> zmq.Socket[bytes]:
         return self._connect(
             zmq.PUSH,
             self._route[1],
@@ -314,7 +314,7 @@ class LearnerClient:
             buffer_bytes=self.options.trajectory_buffer_bytes,
         )
 
-    def _control_socket(self) -> zmq.Socket:
+    def _control_socket(self) -> zmq.Socket[bytes]:
         return self._connect(zmq.DEALER, self.ports.control, routing_id=self._routing_id)
 
     def _reconnect(self) -> None:

@@ -16,7 +16,7 @@ from apex.errors import ApexError
 KEY_PAIRS = ("learner", "actor", "serve", "client")
 
 
-def generate_keys(directory: str | os.PathLike) -> dict[str, Path]:
+def generate_keys(directory: str | os.PathLike[str]) -> dict[str, Path]:
     """Writes the key pairs of the learner and its actors, and of `apex serve`'s ZeroMQ
     frontend and its clients, and authorises the actor's and the client's public keys.
 

@@ -23,7 +23,15 @@ from apex.logs import RateLimitedLog
 from apex.protocol import Message
 from apex.transport.keys import load_keypair
 from apex.transport.receiver import TrajectoryReceiver
-from apex.transport.sessions import HelloLimiter, RejectCounter, Session, Sessions, SessionSigner, peer_address
+from apex.transport.sessions import (
+    HelloLimiter,
+    RejectCounter,
+    Session,
+    Sessions,
+    SessionSigner,
+    SignedSessions,
+    peer_address,
+)
 from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
 
 log = logging.getLogger("apex.transport")
@@ -78,12 +86,12 @@ class LearnerEndpoint:
         self.rejected = RejectCounter()
         self.incarnation = os.urandom(8)  # tells actors that this is a new learner, whatever its versions
         self._stopping: str | None = None
-        self._weights: tuple[int, list[bytes], bytes] | None = None  # version, frames, packed
+        self._weights: tuple[int, list[bytes | bytearray], bytes] | None = None  # version, frames, packed
         self._hellos = HelloLimiter()
         self._bad_log = RateLimitedLog(log)
         self._idle_poller: tuple[int | None, zmq.Poller] | None = None  # wait()'s, with the fd it watches
         try:
-            curve = self._start_curve() if options.curve_dir else None
+            curve = self._start_curve(options.curve_dir) if options.curve_dir else None
             # Control messages carry no arrays: a header's worth is the most a frame may hold.
             self.control = self._bind(
                 zmq.ROUTER,
@@ -197,18 +205,20 @@ class LearnerEndpoint:
 
     # -- internals
 
-    def _bind(self, kind: int, host: str, port: int, curve, **options: int) -> zmq.Socket:
+    def _bind(
+        self, kind: int, host: str, port: int, curve: tuple[bytes, bytes] | None, **options: int
+    ) -> zmq.Socket[bytes]:
         return bind_socket(self.context, kind, host, port, curve, self.ports, **options)
 
-    def _start_curve(self) -> tuple[bytes, bytes]:
-        self._auth, keypair = start_curve(self.context, self.options.curve_dir)
+    def _start_curve(self, curve_dir: str) -> tuple[bytes, bytes]:
+        self._auth, keypair = start_curve(self.context, curve_dir)
         return keypair
 
     def _reject(self, reason: str, fmt: str, *args: Any) -> None:
         self.rejected.add(reason)
         self._bad_log.warning(fmt, *args)
 
-    def _handle(self, frames: list) -> None:
+    def _handle(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
         try:
             # Actors send no arrays here: a message declaring any is refused before it is read.
@@ -298,8 +308,9 @@ class LearnerEndpoint:
                 index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic(), rank=rank
             )
             self.sessions.open(session)
-        if self.routes[session.rank] is not None:  # its batches go to another rank of the group
-            setup["trajectories"] = dict(self.routes[session.rank])
+        route = self.routes[session.rank]
+        if route is not None:  # its batches go to another rank of the group
+            setup["trajectories"] = dict(route)
         if not self._send(
             identity,
             "welcome",
@@ -389,18 +400,18 @@ def _hello_problem(fields: Mapping[str, Any]) -> str | None:
 
 
 def bind_socket(
-    context: zmq.Context,
+    context: zmq.Context[zmq.Socket[bytes]],
     kind: int,
     host: str,
     port: int,
-    curve,
+    curve: tuple[bytes, bytes] | None,
     ports: Ports,
     *,
     sndhwm: int = 0,
     rcvhwm: int = 0,
     buffer_bytes: int = 0,
     max_message_bytes: int = 0,
-) -> zmq.Socket:
+) -> zmq.Socket[bytes]:
     """A learner socket bound at host:port with apex's limits (and CURVE's server keys)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -428,7 +439,9 @@ def bind_socket(
     return sock
 
 
-def close_sockets(context: zmq.Context, sockets: list[zmq.Socket | None], auth: ThreadAuthenticator | None) -> None:
+def close_sockets(
+    context: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes] | None], auth: ThreadAuthenticator | None
+) -> None:
     """Closes an endpoint's sockets (those made so far) without lingering, its CURVE
     authenticator, then its context."""
     for sock in sockets:
@@ -439,7 +452,9 @@ def close_sockets(context: zmq.Context, sockets: list[zmq.Socket | None], auth: 
     context.term()
 
 
-def start_curve(context: zmq.Context, curve_dir: str) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
+def start_curve(
+    context: zmq.Context[zmq.Socket[bytes]], curve_dir: str
+) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
     """The learner's CURVE key pair, and an authenticator that admits the authorised actors."""
     directory = Path(curve_dir)
     keypair = load_keypair(directory / "learner.key_secret")
@@ -457,7 +472,7 @@ class TrajectoryEndpoint:
     it (PULL, bound with the learner's limits and CURVE), checked against the group's signed
     sessions."""
 
-    def __init__(self, host: str, port: int, ports: Ports, options: TransportConfig, sessions) -> None:
+    def __init__(self, host: str, port: int, ports: Ports, options: TransportConfig, sessions: SignedSessions) -> None:
         self.context = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self.rejected = RejectCounter()

@@ -11,7 +11,7 @@ from apex import protocol
 from apex.errors import ProtocolError, RejectedMessage
 from apex.logs import RateLimitedLog
 from apex.protocol import Message
-from apex.transport.sessions import RejectCounter, Sessions, peer_address
+from apex.transport.sessions import BatchSessions, RejectCounter, peer_address
 from apex.transport.settings import TransportConfig
 
 log = logging.getLogger("apex.transport")
@@ -21,7 +21,9 @@ class TrajectoryReceiver:
     """The learner's end of the trajectory stream: decoded batches of live sessions; every
     other message is counted by reason, logged and skipped."""
 
-    def __init__(self, sock: zmq.Socket, options: TransportConfig, sessions: Sessions, rejected: RejectCounter) -> None:
+    def __init__(
+        self, sock: zmq.Socket[bytes], options: TransportConfig, sessions: BatchSessions, rejected: RejectCounter
+    ) -> None:
         self.socket = sock
         self.options = options
         self.sessions = sessions

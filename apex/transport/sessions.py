@@ -11,7 +11,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -63,6 +63,13 @@ class Session:
     step_budget: int = 0  # env steps its episode records may still claim (apex.schema.check_episodes)
     limits: dict[str, int] = field(default_factory=dict)  # batch sizes allowed (set by the learner)
     rank: int = 0  # of the learner group: the one rank its batches go to (rank 0 chose it)
+
+
+class BatchSessions(Protocol):
+    """What the trajectory receiver checks each batch against: rank 0's ``Sessions``, or a
+    follower rank's ``SignedSessions``."""
+
+    def check_batch(self, fields: Mapping[str, Any]) -> Session: ...
 
 
 class Sessions:
@@ -268,6 +275,7 @@ class HelloLimiter:
 
 def peer_address(frame: Any) -> str:
     try:
-        return frame.get("Peer-Address")  # the sending host's IP (TCP)
+        address: str = frame.get("Peer-Address")  # the sending host's IP (TCP)
+        return address
     except (zmq.ZMQError, AttributeError):
         return "unknown"
