@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from apex import config as config_module
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
 from apex.files import RefusedFile, open_regular, read_regular
+
+if TYPE_CHECKING:
+    import gymnasium as gym
 
 MAX_SUMMARY_BYTES = 1 << 20
 MAX_METRICS_BYTES = 1 << 40  # a run's whole metrics.jsonl: a regular file, read a piece at a time
@@ -47,7 +50,7 @@ class RunResult:
     """What ``train`` returns: summary.json's content, the run directory, and the checkpoint
     with the best return_mean_100 (the newest where none was scored; None if none was written)."""
 
-    summary: dict
+    summary: dict[str, Any]
     logdir: Path
     best_checkpoint: Path | None
 
@@ -85,7 +88,7 @@ def train(
     stop_env_steps: int | None = None,
     logdir: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
-    on_metrics: Callable[[dict], None] | None = None,
+    on_metrics: Callable[[dict[str, Any]], None] | None = None,
     port: int | None = None,
 ) -> RunResult:
     """Trains as ``apex run`` does (a learner and ``actors`` actor processes on this machine)
@@ -151,7 +154,7 @@ def _check_in_fresh_process(config: Config) -> None:
 class _MetricsTail:
     """Calls ``on_metrics`` with each whole line appended to metrics.jsonl since the last call."""
 
-    def __init__(self, path: Path, on_metrics: Callable[[dict], None]) -> None:
+    def __init__(self, path: Path, on_metrics: Callable[[dict[str, Any]], None]) -> None:
         self.path = path
         self.on_metrics = on_metrics
         self._offset = path.stat().st_size if path.exists() else 0  # a resumed run's old rows are not new
@@ -180,7 +183,7 @@ class Policy:
     one ``act`` to the next, a row per observation of the batch: call ``reset()`` when
     episodes start (a batch of another size starts afresh too)."""
 
-    def __init__(self, state: dict, source: Path, allow_imports: Collection[str] = ()) -> None:
+    def __init__(self, state: dict[str, Any], source: Path, allow_imports: Collection[str] = ()) -> None:
         from apex.evaluation import network_from_checkpoint
 
         self.config, self.spec, self._net = network_from_checkpoint(state, allow_imports, f"checkpoint {source}")
@@ -189,13 +192,13 @@ class Policy:
         self.stack = self.spec.stack
         self.recurrent = self.config.model.recurrent != "none"
         self._rng = np.random.default_rng()
-        self._core = None  # the recurrent core's state after the last act
+        self._core: Any = None  # the recurrent core's state after the last act (the algorithm's)
 
     def reset(self) -> None:
         """Episodes start: a recurrent policy forgets what it has seen (no-op otherwise)."""
         self._core = None
 
-    def make_env(self, seed: int | None = None, render_mode: str | None = None):
+    def make_env(self, seed: int | None = None, render_mode: str | None = None) -> gym.Env[Any, Any]:
         """The environment as apex made it for training (its kwargs and wrappers, and the
         adapter that turns Discrete, Dict, Tuple and image observations into what the
         network takes): its observations go to ``act`` as they are (stacked, for images)."""
@@ -229,10 +232,10 @@ class Policy:
         if self._core is not None and len(self._core[0]) != len(batch):
             self._core = None
         with torch.no_grad():
-            actions, self._core = greedy_actions(
+            greedy, self._core = greedy_actions(
                 self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)), self._core
             )
-        actions = actions.numpy()
+        actions = greedy.numpy()
         if epsilon > 0:
             explore = self._rng.random(len(actions)) < epsilon
             actions[explore] = self.spec.random_actions(self._rng, int(explore.sum()))
@@ -260,7 +263,7 @@ def evaluate(
     epsilon: float = 0.0,
     seed: int = 12345,
     allow_imports: Iterable[str] = (),
-) -> dict:
+) -> dict[str, Any]:
     """Plays ``episodes`` episodes of a checkpoint (as ``apex eval``); returns what it prints:
     returns, their mean and std, the checkpoint played, env, algorithm, updates.
     ``allow_imports`` as for ``load_policy``."""

@@ -115,17 +115,17 @@ def init_group(rank: Rank, device: torch.device) -> None:
         ) from None
 
 
-def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:  # type: ignore[name-defined]  # torch.distributed imports it from torch._C, unexported
+def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:  # type: ignore[name-defined]  # public, but torch.distributed does not re-export it
     """The group's TCP store: rank 0 serves it on --master's address alone, the others
     connect to it. (torch's own ``tcp://`` rendezvous listens on every interface, where
     anyone who reaches the port can write keys of any size into rank 0's memory.)"""
     host, _, port = rank.master.rpartition(":")
     host = host.strip("[]")
     if not rank.is_leader:
-        return dist.TCPStore(  # type: ignore[attr-defined]  # as above: public, but not re-exported
+        return dist.TCPStore(  # type: ignore[attr-defined]  # public, but not re-exported
             host, int(port), rank.world_size, is_master=False, timeout=timeout
         )
-    return dist.TCPStore(  # type: ignore[attr-defined]  # as above
+    return dist.TCPStore(  # type: ignore[attr-defined]  # public, but not re-exported
         host,
         int(port),
         rank.world_size,

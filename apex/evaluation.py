@@ -9,7 +9,7 @@ best checkpoint (the highest return_mean_100 the learner recorded) or its newest
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +28,18 @@ from apex.checkpoint import (
     verify,
 )
 from apex.config.trust import from_elsewhere
-from apex.envs import FrameStacker, env_spec, make_env
+from apex.envs import EnvSpec, FrameStacker, env_spec, make_env
 from apex.errors import ApexError
 
 
-def load_checkpoint(path: str | Path, which: str = "best") -> dict:
+def load_checkpoint(path: str | Path, which: str = "best") -> dict[str, Any]:
     """A learner checkpoint (a ckpt-*.pt file, or the best or newest valid one of a run
     directory: ``which``), loaded without running code, or ApexError saying in one line why
     it cannot be used."""
     return _load(Path(path), which)[0]
 
 
-def _load(path: Path, which: str) -> tuple[dict, Path, float | None]:
+def _load(path: Path, which: str) -> tuple[dict[str, Any], Path, float | None]:
     """(state, the .pt file it came from, the score its manifest records)."""
     if which not in ORDERS:
         raise ApexError(f"--which must be one of {', '.join(ORDERS)}, got {which!r}")
@@ -63,15 +63,15 @@ def _load(path: Path, which: str) -> tuple[dict, Path, float | None]:
     return state, path, score
 
 
-def _loaded(checkpoint: Checkpoint) -> tuple[dict, Path, float | None]:
+def _loaded(checkpoint: Checkpoint) -> tuple[dict[str, Any], Path, float | None]:
     """A verified checkpoint of a run, loaded; CorruptCheckpoint (then it is set aside and
     the next tried, as a resume would) if it does not load."""
     return checkpoint.load_state(), checkpoint.state_path, checkpoint.score
 
 
 def network_from_checkpoint(
-    state: dict, allow_imports: Collection[str] = (), source: str = "the checkpoint"
-) -> tuple[config_module.Config, Any, torch.nn.Module]:
+    state: dict[str, Any], allow_imports: Collection[str] = (), source: str = "the checkpoint"
+) -> tuple[config_module.Config, EnvSpec, torch.nn.Module]:
     """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
     line) if the state lacks its algorithm's network or the network does not fit, or if its
     config (from ``source``) would import a module ``allow_imports`` does not allow."""
@@ -105,7 +105,9 @@ def greedy_actions(
     return algos.get(config.algo).learner().policy.greedy(net, obs, state)
 
 
-def policy_from_checkpoint(state: dict, allow_imports: Collection[str] = (), source: str = "the checkpoint"):
+def policy_from_checkpoint(
+    state: dict[str, Any], allow_imports: Collection[str] = (), source: str = "the checkpoint"
+) -> tuple[config_module.Config, EnvSpec, Callable[[torch.Tensor, Any], tuple[int | np.ndarray, Any]]]:
     """(config, spec, act) where act(obs [1, ...] uint8/float32, core state) -> (an action
     as the (adapted) environment takes it, the next core state; pass None at an episode's
     start); ApexError (one line) as ``network_from_checkpoint``."""
@@ -118,7 +120,7 @@ def policy_from_checkpoint(state: dict, allow_imports: Collection[str] = (), sou
     return config, spec, act
 
 
-def load_state(path: str | Path, which: str = "best") -> tuple[dict, Path, float | None]:
+def load_state(path: str | Path, which: str = "best") -> tuple[dict[str, Any], Path, float | None]:
     """(checkpoint state, the .pt file it came from, the return_mean_100 recorded with it) for
     a ckpt-*.pt file or a run directory's best or newest checkpoint."""
     return _load(Path(path), which)
@@ -132,7 +134,7 @@ def evaluate(
     video_dir: str | None = None,
     which: str = "best",
     allow_imports: Collection[str] = (),
-) -> dict:
+) -> dict[str, Any]:
     """Plays ``episodes`` episodes of ``checkpoint`` (a ckpt-*.pt file, or a run directory's
     best or newest checkpoint: ``which``), its config importing only what ``allow_imports``
     allows (apex.config.trust); returns the returns and their mean and std, the
@@ -188,7 +190,7 @@ def evaluate(
     }
 
 
-def _recorder(env, video_dir: str):
+def _recorder(env: gym.Env[Any, Any], video_dir: str) -> gym.Env[Any, Any]:
     try:
         import moviepy  # noqa: F401  (RecordVideo's writer)
     except ImportError:

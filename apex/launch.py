@@ -51,7 +51,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "apex", *args],
         start_new_session=True,
@@ -146,7 +146,7 @@ def run(
     def resumable() -> bool:
         return resume or has_checkpoint(logdir)
 
-    def start_learner() -> subprocess.Popen:
+    def start_learner() -> subprocess.Popen[bytes]:
         return _spawn([*learner_args, *(["--resume", str(logdir)] if resumable() else [])])
 
     learner = start_learner()
@@ -171,8 +171,8 @@ def run(
         try:
             while True:
                 now = time.monotonic()
-                if signals.received and learner_restart_at == 0.0:
-                    learner.send_signal(signals.take())  # the learner stops its actors and exits
+                if learner_restart_at == 0.0 and (signum := signals.take()) is not None:
+                    learner.send_signal(signum)  # the learner stops its actors and exits
                     forwarded = True
                 if learner_restart_at == 0.0 and learner.poll() is not None:
                     code = learner.returncode
@@ -282,7 +282,7 @@ def run_ranks(argv: list[str], ranks: int, port: int) -> int:
     return procs[0].returncode
 
 
-def _stop_all(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _stop_all(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
     """Waits up to ``grace_s`` for the processes to exit by themselves, then SIGTERM, then
     30 s (a learner writes its last checkpoint), then SIGKILL."""
     deadline = time.monotonic() + grace_s

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -278,13 +279,20 @@ def _quiet_tensorboard_thread_errors() -> None:
     previous = threading.excepthook
     if getattr(previous, "apex_quiet_tensorboard", False):
         return
+    threading.excepthook = _QuietTensorboardHook(previous)
 
-    def hook(args: threading.ExceptHookArgs) -> None:
+
+class _QuietTensorboardHook:
+    """``_quiet_tensorboard_thread_errors``' threading.excepthook (installed once: its mark)."""
+
+    apex_quiet_tensorboard = True
+
+    def __init__(self, previous: Callable[[threading.ExceptHookArgs], object]) -> None:
+        self.previous = previous
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
         if not (issubclass(args.exc_type, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
-            previous(args)
-
-    hook.apex_quiet_tensorboard = True  # type: ignore[attr-defined]
-    threading.excepthook = hook
+            self.previous(args)
 
 
 def status_line(row: dict[str, Any]) -> str:

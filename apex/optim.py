@@ -90,8 +90,8 @@ def guarded_step(
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, grad_clip).float()[None]
         if on_device and bad is not None:  # (bad is always set on the device)
             found_inf = (bad | ~torch.isfinite(grad_norm)).float().reshape(())
-            # fused Adam reads found_inf as GradScaler sets it; torch's Optimizer type does not declare it
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            # fused Adam reads found_inf as GradScaler sets it
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]  # torch's Optimizer type lacks it
             step(optimizer)
             return torch.cat([found_inf[None], values, grad_norm])
         packed = torch.cat([values, grad_norm])

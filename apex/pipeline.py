@@ -84,8 +84,8 @@ class DeviceStager:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # (torch leaves torch.cuda.Stream and Event unannotated)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]  # unannotated in torch
 
     def stage(self, arrays: dict[str, np.ndarray], context: Any = None, sample_s: float = 0.0) -> Staged:
         """One batch (``stage_batches`` of one)."""

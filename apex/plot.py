@@ -8,7 +8,7 @@ import logging
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apex.checkpoint.common import MAX_MANIFEST_BYTES, memory_bytes
 from apex.config import Config
@@ -16,13 +16,18 @@ from apex.config.loading import parse_yaml
 from apex.errors import ApexError
 from apex.files import open_regular, read_regular
 
+if TYPE_CHECKING:  # matplotlib is imported only to draw (the plot extra)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.typing import ColorType
+
 _MAX_TICKS = 6  # a 5-inch axis holds this many "1.25M"-wide labels with room between them
 _PLOTTED = ("time", "env_steps", "env_steps_per_s")  # what every row must have (return_mean_100 may be null)
 
 log = logging.getLogger("apex.plot")
 
 
-def read_metrics(logdir: str | Path) -> list[dict]:
+def read_metrics(logdir: str | Path) -> list[dict[str, Any]]:
     path = Path(logdir) / "metrics.jsonl"
     try:  # a regular file only (RefusedFile says what else it is): a FIFO blocked, /dev/zero filled memory
         metrics = open_regular(path, memory_bytes() // 4)
@@ -76,11 +81,11 @@ def _plottable(row: Any) -> bool:
     )
 
 
-def surviving_timeline(rows: list[dict]) -> list[dict]:
+def surviving_timeline(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of the run as it went on: a learner resumed from a checkpoint continues the
     run's clock from there, so the rows its killed predecessor wrote after that checkpoint
     (same or later times) belong to a history that was rolled back, and are dropped."""
-    kept: list[dict] = []
+    kept: list[dict[str, Any]] = []
     for row in rows:
         while kept and kept[-1]["time"] >= row["time"]:
             kept.pop()
@@ -174,7 +179,7 @@ def _time_unit(seconds: float) -> tuple[float, str]:
     return 1.0, "seconds"
 
 
-def figure(logdirs: list[str], smooth: float | None = 0):
+def figure(logdirs: list[str], smooth: float | None = 0) -> Figure:
     """The matplotlib Figure ``plot`` saves (see there); the caller closes it."""
     try:
         import matplotlib
@@ -208,7 +213,9 @@ def figure(logdirs: list[str], smooth: float | None = 0):
     return fig
 
 
-def _curve(axis, x: list[float], y: list[float], label: str, smooth: float | None, color: str | None = None) -> str:
+def _curve(
+    axis: Axes, x: list[float], y: list[float], label: str, smooth: float | None, color: ColorType | None = None
+) -> ColorType:
     """Draws y against x (smoothed, over the raw curve drawn faint); returns its colour."""
     if smooth:
         color = axis.plot(x, y, color=color, alpha=0.25, linewidth=1)[0].get_color()

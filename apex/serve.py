@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from apex.actor import welcome_setup
 from apex.config.sections import ServeConfig
@@ -28,6 +29,13 @@ from apex.external import ExternalEpisodes, RequestError
 from apex.logs import RateLimitedLog
 from apex.signals import StopSignals
 from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportConfig, is_loopback
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from apex.algos import EpisodeRecord
+    from apex.serve_http import HttpFrontend
+    from apex.serve_zmq import ZmqFrontend
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,8 @@ class Server:
     def __init__(self, client: LearnerClient, options: ServeOptions) -> None:
         self.client = client
         self.options = options
+        if client.welcome is None:
+            raise ValueError("serve takes a client that joined the learner (its handshake done)")
         setup = client.welcome.fields["setup"]
         self.config, side = welcome_setup(
             setup, options.allow_imports, f"the welcome of the learner at {client.host}:{client.ports.control}"
@@ -114,7 +124,9 @@ class Server:
         self.rejected: Counter[str] = Counter()
         self.requests = 0
         self.batches_sent = 0
-        self.backlog: list[tuple[dict, list, int]] = []  # made, not yet sent: (arrays, episodes, weights version)
+        self.backlog: list[
+            tuple[dict[str, np.ndarray], list[EpisodeRecord], int]
+        ] = []  # made, not yet sent: (arrays, episodes, weights version)
         self.stop_reason: str | None = None
         self.error: BaseException | None = None  # the learner thread's, if it failed
         self._bad_log = RateLimitedLog(log, interval_s=5.0)
@@ -132,7 +144,7 @@ class Server:
 
     def refused(self, error: RequestError | str, reason: str | None = None, peer: str = "?") -> None:
         """Counts (and, rate-limited, logs) a refused request."""
-        key = reason or getattr(error, "reason", "other")
+        key = reason or str(getattr(error, "reason", "other"))
         self.rejected[key] += 1
         self._bad_log.warning("refused a request from %s (%s): %s", peer, key, error)
 
@@ -152,7 +164,7 @@ class Server:
                 raise RequestError(503, "busy", "the learner is not taking data; try again later")
             await asyncio.sleep(BACKLOG_POLL_S)
 
-    def call(self, method: str, *args, **kwargs):
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One request's work on the episodes, under the lock; RequestError as it comes."""
         with self.lock:
             self.requests += 1
@@ -161,7 +173,7 @@ class Server:
                 self._collect(flush=False)
             return result
 
-    def health(self) -> dict:
+    def health(self) -> dict[str, Any]:
         with self.lock:
             e = self.episodes
             return {
@@ -303,7 +315,7 @@ def _serve_until_stopped(
 async def _serve(server: Server, stopping: threading.Event) -> None:
     from apex import serve_http, serve_zmq
 
-    frontends = []
+    frontends: list[HttpFrontend | ZmqFrontend] = []
     spaces = server.episodes.spaces
     if server.options.http is not None:
         frontends.append(await serve_http.start(server, *server.options.http))

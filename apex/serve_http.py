@@ -21,12 +21,19 @@ import asyncio
 import json
 import math
 import socket
+import sys
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestHandler
 
 from apex.errors import ApexError
 from apex.external import RequestError
+
+if TYPE_CHECKING:
+    from apex.serve import Server
 
 JSON_CHARS_PER_NUMBER = 32  # an observation's body: room for a long float per element
 MAX_BODY_BYTES = 64 << 20  # whatever --max-episodes says: a body is read whole into memory
@@ -59,9 +66,11 @@ class Limits:
     """The connections and request bytes that all clients together hold (see the module's
     docstring), and each connection's gate, by transport."""
 
-    def __init__(self, server, max_body: int) -> None:
+    def __init__(self, server: Server, max_body: int) -> None:
         self.server = server
-        self.protocol = None  # aiohttp's Server, once set up: it makes each connection's RequestHandler
+        self.protocol: web.Server | None = (
+            None  # aiohttp's Server, once set up: it makes each connection's RequestHandler
+        )
         config = server.options.limits
         self.max_connections = config.max_connections
         self.idle_timeout_s = config.idle_timeout_s
@@ -70,7 +79,7 @@ class Limits:
         self.body_bytes = 0  # reserved by the requests being handled
         self.gates: dict[asyncio.BaseTransport, Gate] = {}
 
-    def admit(self, gate: Gate, transport: asyncio.Transport):
+    def admit(self, gate: Gate, transport: asyncio.Transport) -> RequestHandler | None:
         """aiohttp's protocol for a new connection, or None (answered 503 and closed)."""
         if len(self.gates) >= self.max_connections:
             self.server.refused(
@@ -81,6 +90,8 @@ class Limits:
             transport.write(_BUSY_AT_ACCEPT)
             transport.close()
             return None
+        if self.protocol is None:
+            raise RuntimeError("a connection came before the HTTP server was set up")
         self.gates[transport] = gate
         return self.protocol()
 
@@ -116,13 +127,15 @@ class Gate(asyncio.Protocol):
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.handler = None  # aiohttp's RequestHandler, once admitted
+        self.handler: RequestHandler | None = None  # aiohttp's, once admitted
         self.transport: asyncio.BaseTransport | None = None
         self.active = 0  # requests being handled
         self.partial = False  # bytes arrived since the last request began
         self.discarding = False  # a refused request's body arrives (and is dropped) before the close
 
-    def connection_made(self, transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not isinstance(transport, asyncio.Transport):  # what a stream server's connections have
+            raise TypeError(f"a stream transport expected, got {type(transport).__name__}")
         self.transport = transport
         self.handler = self.limits.admit(self, transport)
         if self.handler is not None:
@@ -134,11 +147,12 @@ class Gate(asyncio.Protocol):
                 self.partial = True
             self.handler.data_received(data)
 
-    def eof_received(self):
-        return self.handler.eof_received() if self.handler is not None else None
-
-    def connection_lost(self, exc) -> None:
+    def eof_received(self) -> None:  # (None: the transport closes itself, as aiohttp's handler says)
         if self.handler is not None:
+            self.handler.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.handler is not None and self.transport is not None:  # (a handler came with its transport)
             self.limits.release(self, self.transport)
             self.handler.connection_lost(exc)
 
@@ -156,11 +170,11 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-def _action_json(action: np.ndarray):
+def _action_json(action: np.ndarray) -> int | list[Any]:
     return action.tolist() if np.ndim(action) else int(action)
 
 
-def max_body_bytes(server) -> int:
+def max_body_bytes(server: Server) -> int:
     """The largest request body: room for a batch of observations of every open episode
     (the batched forms)."""
     frame_elements = math.prod(server.episodes.spec.frame_shape)
@@ -170,13 +184,13 @@ def max_body_bytes(server) -> int:
     )
 
 
-def make_app(server, limits: Limits) -> web.Application:
+def make_app(server: Server, limits: Limits) -> web.Application:
     episodes = server.episodes
     max_body = max_body_bytes(server)
 
     @web.middleware
-    async def guard(request: web.Request, handler):
-        gate = limits.gates.get(request.transport)
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        gate = limits.gates.get(request.transport) if request.transport is not None else None
         if gate is not None:
             gate.active += 1
             gate.partial = False
@@ -191,7 +205,7 @@ def make_app(server, limits: Limits) -> web.Application:
                 gate.discarding = True
         return response
 
-    async def admitted(request: web.Request, handler):
+    async def admitted(request: web.Request, handler: Handler) -> web.StreamResponse:
         peer = request.remote or "?"
         header = request.headers.get("Authorization", "")
         presented = header[len("Bearer ") :] if header.startswith("Bearer ") else None
@@ -257,13 +271,16 @@ def make_app(server, limits: Limits) -> web.Application:
                 pass  # the connection is gone: its read says so
         return length
 
-    async def body(request: web.Request) -> dict:
+    async def body(request: web.Request) -> dict[str, Any]:
         try:
-            async with asyncio.timeout(limits.idle_timeout_s):
-                raw = await request.read()
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(limits.idle_timeout_s):
+                    raw = await request.read()
+            else:  # (no asyncio.timeout before 3.11)
+                raw = await asyncio.wait_for(request.read(), limits.idle_timeout_s)
         except ConnectionError:  # the client went away mid-body: counted, not aiohttp's traceback
             raise RequestError(400, "disconnected", "the connection closed before the body arrived") from None
-        except TimeoutError:  # a slowloris: its connection is closed after the answer
+        except (TimeoutError, asyncio.TimeoutError):  # a slowloris: its connection is closed after the answer
             raise RequestError(
                 408,
                 "body_timeout",
@@ -279,25 +296,25 @@ def make_app(server, limits: Limits) -> web.Application:
             raise RequestError(400, "json", "the body must be a JSON object")
         return data
 
-    def need(data: dict, key: str):
+    def need(data: dict[str, Any], key: str) -> Any:
         if key not in data:
             raise RequestError(400, "fields", f"missing {key!r} in the body")
         return data[key]
 
-    async def spaces(_request):
+    async def spaces(_request: web.Request) -> web.Response:
         return web.json_response(episodes.spaces)
 
-    async def health(_request):
+    async def health(_request: web.Request) -> web.Response:
         return web.json_response(server.health())
 
-    async def start(request):
+    async def start(request: web.Request) -> web.Response:
         data = await body(request)
         if "count" in data:  # many at once: {"count": n} -> {"episode_ids": [...]}
             return web.json_response({"episode_ids": server.call("start", data["count"])})
         (episode_id,) = server.call("start", 1)
         return web.json_response({"episode_id": episode_id})
 
-    async def action(request):
+    async def action(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         actions = server.call(
@@ -308,7 +325,7 @@ def make_app(server, limits: Limits) -> web.Application:
         )
         return web.json_response({"action": _action_json(actions[0])})
 
-    async def log_action(request):
+    async def log_action(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         server.call(
@@ -320,12 +337,12 @@ def make_app(server, limits: Limits) -> web.Application:
         )
         return web.json_response({})
 
-    async def rewards(request):
+    async def rewards(request: web.Request) -> web.Response:
         data = await body(request)
         server.call("add_rewards", [request.match_info["id"]], [need(data, "reward")])
         return web.json_response({})
 
-    async def end(request):
+    async def end(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         server.call(
@@ -340,7 +357,7 @@ def make_app(server, limits: Limits) -> web.Application:
 
     # The batched forms: many episodes a request, as the ZeroMQ ops take them.
 
-    async def batch_action(request):
+    async def batch_action(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         actions = server.call(
@@ -348,7 +365,7 @@ def make_app(server, limits: Limits) -> web.Application:
         )
         return web.json_response({"actions": actions.tolist()})
 
-    async def batch_log_action(request):
+    async def batch_log_action(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         server.call(
@@ -360,12 +377,12 @@ def make_app(server, limits: Limits) -> web.Application:
         )
         return web.json_response({})
 
-    async def batch_rewards(request):
+    async def batch_rewards(request: web.Request) -> web.Response:
         data = await body(request)
         server.call("add_rewards", need(data, "episode_ids"), need(data, "rewards"))
         return web.json_response({})
 
-    async def batch_end(request):
+    async def batch_end(request: web.Request) -> web.Response:
         data = await body(request)
         await server.wait_for_room()
         server.call(
@@ -397,7 +414,7 @@ def make_app(server, limits: Limits) -> web.Application:
     return app
 
 
-async def start(server, host: str, port: int) -> HttpFrontend:
+async def start(server: Server, host: str, port: int) -> HttpFrontend:
     # aiohttp's keep-alive timer closes a connection that has no whole request head within
     # the idle timeout, from its start or from its last answer (a slowloris's dribbled head).
     limits = Limits(server, max_body_bytes(server))

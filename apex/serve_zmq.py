@@ -10,7 +10,9 @@ it. Requests are served in turn; a client that sends and never reads loses its r
 
 from __future__ import annotations
 
+import asyncio
 import math
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -20,15 +22,27 @@ import zmq.asyncio
 from apex.errors import ApexError
 from apex.external import RequestError
 
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    from apex.serve import Server
+
 ARRAY_DTYPES = frozenset({"float32", "float64", "uint8", "int8", "int16", "int32", "int64", "uint16", "bool"})
 MAX_ID_CHARS = 64
 
 
 class ZmqFrontend:
-    def __init__(self, server, socket: zmq.asyncio.Socket, host: str, port: int, authenticator=None) -> None:
+    def __init__(
+        self,
+        server: Server,
+        socket: zmq.asyncio.Socket,
+        host: str,
+        port: int,
+        authenticator: ThreadAuthenticator | None = None,
+    ) -> None:
         self.server, self.socket, self.host, self.port = server, socket, host, port
         self.authenticator = authenticator
-        self.task = None
+        self.task: asyncio.Task[None] | None = None
 
     def describe(self) -> str:
         return f"tcp://{self.host}:{self.port} (ZeroMQ{', CURVE' if self.authenticator else ''})"
@@ -41,7 +55,7 @@ class ZmqFrontend:
             self.authenticator.stop()
 
 
-def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: str):
+def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: str) -> ThreadAuthenticator:
     """Makes ``sock`` a CURVE server with serve.key_secret that lets in only the client keys
     in serve-clients/ (as the learner does with authorized/); returns the authenticator."""
     from pathlib import Path
@@ -67,8 +81,9 @@ def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: st
     return authenticator
 
 
-def decode_array(value, what: str) -> np.ndarray:
-    """A msgpack array of numbers, or ``{"dtype", "shape", "data"}`` (raw little-endian bytes)."""
+def decode_array(value: object, what: str) -> np.ndarray | object:
+    """A msgpack array of numbers, or ``{"dtype", "shape", "data"}`` (raw little-endian bytes)
+    as an array; anything else as it came (ExternalEpisodes checks it)."""
     if isinstance(value, dict):
         dtype, shape, data = value.get("dtype"), value.get("shape"), value.get("data")
         if not isinstance(dtype, str) or dtype not in ARRAY_DTYPES:
@@ -88,15 +103,15 @@ def decode_array(value, what: str) -> np.ndarray:
     return value  # a nested list: ExternalEpisodes checks it
 
 
-def _error_reply(request_id, error: RequestError) -> dict:
+def _error_reply(request_id: int | str | None, error: RequestError) -> dict[str, Any]:
     return {"id": request_id, "ok": False, "status": error.status, "error": str(error)}
 
 
 class Handler:
-    def __init__(self, server) -> None:
+    def __init__(self, server: Server) -> None:
         self.server = server
 
-    async def __call__(self, payload: bytes) -> dict:
+    async def __call__(self, payload: bytes) -> dict[str, Any]:
         server = self.server
         try:
             request = msgpack.unpackb(payload, raw=False, strict_map_key=True)
@@ -127,7 +142,7 @@ class Handler:
         except Exception:
             return _error_reply(request_id, server.internal_error())
 
-    async def dispatch(self, request: dict) -> dict:
+    async def dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
         server = self.server
         op = request.get("op")
         if op == "spaces":
@@ -162,9 +177,7 @@ class Handler:
         return {}
 
 
-async def start(server, host: str, port: int) -> ZmqFrontend:
-    import asyncio
-
+async def start(server: Server, host: str, port: int) -> ZmqFrontend:
     context = zmq.asyncio.Context.instance()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

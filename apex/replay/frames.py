@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from apex.compression import Compressed
 from apex.replay import snapshot
@@ -83,7 +84,7 @@ class StackedReplay(LockedRing):
     def __init__(
         self,
         frame_shape: tuple[int, ...],
-        frame_dtype: np.dtype,
+        frame_dtype: DTypeLike,
         stack: int,
         capacity: int,
         frame_capacity: int,
