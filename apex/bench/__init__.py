@@ -10,6 +10,7 @@ import importlib
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from apex.errors import ApexError
 from apex.files import write_atomic
@@ -39,12 +40,12 @@ def run(
     names: list[str],
     json_path: str | None = None,
     seconds: float | None = None,
-    e2e_options: dict | None = None,
-    soak_options: dict | None = None,
-    learn_options: dict | None = None,
-    serve_options: dict | None = None,
-    learner_options: dict | None = None,
-) -> dict:
+    e2e_options: dict[str, Any] | None = None,
+    soak_options: dict[str, Any] | None = None,
+    learn_options: dict[str, Any] | None = None,
+    serve_options: dict[str, Any] | None = None,
+    learner_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Runs the named benchmarks (``all`` for every one); writes the JSON report if asked.
 
     ``seconds``: time per measured operation (each benchmark's own default when None);

@@ -20,7 +20,7 @@ N_STEP = 3
 BATCH_FIELDS = {"actor_index": 0, "weights_version": 0, "info": {"episodes": []}, "session": bytes(16), "seq": 0}
 
 
-def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple]:
+def naive_transitions(columns: dict[str, np.ndarray]) -> list[tuple[np.ndarray, int, float, np.ndarray, float, float]]:
     """Columns turned into the per-transition tuples a straightforward actor collects."""
     return [
         (
@@ -44,7 +44,7 @@ def _cartpole_states(rng: np.random.Generator, count: int) -> np.ndarray:
     return states
 
 
-def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict, dict]:
+def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(apex arrays, naive columns) for n CartPole transitions."""
     rng = np.random.default_rng(seed)
     arrays = {
@@ -58,7 +58,7 @@ def cartpole(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> tuple[dict, dict]:
     return arrays, dict(arrays)
 
 
-def cartpole_chunk(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> dict:
+def cartpole_chunk(n: int = CARTPOLE_TRANSITIONS, seed: int = 0) -> dict[str, np.ndarray]:
     """n consecutive CartPole transitions as an Ape-X actor sends them: each observation once."""
     rng = np.random.default_rng(seed)
     first = np.arange(n, dtype=np.int32)
@@ -110,7 +110,7 @@ def _synthetic_frames(count: int, seed: int) -> np.ndarray:
     return frames
 
 
-def atari(n: int = ATARI_TRANSITIONS, seed: int = 0) -> tuple[dict, dict, str]:
+def atari(n: int = ATARI_TRANSITIONS, seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], str]:
     """(apex arrays, naive columns, frame source) for n consecutive Atari transitions."""
     frames, source = atari_frames(n + STACK - 1 + N_STEP, seed)
     rng = np.random.default_rng(seed)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +33,7 @@ def _replay(capacity: int) -> StackedReplay:
     return StackedReplay(FRAME, np.uint8, STACK, capacity, capacity + capacity // 8 + 4096, seed=0)
 
 
-def _chunk(frames: np.ndarray) -> dict:
+def _chunk(frames: np.ndarray) -> dict[str, np.ndarray]:
     obs = np.arange(CHUNK)
     return {
         "frames": frames,
@@ -44,7 +46,7 @@ def _chunk(frames: np.ndarray) -> dict:
     }
 
 
-def _latency(calls: list[tuple[float, float]], start: float, stop: float) -> dict:
+def _latency(calls: list[tuple[float, float]], start: float, stop: float) -> dict[str, float | None]:
     inside = [d for t, d in calls if start <= t < stop]
     if not inside:
         return {"inserts_per_s": 0.0, "median_ms": None, "p99_ms": None, "max_ms": None}
@@ -56,7 +58,7 @@ def _latency(calls: list[tuple[float, float]], start: float, stop: float) -> dic
     }
 
 
-def run(seconds: float = 2.0, capacity: int = CAPACITY) -> dict:
+def run(seconds: float = 2.0, capacity: int = CAPACITY) -> dict[str, Any]:
     """``seconds``: how long the inserter runs alone before the checkpoint (the baseline)."""
     replay = _replay(capacity)
     chunk = _chunk(np.random.default_rng(0).integers(0, 255, (CHUNK + STACK - 1 + N_STEP, *FRAME), dtype=np.uint8))
@@ -76,7 +78,7 @@ def run(seconds: float = 2.0, capacity: int = CAPACITY) -> dict:
         thread = threading.Thread(target=insert, daemon=True)
         thread.start()
         time.sleep(seconds)
-        writer = CheckpointWriter(tmp, keep=1)
+        writer = CheckpointWriter(Path(tmp), keep=1)
         write_start = time.perf_counter()
         writer.save("ckpt-000000001", {"config": {}}, replay)
         write_stop = time.perf_counter()
@@ -85,7 +87,7 @@ def run(seconds: float = 2.0, capacity: int = CAPACITY) -> dict:
         if writer.failures:
             raise RuntimeError("the checkpoint could not be written: see the log above")
         start = time.perf_counter()
-        checkpoint = find_latest(tmp)
+        checkpoint = find_latest(Path(tmp))
         verify_s = time.perf_counter() - start
         restored = _replay(capacity)
         start = time.perf_counter()

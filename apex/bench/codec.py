@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table, summarize, time_calls
 
 
-def run(seconds: float = 1.0) -> dict:
+def run(seconds: float = 1.0) -> dict[str, Any]:
     cartpole, cartpole_naive = batches.cartpole()
     atari, atari_naive, source = batches.atari()
     cases = [
@@ -21,7 +23,7 @@ def run(seconds: float = 1.0) -> dict:
     for name, n, arrays, columns in cases:
         frames = protocol.encode("batch", batches.BATCH_FIELDS, arrays)
         transitions = batches.naive_transitions(columns)
-        methods = {
+        methods: dict[str, tuple[Callable[[], object], Callable[[], object], int]] = {
             "apex": (
                 partial(protocol.encode, "batch", batches.BATCH_FIELDS, arrays),
                 partial(protocol.decode, frames),
@@ -31,11 +33,11 @@ def run(seconds: float = 1.0) -> dict:
         for method, naive in (("pickle", transitions), ("pickle_columns", columns)):
             blob = pickle.dumps(naive, protocol=pickle.HIGHEST_PROTOCOL)
             methods[method] = (
-                lambda naive=naive: pickle.dumps(naive, protocol=pickle.HIGHEST_PROTOCOL),
-                lambda blob=blob: pickle.loads(blob),
+                partial(pickle.dumps, naive, protocol=pickle.HIGHEST_PROTOCOL),
+                partial(pickle.loads, blob),
                 len(blob),
             )
-        row = {"batch": name, "transitions": n}
+        row: dict[str, Any] = {"batch": name, "transitions": n}
         for method, (encode, decode, wire_bytes) in methods.items():
             enc = summarize(time_calls(encode, seconds=seconds))["p50_us"]
             dec = summarize(time_calls(decode, seconds=seconds))["p50_us"]

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO, Any
 
 import psutil
 
@@ -45,7 +46,7 @@ def memory_mb(pid: int, key: str = "VmHWM") -> float | None:
     return None
 
 
-def spawn_apex(args: list[str], stderr=subprocess.PIPE) -> subprocess.Popen:
+def spawn_apex(args: list[str], stderr: int | IO[Any] | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
     """`apex ARGS...` as a child process with its output discarded and stderr to ``stderr``."""
     return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.DEVNULL, stderr=stderr)
 
@@ -56,7 +57,7 @@ def run(
     env: str | None = None,
     actors: tuple[int, ...] = DEFAULT_ACTORS,
     plot: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     seconds = max(seconds, 4.0)  # half of it is start-up; shorter runs measure nothing
     config = config_module.load(None, [f"algo={algo}"] + ([f"env.id={env}"] if env else []))
     rows = []
@@ -107,7 +108,7 @@ def run(
     }
 
 
-def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: Path) -> dict:
+def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: Path) -> dict[str, Any]:
     """Runs learner + actors, sampling CPU time and peak RSS over the second half."""
     port = free_base_port()
     logdir = workdir / f"actors-{actors}"
@@ -148,11 +149,15 @@ def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: 
                 p.kill()
                 p.wait()
     if learner.returncode != 0:
-        raise RuntimeError(f"the learner exited with {learner.returncode}: {learner.stderr.read().decode()[-2000:]}")
+        said = learner.stderr.read().decode()[-2000:] if learner.stderr is not None else ""
+        raise RuntimeError(f"the learner exited with {learner.returncode}: {said}")
     cpu = [100 * (b - a) / elapsed for a, b in zip(cpu0, cpu1)]
     rows = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in rows if seconds / 2 <= r["time"] <= seconds - 1] or rows[-2:-1]
-    mean = lambda key: sum(r[key] or 0 for r in steady) / len(steady)  # noqa: E731
+
+    def mean(key: str) -> float:
+        return sum(r[key] or 0 for r in steady) / len(steady)
+
     return {
         "actors": actors,
         "env_steps_per_s": round(mean("env_steps_per_s")),
@@ -167,7 +172,7 @@ def _measure_processes(config_file: Path, actors: int, seconds: float, workdir: 
     }
 
 
-def _plot(rows: list[dict], path: str, title: str) -> None:
+def _plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     try:
         import matplotlib
 

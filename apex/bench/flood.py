@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from apex import config as config_module
 from apex.bench.e2e import cpu_seconds, memory_mb
@@ -81,12 +82,12 @@ PEERS = {
 }
 
 
-def run(seconds: float = 15.0) -> dict:
+def run(seconds: float = 15.0) -> dict[str, Any]:
     """Runs every phase for ``seconds``; returns the figures and the verdict."""
     seconds = max(seconds, SKIP_S + 2.0)
     cpus, pinning = _pick_cpus()
     apex_cpu, flood_cpu = cpus if cpus else (None, None)
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     sigterm: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="apex-flood-") as tmp:
         workdir = Path(tmp)
@@ -115,7 +116,7 @@ def run(seconds: float = 15.0) -> dict:
             workdir / "actor.log",
             apex_cpu,
         )
-        flooder: subprocess.Popen | None = None
+        flooder: subprocess.Popen[bytes] | None = None
         try:
             # Measured from a full replay on: until then the learner's memory grows anyway.
             _wait_for_replay(learner, logdir, learner_log, config_module.load(None, []).replay.capacity, timeout=180)
@@ -166,7 +167,7 @@ def _pick_cpus() -> tuple[tuple[int, int] | None, str]:
     return (allowed[0], allowed[1]), f"learner and actor on CPU {allowed[0]}, flooders on CPU {allowed[1]}"
 
 
-def _spawn(args: list[str], log: Path, cpu: int | None, stdout=None) -> subprocess.Popen:
+def _spawn(args: list[str], log: Path, cpu: int | None, stdout: int | None = None) -> subprocess.Popen[bytes]:
     """``python ARGS...`` pinned to ``cpu`` before it starts (every thread it starts inherits
     that), its stderr (and stdout unless given) to ``log``: a pipe that nobody reads would
     block a learner that logs refused messages. (A small Python pins itself and execs the
@@ -177,7 +178,7 @@ def _spawn(args: list[str], log: Path, cpu: int | None, stdout=None) -> subproce
         return subprocess.Popen([sys.executable, *args], stdout=stdout or f, stderr=f)
 
 
-def _rows(logdir: Path) -> list[dict]:
+def _rows(logdir: Path) -> list[dict[str, Any]]:
     try:
         lines = (logdir / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -191,7 +192,7 @@ def _rows(logdir: Path) -> list[dict]:
     return rows
 
 
-def _last_row(logdir: Path) -> dict:
+def _last_row(logdir: Path) -> dict[str, Any]:
     rows = _rows(logdir)
     return rows[-1] if rows else {}
 
@@ -203,7 +204,7 @@ def _tail(path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacity: int, timeout: float) -> None:
+def _wait_for_replay(learner: subprocess.Popen[bytes], logdir: Path, log: Path, capacity: int, timeout: float) -> None:
     """Waits until the learner trains with a full replay."""
     deadline = time.monotonic() + timeout
     while (row := _last_row(logdir)).get("learner_updates", 0) == 0 or row.get("replay_size", 0) < capacity:
@@ -216,11 +217,11 @@ def _wait_for_replay(learner: subprocess.Popen, logdir: Path, log: Path, capacit
         time.sleep(0.2)
 
 
-def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen:
+def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: Path) -> subprocess.Popen[bytes]:
     """The flooders of a phase, one process; returns once it has called connect() on every
     socket (ZeroMQ connects in the background)."""
     proc = _spawn(["-m", "apex.bench.flooder", str(port), *kinds], workdir / "flooder.log", cpu, stdout=subprocess.PIPE)
-    line = proc.stdout.readline()
+    line = proc.stdout.readline() if proc.stdout is not None else b""  # (a pipe: stdout=PIPE)
     if not line.startswith(b"ready"):
         proc.kill()
         proc.wait()
@@ -228,7 +229,7 @@ def _start_flooder(port: int, kinds: tuple[str, ...], cpu: int | None, workdir: 
     return proc
 
 
-def _stop_flooder(proc: subprocess.Popen) -> dict:
+def _stop_flooder(proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     """Stops a flooder; returns what it sent (its last line on stdout)."""
     proc.send_signal(signal.SIGTERM)
     try:
@@ -238,12 +239,13 @@ def _stop_flooder(proc: subprocess.Popen) -> dict:
         proc.wait()
         return {}
     try:
-        return json.loads(out.decode().strip().splitlines()[-1])
+        sent: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {}
+    return sent
 
 
-def _drain(logdir: Path, last: dict, timeout: float = 60.0) -> tuple[float, int]:
+def _drain(logdir: Path, last: dict[str, Any], timeout: float = 60.0) -> tuple[float, int]:
     """Waits until the learner has refused the last of a flood whose senders are gone (what
     they queued in the kernel's socket buffers still arrives) before the next phase starts:
     until ``rejected_messages`` has not grown for a second. Returns the seconds that took
@@ -258,7 +260,7 @@ def _drain(logdir: Path, last: dict, timeout: float = 60.0) -> tuple[float, int]
     return round(still - start, 1), count - last.get("rejected_messages", 0)
 
 
-def _sigterm(learner: subprocess.Popen, actor: subprocess.Popen, logdir: Path) -> dict:
+def _sigterm(learner: subprocess.Popen[bytes], actor: subprocess.Popen[bytes], logdir: Path) -> dict[str, float | None]:
     """Sends the learner SIGTERM; seconds until it wrote summary.json (it has stopped
     training, told its actors and written its final checkpoint), until it exited, and until
     the honest actor (told to stop by it) exited; None for what did not happen in 60 s."""
@@ -282,23 +284,24 @@ def _sigterm(learner: subprocess.Popen, actor: subprocess.Popen, logdir: Path) -
 # -- the figures
 
 
-def _rate(first: dict, last: dict, key: str) -> float | None:
+def _rate(first: dict[str, Any], last: dict[str, Any], key: str) -> float | None:
     elapsed = last.get("time", 0) - first.get("time", 0)
     if elapsed <= 0:
         return None
-    return (last.get(key, 0) - first.get(key, 0)) / elapsed
+    rate: float = (last.get(key, 0) - first.get(key, 0)) / elapsed
+    return rate
 
 
 def _phase_row(
     name: str,
     kinds: tuple[str, ...],
-    before: dict,
-    first: dict,
-    last: dict,
+    before: dict[str, Any],
+    first: dict[str, Any],
+    last: dict[str, Any],
     cpu: list[float],
     rss: float | None,
-    sent: dict | None,
-) -> dict:
+    sent: dict[str, Any] | None,
+) -> dict[str, Any]:
     reasons_before = before.get("rejected_by_reason", {})
     reasons = {
         reason: count - reasons_before.get(reason, 0)
@@ -326,7 +329,9 @@ def _phase_row(
     }
 
 
-def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learner_exit: int | None) -> dict:
+def _report(
+    rows: list[dict[str, Any]], seconds: float, pinning: str, sigterm: dict[str, Any], learner_exit: int | None
+) -> dict[str, Any]:
     unloaded = [r for r in rows if r["flooders"] == "none"]
     base = {key: _mean([r[key] for r in unloaded]) for key in ("updates_per_s", "env_steps_per_s")}
     problems = []
@@ -427,8 +432,8 @@ def _report(rows: list[dict], seconds: float, pinning: str, sigterm: dict, learn
 
 
 def _mean(values: list[float | None]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def _number(value: float | None, spec: str) -> str:

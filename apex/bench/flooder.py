@@ -9,6 +9,7 @@ import random
 import signal
 import sys
 import time
+from typing import Any
 
 CONTROL_PEERS = 2
 TRAJECTORY_PEERS = 10
@@ -24,7 +25,7 @@ def header_start(msg_type: str, noise: bytes) -> bytes:
 
     from apex import protocol
 
-    start = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, "x": 0})[:-3]  # without the entry "x"
+    start: bytes = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, "x": 0})[:-3]  # without the entry "x"
     return protocol.MAGIC + struct.pack("<I", len(start) + len(noise)) + start + noise
 
 
@@ -38,7 +39,7 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
     good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
     hello = protocol.encode("hello", good)
 
-    def header(fields: dict) -> bytes:
+    def header(fields: dict[str, Any]) -> bytes:
         header = {"v": protocol.PROTOCOL, "type": "hello", **fields, "layout": msgpack.packb([])}
         return protocol.with_header(hello, header)[0]
 
@@ -72,7 +73,7 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
     from apex import protocol
 
     n = 64
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "frames": np.zeros((n + 6, 4), np.float32),
         "obs_frame": np.arange(n, dtype=np.int32),
         "next_obs_frame": np.arange(n, dtype=np.int32) + 3,
@@ -110,9 +111,11 @@ def _flooder_main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     rng = random.Random(12)
     context = zmq.Context()
-    peers: list[tuple[zmq.Socket, list[list[bytes]], bool]] = []  # socket, its messages, whether it reads replies
+    peers: list[
+        tuple[zmq.Socket[bytes], list[list[bytes]], bool]
+    ] = []  # socket, its messages, whether it reads replies
 
-    def dealer(name: bytes) -> zmq.Socket:
+    def dealer(name: bytes) -> zmq.Socket[bytes]:
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, name)
         sock.setsockopt(zmq.SNDHWM, 1000)

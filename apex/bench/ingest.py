@@ -15,24 +15,29 @@ import os
 import struct
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import zmq
 
 from apex import config as config_module
 from apex import protocol
+from apex.algos.apex_dqn import Learner as ApeXLearner
 from apex.bench import batches
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port, socket_options
+from apex.config import StopConditions
 from apex.errors import ConfigError
-from apex.learner import LearnerProcess, StopConditions
+from apex.learner import LearnerProcess
 from apex.transport import Session
 
 SENDERS = 2
 WARMUP_S = 0.5
 APE_X_ACTOR_TRANSITIONS_PER_S = 139 / 4
 
-CASES = {
+CASES: dict[str, tuple[list[str], Callable[[], dict[str, np.ndarray]], int]] = {
     # name: (config overrides, the batch, its transitions)
     "cartpole": (
         ["env.id=CartPole-v1", "replay.capacity=1000000"],
@@ -53,7 +58,9 @@ UNLIMITED = [
 ]
 
 
-def session_sender(address: str, frames: list[bytes], options: dict[int, int], session: bytes, index: int) -> None:
+def session_sender(
+    address: str, frames: Sequence[bytes | bytearray], options: dict[int, int], session: bytes, index: int
+) -> None:
     """Sends one encoded batch over and over, as actor ``index`` of ``session`` would: each
     time with the next sequence number (the learner accepts a batch once)."""
     context = zmq.Context()
@@ -94,12 +101,17 @@ def _open_sessions(process: LearnerProcess, count: int) -> list[bytes]:
     return tokens
 
 
-def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, port: int) -> dict:
+def _measure(
+    overrides: list[str], batch: dict[str, np.ndarray], train: bool, seconds: float, port: int
+) -> dict[str, Any]:
     config = config_module.load(None, overrides + UNLIMITED)
     frames = protocol.encode("batch", batches.BATCH_FIELDS, batch)
     with tempfile.TemporaryDirectory(prefix="apex-ingest-") as logdir:
         process = LearnerProcess(config, Path(logdir), "127.0.0.1", port, StopConditions())
         core = process.learner
+        if not isinstance(core, ApeXLearner):  # the default algo: its replay and rate limiter are measured
+            process.endpoint.close()
+            raise TypeError(f"bench ingest measures Ape-X's learner, not {config.algo}'s")
         send_options, _ = socket_options("run")
         address = f"tcp://127.0.0.1:{process.endpoint.ports.trajectories}"
         spawn = mp.get_context("spawn")
@@ -142,8 +154,9 @@ def _measure(overrides: list[str], batch: dict, train: bool, seconds: float, por
     }
 
 
-def run(seconds: float = 2.0) -> dict:
-    rows, skipped = [], {}
+def run(seconds: float = 2.0) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
     for name, (overrides, make_batch, transitions) in CASES.items():
         try:
             batch = make_batch()

@@ -20,10 +20,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Task:
     reference: str  # a published figure to compare with, and its source
 
 
-def _both(value):
+def _both(value: T) -> dict[str, T]:
     return {"apex_dqn": value, "impala": value}
 
 
@@ -128,7 +131,7 @@ def run(
     plot: str | None = None,
     seconds: float | None = None,
     runs_dir: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Runs every (task, algorithm, seed), prints the table, returns the figures (and draws
     the curves into ``plot``). Each task runs for its own time limit (``Task.minutes``)
     unless ``minutes`` or ``seconds`` (apex bench's common flag, which wins) sets one for all.
@@ -213,7 +216,7 @@ def run(
     }
 
 
-def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict:
+def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict[str, Any]:
     """A run's record from ``base`` when kept there with the same time limit and the same
     resolved preset (a retuned preset runs again; a config key added since, at its default,
     does not count), else a new run (recorded there when
@@ -226,7 +229,7 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
     record = base / f"{name}.json"
     if keep and record.exists():
         try:
-            run = json.loads(record.read_text())
+            run: dict[str, Any] = json.loads(record.read_text())
         except (OSError, ValueError) as exc:
             raise ApexError(f"bench learn: cannot read {record} ({exc}); delete it to run that seed again") from None
         if run.get("limit_s") == limit_s and _resolved(run.get("config")) == config:
@@ -245,7 +248,7 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
     return run
 
 
-def _resolved(recorded: object) -> dict | None:
+def _resolved(recorded: object) -> dict[str, Any] | None:
     """A record's config with every key the record predates at its default (a key added
     since, at its default, leaves a run as it was), or None if it no longer loads."""
     from apex import config as config_module
@@ -258,7 +261,7 @@ def _resolved(recorded: object) -> dict | None:
         return None
 
 
-def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> dict:
+def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> dict[str, Any]:
     """One `apex run` of a task's preset to its threshold or the time limit."""
     spec = TASKS[task]
     threshold = spec.thresholds[algo]
@@ -314,22 +317,22 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
     }
 
 
-def _describe(run: dict) -> str:
+def _describe(run: dict[str, Any]) -> str:
     if run["reached"]:
         return f"{run['threshold']:g} in {run['time_to_threshold_s']:.1f} s ({run['env_steps']:,} env steps)"
     final = run["final_return"]
     return f"not reached in {run['wall_s']:.0f} s (final {'-' if final is None else f'{final:.1f}'})"
 
 
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 2) if values else None
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
 
 
-def _summarise(runs: list[dict]) -> list[dict]:
+def _summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians over seeds per (task, algo). A seed that did not reach the threshold counts
     as slower than every one that did: the median time is None when half or more missed."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["task"], r["algo"]), []).append(r)
     return [
@@ -350,7 +353,7 @@ def _summarise(runs: list[dict]) -> list[dict]:
     ]
 
 
-def _plot(runs: list[dict], path: str) -> None:
+def _plot(runs: list[dict[str, Any]], path: str) -> None:
     try:
         import matplotlib
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import multiprocessing.queues
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +39,9 @@ from apex.malloc import keep_large_blocks
 from apex.pipeline import Pipeline, SectionTimes
 
 BATCH = 512
-MODELS = {
+MakeChunk = Callable[[], dict[str, np.ndarray]]  # a batch as an actor sends it
+Steps = Callable[[int], None]  # runs n train steps
+MODELS: dict[str, tuple[EnvSpec, MakeChunk]] = {
     "mlp": (EnvSpec((4,), np.dtype(np.float32), 1, 2), batches.cartpole_chunk),
     "nature_cnn": (EnvSpec((84, 84), np.dtype(np.uint8), 4, 6), lambda: batches.atari()[0]),
 }
@@ -50,7 +55,7 @@ def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _learner(spec: EnvSpec, make_chunk, device: str) -> Learner:
+def _learner(spec: EnvSpec, make_chunk: MakeChunk, device: str) -> Learner:
     config = config_module.load(
         None,
         [
@@ -69,7 +74,7 @@ def _learner(spec: EnvSpec, make_chunk, device: str) -> Learner:
     return learner
 
 
-def _interleaved_rates(modes: dict, seconds: float, rounds: int) -> dict[str, float]:
+def _interleaved_rates(modes: dict[str, Callable[[], Steps]], seconds: float, rounds: int) -> dict[str, float]:
     """Steps per second of each mode (name: a function making ``run_steps(n)``, which may
     have a ``close``), measured in ``rounds`` short turns each, taken in turn, so that the
     machine's drift (other tenants of a VM) weighs on every mode alike."""
@@ -90,7 +95,7 @@ def _interleaved_rates(modes: dict, seconds: float, rounds: int) -> dict[str, fl
     return {name: steps[name] / elapsed[name] for name in modes}
 
 
-def _update_only(learner: Learner):
+def _update_only(learner: Learner) -> Steps:
     """The update alone: batches already on the device (UPDATE_ONLY_BATCHES of them, taken in
     turn: one batch over and over would stay in the caches as no real batch does), results read."""
     staged = itertools.cycle(learner.sample(UPDATE_ONLY_BATCHES))
@@ -102,7 +107,7 @@ def _update_only(learner: Learner):
     return run
 
 
-def _sequential(learner: Learner):
+def _sequential(learner: Learner) -> Steps:
     def run(n: int) -> None:
         for _ in range(n):
             learner.step()
@@ -139,7 +144,7 @@ class _Pipelined:
         self.pipeline.stop()
 
 
-def _measure(model: str, spec: EnvSpec, make_chunk, device: str, seconds: float) -> dict:
+def _measure(model: str, spec: EnvSpec, make_chunk: MakeChunk, device: str, seconds: float) -> dict[str, Any]:
     learner = _learner(spec, make_chunk, device)
     times = SectionTimes()
     rounds = 1 if model == "nature_cnn" and device == "cpu" else ROUNDS  # ~0.5 s a step there
@@ -165,7 +170,15 @@ def _measure(model: str, spec: EnvSpec, make_chunk, device: str, seconds: float)
     }
 
 
-def _rank_main(rank: int, ranks: int, port: int, model: str, device: str, steps: int, out) -> None:
+def _rank_main(
+    rank: int,
+    ranks: int,
+    port: int,
+    model: str,
+    device: str,
+    steps: int,
+    out: multiprocessing.queues.Queue[tuple[int, int, float, dict[str, float]]],
+) -> None:
     """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
     for ``steps`` steps after a warm-up; reports (steps, seconds, ms per step by section)."""
     from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
@@ -194,11 +207,11 @@ def _rank_main(rank: int, ranks: int, port: int, model: str, device: str, steps:
         leave_group()
 
 
-def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict:
+def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict[str, Any]:
     """Batches/s of ``ranks`` learner processes training together (each its own batch of
     BATCH from its own replay, gradients all-reduced): the slowest rank's time."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out: multiprocessing.queues.Queue[tuple[int, int, float, dict[str, float]]] = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, out), daemon=True)
@@ -227,7 +240,7 @@ def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict:
     }
 
 
-def run(seconds: float = 2.0, ranks: tuple[int, ...] = (1,)) -> dict:
+def run(seconds: float = 2.0, ranks: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """``ranks``: the group sizes to measure (1: the single process, with its sequential and
     update-only comparisons; more: that many learner processes over torch.distributed, gloo on
     the CPU, NCCL on CUDA, each rank on its own GPU where there are enough)."""

@@ -54,4 +54,5 @@ class NumpySumTree:
         return idx, self._sum[idx + self._leaf_base]
 
     def get(self, idx: np.ndarray) -> np.ndarray:
-        return self._sum[idx + self._leaf_base]
+        leaves: np.ndarray = self._sum[idx + self._leaf_base]
+        return leaves

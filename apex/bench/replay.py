@@ -7,6 +7,8 @@ movement itself: a uniform NumPy gather of the same number of rows from the same
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from apex.bench.timing import print_records, summarize, time_calls
@@ -48,7 +50,7 @@ def _fill(replay: PrioritizedReplay, rng: np.random.Generator) -> None:
         replay.add(chunk, rng.random(FILL_CHUNK))
 
 
-def _measure(name: str, capacity: int, spec: dict, seconds: float) -> list[dict]:
+def _measure(name: str, capacity: int, spec: dict[str, Any], seconds: float) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     replay = PrioritizedReplay(spec, capacity, seed=0)
     _fill(replay, rng)
@@ -93,7 +95,7 @@ def _measure(name: str, capacity: int, spec: dict, seconds: float) -> list[dict]
     return rows
 
 
-def run(seconds: float = 1.0) -> dict:
+def run(seconds: float = 1.0) -> dict[str, Any]:
     rows = []
     for name, (capacity, spec) in SPECS.items():
         rows += _measure(name, capacity, spec, seconds)

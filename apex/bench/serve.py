@@ -19,7 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar
 
 import numpy as np
 
@@ -27,12 +29,19 @@ from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 
+if TYPE_CHECKING:
+    import gymnasium as gym
+
+    from apex.client import HttpPolicyClient, PolicyClient
+
+T = TypeVar("T")
+
 CONCURRENCY = (1, 8, 64)
 MODES = ("http", "http_batched", "zmq", "zmq_batched")
 GOALS = {"http_requests_per_s": 2000.0, "zmq_batched_env_steps_per_s": 20000.0}
 
 
-def _env():
+def _env() -> gym.Env[Any, Any]:
     import gymnasium as gym
 
     return gym.make("CartPole-v1", disable_env_checker=True)
@@ -58,10 +67,10 @@ async def _http_episodes(port: int, concurrency: int, seconds: float, load: Load
     url = f"http://127.0.0.1:{port}/v1/episodes"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
-        async def post(path: str, body: dict) -> dict:
+        async def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
             started = time.perf_counter()
             async with session.post(url + path, json=body) as response:
-                data = await response.json()
+                data: dict[str, Any] = await response.json()
             load.timed(started)
             if response.status != 200:
                 load.errors += 1
@@ -107,10 +116,10 @@ async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://127.0.0.1:{port}")
 
-        async def request(**fields) -> dict:
+        async def request(**fields: Any) -> dict[str, Any]:
             started = time.perf_counter()
             await sock.send(msgpack.packb(fields))
-            reply = msgpack.unpackb(await sock.recv(), raw=False)
+            reply: dict[str, Any] = msgpack.unpackb(await sock.recv(), raw=False)
             load.timed(started)
             if not reply["ok"]:
                 load.errors += 1
@@ -121,7 +130,7 @@ async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load)
             while time.perf_counter() < deadline:
                 (episode,) = (await request(op="start", count=1))["episode_ids"]
                 obs, _ = env.reset(seed=seed)
-                reward = 0.0
+                reward: SupportsFloat = 0.0
                 while time.perf_counter() < deadline:
                     reply = await request(
                         op="act", episode_ids=[episode], observations=[obs.tolist()], rewards=[reward]
@@ -145,7 +154,9 @@ async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load)
     await asyncio.gather(*(one(i, deadline) for i in range(concurrency)))
 
 
-def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Load | None = None) -> int:
+def play_batched(
+    client: PolicyClient | HttpPolicyClient, num_envs: int, seconds: float, seed: int = 0, load: Load | None = None
+) -> int:
     """A vectorised simulator (gymnasium's NumPy CartPole, ``num_envs`` of them) that asks
     ``client`` (a PolicyClient) for all its actions in one request a step; returns env steps.
     Its environments reset on the step after an episode ends (gymnasium's next-step
@@ -153,12 +164,12 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
     environment's next observation starts a new one."""
     import gymnasium as gym
 
-    load = load or Load()
+    counts = load or Load()
 
-    def timed(call, *args):
+    def timed(call: Callable[..., T], *args: Any) -> T:
         started = time.perf_counter()
         out = call(*args)
-        load.timed(started)
+        counts.timed(started)
         return out
 
     envs = gym.make_vec("CartPole-v1", num_envs=num_envs, vectorization_mode="vector_entry_point")
@@ -175,7 +186,7 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
             if playing.any():  # (with one environment, none plays on the step that resets it)
                 actions[playing] = timed(client.get_actions, list(ids[playing]), obs[playing], rewards[playing])
             obs, rewards, terminated, truncated, _ = envs.step(actions)
-            load.steps += int(playing.sum())
+            counts.steps += int(playing.sum())
             if resetting.any():  # their observations start new episodes, from ids started ahead
                 needed = int(resetting.sum())
                 if len(spare) < needed:
@@ -190,7 +201,7 @@ def play_batched(client, num_envs: int, seconds: float, seed: int = 0, load: Loa
             resetting = ended
     finally:
         envs.close()
-    return load.steps
+    return counts.steps
 
 
 def _batched(mode: str, port: int, concurrency: int, seconds: float, load: Load) -> None:
@@ -201,7 +212,7 @@ def _batched(mode: str, port: int, concurrency: int, seconds: float, load: Load)
         play_batched(client, concurrency, seconds, load=load)
 
 
-def _measure(mode: str, port: int, zmq_port: int, concurrency: int, seconds: float) -> dict:
+def _measure(mode: str, port: int, zmq_port: int, concurrency: int, seconds: float) -> dict[str, Any]:
     load = Load()
     started = time.perf_counter()
     if mode == "http":
@@ -223,7 +234,7 @@ def _measure(mode: str, port: int, zmq_port: int, concurrency: int, seconds: flo
     }
 
 
-def _wait_up(port: int, server: subprocess.Popen, log: Path) -> None:
+def _wait_up(port: int, server: subprocess.Popen[bytes], log: Path) -> None:
     import http.client
 
     deadline = time.monotonic() + 60
@@ -253,7 +264,7 @@ def time_to_475(
     servers: int = 2,
     envs: int = 32,
     seed: int = 0,
-) -> dict:
+) -> dict[str, Any]:
     """Seconds from the learner's start to its stop at CartPole's 475 (None if ``limit_s``
     came first), with local actors (``transport`` "local": `apex run`, two actors of 16
     environments) or through `servers` `apex serve` processes ("zmq", "http"), each with one
@@ -358,7 +369,7 @@ def time_to_475(
     }
 
 
-def _learn_table(seeds: int, workdir: Path) -> list[dict]:
+def _learn_table(seeds: int, workdir: Path) -> list[dict[str, Any]]:
     runs = []
     for algo in PRESETS:
         for seed in range(seeds):
@@ -391,7 +402,7 @@ def _learn_table(seeds: int, workdir: Path) -> list[dict]:
     return rows
 
 
-def run(seconds: float = 5.0, seeds: int = 3) -> dict:
+def run(seconds: float = 5.0, seeds: int = 3) -> dict[str, Any]:
     """Throughput (``seconds`` per scenario), then CartPole to 475 with local actors and
     through the servers, ``seeds`` runs each (0: throughput only)."""
     if seeds < 0:

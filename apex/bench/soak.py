@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from apex import config as config_module
 from apex.bench.e2e import memory_mb, spawn_apex
@@ -29,7 +30,7 @@ from apex.bench.transport import free_base_port
 RSS_LIMIT_PERCENT = 5.0
 
 
-def _last_metrics(path: Path) -> dict | None:
+def _last_metrics(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -49,7 +50,7 @@ def run(
     plot: str | None = None,
     logdir: str | None = None,
     seed: int = 0,
-) -> dict:
+) -> dict[str, Any]:
     """Runs the soak; returns the RSS series and the verdict (``passed``, ``problems``)."""
     config = config_module.load(None, [f"learner.checkpoint_interval_s={checkpoint_s}", *overrides])
     rng = random.Random(seed)
@@ -189,7 +190,7 @@ def run(
     return result
 
 
-def _plot(samples: list[dict], full_at: float | None, path: str) -> None:
+def _plot(samples: list[dict[str, Any]], full_at: float | None, path: str) -> None:
     try:
         import matplotlib
 

@@ -10,6 +10,9 @@ operations a prioritized-replay learner performs, each on a batch of 512 unless 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from apex.bench.numpy_sumtree import NumpySumTree
@@ -22,7 +25,7 @@ INSERT = 64
 POOL = 64  # pre-drawn index/priority arrays, cycled so that drawing them is not timed
 
 
-def _operations(tree, capacity: int, seed: int) -> dict[str, object]:
+def _operations(tree: SumTree | NumpySumTree, capacity: int, seed: int) -> dict[str, Callable[[], None]]:
     rng = np.random.default_rng(seed)
     indices = [rng.integers(0, capacity, BATCH) for _ in range(POOL)]
     priorities = [rng.random(BATCH) + 0.01 for _ in range(POOL)]
@@ -58,12 +61,12 @@ def _operations(tree, capacity: int, seed: int) -> dict[str, object]:
     }
 
 
-def run(seconds: float = 1.0, capacities: tuple[int, ...] = CAPACITIES) -> dict:
+def run(seconds: float = 1.0, capacities: tuple[int, ...] = CAPACITIES) -> dict[str, Any]:
     """Times every operation on both trees; returns rows for the JSON report."""
     rows = []
     for capacity in capacities:
         fill = np.random.default_rng(0).random(capacity) + 0.01
-        trees = {"native": SumTree(capacity), "numpy": NumpySumTree(capacity)}
+        trees: dict[str, SumTree | NumpySumTree] = {"native": SumTree(capacity), "numpy": NumpySumTree(capacity)}
         for tree in trees.values():
             tree.update(np.arange(capacity), fill)
         ops = {name: _operations(tree, capacity, seed=1) for name, tree in trees.items()}

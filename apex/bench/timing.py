@@ -6,6 +6,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def time_calls(
     """
     for _ in range(warmup):
         fn()
-    latencies = []
+    latencies: list[int] = []
     deadline = time.perf_counter() + seconds
     while len(latencies) < max_calls and (len(latencies) < min_calls or time.perf_counter() < deadline):
         start = time.perf_counter_ns()
@@ -71,7 +72,7 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> None
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
-def print_records(title: str, columns: list[tuple[str, str]], records: list[dict]) -> None:
+def print_records(title: str, columns: list[tuple[str, str]], records: list[dict[str, Any]]) -> None:
     """``print_table`` of dict rows: ``columns`` are (header, key) pairs."""
     print_table(title, [header for header, _ in columns], [[r[key] for _, key in columns] for r in records])
 
@@ -92,4 +93,5 @@ def median_time(times: list[float | None]) -> float | None:
 
     ordered = sorted(times, key=lambda t: math.inf if t is None else t)
     middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]  # one value, or the two around the middle
-    return None if not middle or None in middle else round(statistics.mean(middle), 2)
+    reached = [t for t in middle if t is not None]
+    return None if not middle or len(reached) < len(middle) else round(statistics.mean(reached), 2)

@@ -20,6 +20,8 @@ import random
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -31,8 +33,11 @@ from apex.transport import TransportConfig
 SENDERS = (1, 4)
 WARMUP_S = 0.5
 
+Frames = Sequence[bytes | bytearray]  # one message's
+Decode = Callable[[list[zmq.Frame]], int]  # a received message -> the transitions it holds
 
-def sender(address: str, frames: list[bytes], options: dict[int, int]) -> None:
+
+def sender(address: str, frames: Frames, options: dict[int, int]) -> None:
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
     for option, value in options.items():
@@ -53,7 +58,9 @@ def socket_options(settings: str) -> tuple[dict[int, int], dict[int, int]]:
     )
 
 
-def _receive(address: str, settings: str, decode, senders: int, frames: list[bytes], seconds: float) -> dict:
+def _receive(
+    address: str, settings: str, decode: Decode, senders: int, frames: Frames, seconds: float
+) -> dict[str, float]:
     send_options, receive_options = socket_options(settings)
     context = zmq.Context()
     pull = context.socket(zmq.PULL)
@@ -95,25 +102,25 @@ def _receive(address: str, settings: str, decode, senders: int, frames: list[byt
     }
 
 
-def _decode_apex(frames) -> int:
+def _decode_apex(frames: list[zmq.Frame]) -> int:
     return len(protocol.decode(frames).arrays["priority"])
 
 
-def _decode_pickle(frames) -> int:
+def _decode_pickle(frames: list[zmq.Frame]) -> int:
     return len(pickle.loads(frames[0].buffer))
 
 
-def _decode_pickle_columns(frames) -> int:
+def _decode_pickle_columns(frames: list[zmq.Frame]) -> int:
     return len(pickle.loads(frames[0].buffer)["priority"])
 
 
 METHODS = ("apex", "pickle", "pickle_columns", "apex_run_settings")
 
 
-def run(seconds: float = 2.0) -> dict:
+def run(seconds: float = 2.0) -> dict[str, Any]:
     cartpole, cartpole_naive = batches.cartpole()
     atari, atari_naive, source = batches.atari()
-    payloads = {}
+    payloads: dict[str, dict[str, tuple[Frames, Decode, str]]] = {}
     for batch, (arrays, columns) in {"cartpole": (cartpole, cartpole_naive), "atari": (atari, atari_naive)}.items():
         apex_frames = protocol.encode("batch", batches.BATCH_FIELDS, arrays)
         payloads[batch] = {  # method: (frames, decode, socket settings)
@@ -127,7 +134,7 @@ def run(seconds: float = 2.0) -> dict:
         for transport in ("tcp", "ipc"):
             for senders in SENDERS:
                 for batch, methods in payloads.items():
-                    row = {"transport": transport, "senders": senders, "batch": batch}
+                    row: dict[str, Any] = {"transport": transport, "senders": senders, "batch": batch}
                     for method, (frames, decode, settings) in methods.items():
                         address = (
                             f"tcp://127.0.0.1:{free_port()}"
