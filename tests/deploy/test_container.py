@@ -38,12 +38,13 @@ import pytest
 import yaml
 
 from apex.checkpoint import has_checkpoint
+from tests.support.paths import ROOT
 
 # Uncached, the image's fixture alone may take debootstrap, a wheelhouse download and a build
 # (each with its own timeout below): more than pyproject's 10 minutes a test.
-pytestmark = pytest.mark.timeout(1800)
+# `container`: it needs a container engine (skipped without one; -m "not container" leaves it out).
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.container]
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 MAX_IMAGE_BYTES = 1.2e9
 CACHE = Path(os.environ.get("APEX_CONTAINER_CACHE")

@@ -19,8 +19,8 @@ import yaml
 
 from apex import config
 from apex.cli import ENV, build_parser
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 SHARED_SCHEMA = ROOT.parent / "shared" / "schemas" / "compose-spec.json"
 VENDORED_SCHEMA = ROOT / "tests" / "data" / "compose-spec.json"

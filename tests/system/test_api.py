@@ -16,18 +16,6 @@ from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 
 
-def test_the_api_is_there_and_light():
-    assert {"train", "load_config", "load_policy", "evaluate", "RunResult", "Config"} <= set(dir(apex))
-    assert callable(apex.evaluate) and callable(apex.train)
-
-
-def test_load_config_takes_a_preset_and_overrides_as_set_does():
-    config = apex.load_config("pong_apex", {"learner.lr": 1e-3, "env.kwargs": {"repeat_action_probability": 0.0}})
-    assert (config.env.id, config.learner.lr, config.env.kwargs) == ("ALE/Pong-v5", 1e-3, {"repeat_action_probability": 0.0})
-    with pytest.raises(ApexError, match="did you mean learner.lr"):
-        apex.load_config(None, {"learner.lrr": 1})
-
-
 def test_train_refuses_an_env_registered_only_in_this_process(tmp_path):
     gym.register("apex-test/OnlyHere-v0", entry_point=lambda: gym.make("CartPole-v1"))
     try:

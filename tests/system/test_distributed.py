@@ -15,6 +15,7 @@ from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
 from apex.envs import EnvSpec
 from apex.errors import ApexError
 from apex.pipeline import Staged
+from tests.support.sockets import listening_sockets, non_loopback_address
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
 BATCH = 64
@@ -99,7 +100,7 @@ def test_an_all_reduced_step_equals_one_step_on_the_concatenated_batch(grad_clip
             np.testing.assert_allclose(state[name], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_hostile2_04_a_rank_without_a_batch_adds_no_gradient_and_takes_the_groups_step():
+def test_a_rank_without_a_batch_adds_no_gradient_and_takes_the_groups_step():
     """Of three ranks, rank 1 has no batch (its actors are silent): ranks 0 and 2 step on
     theirs, rank 1 steps without one; every rank ends with the network of one step on the
     batches of ranks 0 and 2 alone (the average is over the ranks that had a batch), and
@@ -124,43 +125,6 @@ def listening_addresses(port: int) -> set[str]:
     return listening_sockets().get(port, set())
 
 
-def listening_sockets(inodes: set[str] | None = None) -> dict[int, set[str]]:
-    """port -> the addresses listened on at it, of every listening TCP socket of this host
-    (of those with one of ``inodes`` only, when given)."""
-    import ipaddress
-    from pathlib import Path
-
-    found: dict[int, set[str]] = {}
-    for name in ("tcp", "tcp6"):
-        path = Path("/proc/net") / name
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or (inodes is not None and inode not in inodes):  # 0A: LISTEN
-                continue
-            address, port = local.split(":")
-            raw = bytes.fromhex(address)
-            # The kernel writes each 32-bit word in host order (little-endian here).
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.setdefault(int(port, 16), set()).add(str(ipaddress.ip_address(raw)))
-    return found
-
-
-def non_loopback_address() -> str | None:
-    """An IPv4 address of this host that is not loopback (eth0's), or None."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))  # no packet is sent: the route picks the address
-            address = probe.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") or address == "0.0.0.0" else address
-
-
 def _store_main(master: str, out) -> None:
     init_group(Rank(0, 1, master), torch.device("cpu"))
     try:
@@ -170,7 +134,7 @@ def _store_main(master: str, out) -> None:
 
 
 @pytest.mark.parametrize("where", ["loopback", "this host's address"])
-def test_hostile2_05_the_rendezvous_store_listens_on_the_master_address_alone(where):
+def test_the_rendezvous_store_listens_on_the_master_address_alone(where):
     """Rank 0 serves the group's store on --master's address, not on every interface (torch's
     tcp:// rendezvous binds ::): 127.0.0.1 for one host, the host's own address across hosts."""
     host = "127.0.0.1" if where == "loopback" else non_loopback_address()
@@ -188,7 +152,7 @@ def test_hostile2_05_the_rendezvous_store_listens_on_the_master_address_alone(wh
     assert rank.exitcode == 0
 
 
-def test_hostile2_05_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
+def test_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
     import socket
 
     from apex.distributed import listen_on

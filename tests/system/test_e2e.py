@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,47 +13,14 @@ import zmq
 
 from apex import protocol
 from apex.bench.transport import free_base_port
+from tests.support.paths import ROOT
+from tests.support.processes import apex, kill_leftovers, processes_mentioning, wait_for
+from tests.support.runs import FAST, metrics
 
 CONTRACT_METRICS = {
     "time", "env_steps", "learner_updates", "env_steps_per_s", "updates_per_s", "episodes",
     "return_mean_100", "replay_size", "actors_connected", "weights_version", "rejected_messages",
 }
-FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
-        "--set", "learner.metrics_interval_s=0.5", "--set", "actor.num_envs=4"]
-
-
-def apex(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kwargs)
-
-
-def metrics(logdir: Path) -> list[dict]:
-    path = logdir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def kill_leftovers(procs: list[subprocess.Popen]) -> None:
-    """Kills and reaps the processes still running (when a test failed half way)."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-
-
-def processes_mentioning(text: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
 
 
 def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
@@ -86,7 +50,7 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
 
 def test_impala_run_reports_policy_lag(tmp_path):
     logdir = tmp_path / "impala"
-    config = Path(__file__).resolve().parent.parent / "configs" / "cartpole_impala.yaml"
+    config = ROOT / "configs" / "cartpole_impala.yaml"
     proc = apex("run", "--config", str(config), "--actors", "1", "--logdir", str(logdir),
                 "--port", str(free_base_port()), "--stop-env-steps", "20000", *FAST)
     _, err = proc.communicate(timeout=180)

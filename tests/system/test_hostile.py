@@ -31,13 +31,14 @@ import pytest
 import torch
 import zmq
 
-from apex import algos, protocol
 from apex import config as config_module
+from apex import protocol
 from apex.bench.transport import free_base_port, free_port
-from apex.transport import LearnerClient, TransportConfig, generate_keys
-from tests.test_e2e import FAST, metrics, processes_mentioning, wait_for
+from apex.transport import LearnerClient, generate_keys
+from tests.support.peers import OPTIONS, honest_batch
+from tests.support.processes import processes_mentioning, wait_for
+from tests.support.runs import FAST, metrics
 
-OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
 # Small batches, and ingest that the sample-to-insert ratio does not hold back on a loaded machine.
 QUICK_START = ["--set", "replay.min_size=500", "--set", "learner.batch_size=64", "--set", "impala.batch_unrolls=8",
                "--set", "replay.samples_per_insert=0.5"]
@@ -109,18 +110,6 @@ class Run:
         return client
 
 
-def honest_batch(client: LearnerClient) -> dict:
-    """The first batch an actor of this run would send (the run's own config and spec)."""
-    spec = client.welcome.fields["setup"]
-    config = config_module.from_dict(spec["config"])
-    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"])
-    batch = None
-    while batch is None:
-        batch, _ = core.act()
-    core.close()
-    return {name: np.array(a) for name, a in batch.items()}
-
-
 def send(client: LearnerClient, batch: dict, info: dict | None = None) -> None:
     client.tick()
     assert client.send_batch(batch, weights_version=0, info=info or {}, timeout_s=20)
@@ -167,9 +156,9 @@ def impala_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
-def test_01_02_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_path, algo):
+def test_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_path, algo):
     # Observations up to float32's limit let in (the default, the space's bounds and 1e6, refuses
-    # them: test_hostile2_03): the defence behind it, skipped updates, is what is tested here.
+    # them: test_finite_poison_is_refused_by_the_learner_and_by_apex_serve): the defence behind it, skipped updates, is what is tested here.
     run = Run(tmp_path, algo, "--set", "learner.checkpoint_interval_s=2", "--set", "transport.max_abs_obs=3.3e38")
     try:
         peer = run.session()
@@ -201,7 +190,7 @@ def test_01_02_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_
         run.stop()
 
 
-def test_01_02_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_trains_on(tmp_path):
+def test_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_trains_on(tmp_path):
     """IMPALA with an LSTM core on Pendulum: what only such a run receives (the core's state at
     each unroll's start, done flags, Gaussian samples and densities), forged but well formed,
     is refused and counted by reason while the learner lives and trains; a finite but absurd
@@ -267,7 +256,7 @@ def stopped_run_with_two_checkpoints(tmp_path: Path) -> tuple[Run, list[Path]]:
     return run, sorted((run.logdir / "checkpoints").glob("ckpt-*.pt"))
 
 
-def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
+def test_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
     run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
     marker = tmp_path / "pwned"
     forge(checkpoints[-1], marker)
@@ -284,7 +273,7 @@ def test_04_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
     assert not marker.exists()
 
 
-def test_04_a_checkpoint_whose_optimizer_state_does_not_fit_is_set_aside_not_a_segfault(tmp_path):
+def test_a_checkpoint_whose_optimizer_state_does_not_fit_is_set_aside_not_a_segfault(tmp_path):
     # torch loads an Adam moment of any shape, and fused Adam writes past one that is too
     # small: the resumed learner died of SIGSEGV at its first update, without a word.
     run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
@@ -307,7 +296,7 @@ def test_04_a_checkpoint_whose_optimizer_state_does_not_fit_is_set_aside_not_a_s
 # -- 6: frozen main loop
 
 
-def test_06_a_hello_flood_neither_stalls_training_nor_delays_sigterm(tmp_path):
+def test_a_hello_flood_neither_stalls_training_nor_delays_sigterm(tmp_path):
     run = Run(tmp_path, "apex_dqn")
     flooder = subprocess.Popen([sys.executable, "-c", FLOOD_HELLOS, str(run.port)])
     try:
@@ -354,7 +343,7 @@ while True:
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
-def test_08_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
+def test_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
     # A learning rate too small to learn: CartPole's presets reach 450 in about 15 s of honest
     # training, so only the forged episodes could make this run stop on its return.
     run = Run(tmp_path, algo, "--stop-return", "450", "--stop-env-steps", "100000000", "--set", "learner.lr=1e-9")
@@ -380,7 +369,7 @@ def test_08_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
 # -- 9: secure defaults
 
 
-def test_09_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_curve(tmp_path):
+def test_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_curve(tmp_path):
     port = free_base_port()
     local = start("learner", "--logdir", str(tmp_path / "a"), "--port", str(port), "--stop-seconds", "600",
                   log=tmp_path / "a.log")
@@ -406,7 +395,7 @@ def _small_files() -> None:  # in the child: writes past 256 KB fail (EFBIG; Pyt
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
 
-def test_11_write_errors_in_metrics_tensorboard_and_checkpoints_are_survived(tmp_path):
+def test_write_errors_in_metrics_tensorboard_and_checkpoints_are_survived(tmp_path):
     run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1", "--set", "learner.metrics_interval_s=0.1",
               "--stop-seconds", "25", preexec_fn=_small_files)
     assert run.learner.wait(timeout=90) == 0
@@ -422,7 +411,7 @@ def test_11_write_errors_in_metrics_tensorboard_and_checkpoints_are_survived(tmp
 # -- 12: small ones
 
 
-def test_12_keygen_secret_keys_are_private_from_creation(tmp_path):
+def test_keygen_secret_keys_are_private_from_creation(tmp_path):
     paths = generate_keys(tmp_path / "keys")
     for name in ("learner_secret", "actor_secret"):
         assert stat.S_IMODE(paths[name].stat().st_mode) == 0o600
@@ -433,8 +422,8 @@ def test_12_keygen_secret_keys_are_private_from_creation(tmp_path):
 # -- 13: a restarted learner
 
 
-def test_13_actors_adopt_a_new_learners_weights_whatever_their_version():
-    from tests.test_transport import Learner  # an endpoint whose control loop runs in a thread
+def test_actors_adopt_a_new_learners_weights_whatever_their_version():
+    from tests.support.endpoints import Learner  # an endpoint whose control loop runs in a thread
 
     port = free_base_port()
     first = Learner(port, options=OPTIONS)
@@ -466,7 +455,7 @@ def test_13_actors_adopt_a_new_learners_weights_whatever_their_version():
 # -- 14: actor shutdown
 
 
-def test_14_an_actor_waiting_for_a_learner_says_so_and_stops_on_a_signal_within_a_second(tmp_path):
+def test_an_actor_waiting_for_a_learner_says_so_and_stops_on_a_signal_within_a_second(tmp_path):
     port = free_base_port()
     log = tmp_path / "actor.log"
     actor = start("actor", "--learner", f"127.0.0.1:{port}", log=log)
@@ -489,7 +478,7 @@ def test_14_an_actor_waiting_for_a_learner_says_so_and_stops_on_a_signal_within_
 
 
 @pytest.mark.parametrize("problem", ["unknown env", "port taken", "learner failing"])
-def test_14_apex_run_returns_a_learner_start_up_error_within_five_seconds(tmp_path, problem):
+def test_apex_run_returns_a_learner_start_up_error_within_five_seconds(tmp_path, problem):
     port = free_base_port()
     args = ["--logdir", str(tmp_path / "run"), "--port", str(port)]
     taken = socket.socket()
@@ -512,15 +501,10 @@ def test_14_apex_run_returns_a_learner_start_up_error_within_five_seconds(tmp_pa
     assert not processes_mentioning(str(tmp_path))
 
 
-# ---------------------------------------------------------------------------------------
-# Against one shared run (last in the file: a module fixture lives until the module ends,
-# and on two cores a second learner beside the standalone runs would slow them all)
-
-
 # -- 3: crash by hello
 
 
-def test_03_hello_fields_are_bounded(apex_run):
+def test_hello_fields_are_bounded(apex_run):
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.ROUTING_ID, b"hostile-3")
     dealer.connect(f"tcp://127.0.0.1:{apex_run.port}")
@@ -543,7 +527,7 @@ def test_03_hello_fields_are_bounded(apex_run):
 # -- 5: memory by subscription
 
 
-def test_05_weights_port_keeps_no_state_a_peer_can_grow(apex_run):
+def test_weights_port_keeps_no_state_a_peer_can_grow(apex_run):
     before = rss_mb(apex_run.learner.pid)
     context = zmq.Context.instance()
     sub = context.socket(zmq.SUB)
@@ -573,7 +557,7 @@ def test_05_weights_port_keeps_no_state_a_peer_can_grow(apex_run):
 # -- 10: identity
 
 
-def test_10_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex_run):
+def test_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex_run):
     peer = apex_run.session()
     batch = honest_batch(peer)
     no_session = apex_run.rejected("no_session")
@@ -613,7 +597,7 @@ def test_10_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(a
 # -- 12: garbage senders
 
 
-def test_12_ten_garbage_senders_do_not_stop_an_honest_actor(apex_run):
+def test_ten_garbage_senders_do_not_stop_an_honest_actor(apex_run):
     script = ("import os, sys, zmq\ns = zmq.Context().socket(zmq.PUSH)\n"
               "s.connect(f'tcp://127.0.0.1:{int(sys.argv[1]) + 1}')\n"
               "while True: s.send_multipart([b'\\x81\\xa1v\\x03' + os.urandom(64), os.urandom(512)])\n")
@@ -649,7 +633,7 @@ def lz4_bomb(msg_type: str, fields: dict, name: str, shape: tuple, dtype=np.floa
 
 
 @pytest.mark.parametrize("fixture", ["apex_run", "impala_run"])
-def test_07_small_messages_declaring_large_arrays_cost_no_memory(fixture, request):
+def test_small_messages_declaring_large_arrays_cost_no_memory(fixture, request):
     run = request.getfixturevalue(fixture)
     _zeros_lz4(512 * 2**20), _zeros_lz4(3_200_000)  # made before the session, which must not go silent
     before = rss_mb(run.learner.pid)
@@ -714,7 +698,7 @@ def refused_import(result: subprocess.CompletedProcess, command: str, module: st
     assert f"--allow-import {module}" in last, last
 
 
-def test_hostile2_01_a_checkpoint_whose_config_names_code_runs_none_of_it(tmp_path):
+def test_a_checkpoint_whose_config_names_code_runs_none_of_it(tmp_path):
     import apex
 
     run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
@@ -766,7 +750,7 @@ EVIL_MODULE = "from pathlib import Path\nPath({marker!r}).touch()\n"
 
 
 @pytest.mark.parametrize("forgery", ["wrapper", "imports", "env_id"])
-def test_hostile2_02_a_forged_welcome_makes_actors_and_serve_run_no_code(tmp_path, forgery):
+def test_a_forged_welcome_makes_actors_and_serve_run_no_code(tmp_path, forgery):
     marker = tmp_path / "pwned"
     (tmp_path / "evil_module.py").write_text(EVIL_MODULE.format(marker=str(marker)))
     config = config_module.load(None, ["algo=impala"]).to_dict()
@@ -862,7 +846,7 @@ def update_rate(run: Run, seconds: float) -> float:
     return (run.updates() - before) / (time.monotonic() - started)
 
 
-def test_hostile2_03_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
+def test_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
     """1e30 in CartPole's unbounded velocity is finite as float32: before, most updates went
     non-finite while it came (3-29% applied) and after. Now it is refused at the door, by
     the batch schema (an admitted actor) and by apex serve (HTTP), counted, and the learner

@@ -13,7 +13,8 @@ import pytest
 
 from apex.bench.transport import free_base_port
 from apex.metrics import MetricsWriter, status_line
-from tests.test_e2e import FAST, apex, kill_leftovers, metrics, processes_mentioning, wait_for
+from tests.support.processes import apex, kill_leftovers, processes_mentioning, wait_for
+from tests.support.runs import FAST, metrics
 
 CHECKPOINT_OFTEN = ["--set", "learner.checkpoint_interval_s=1", "--set", "replay.capacity=20000"]
 

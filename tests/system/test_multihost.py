@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.test_e2e import kill_leftovers
+from tests.support.processes import kill_leftovers
 
 
 def sh(*args: str) -> None:

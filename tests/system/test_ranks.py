@@ -16,7 +16,8 @@ import pytest
 from apex.bench.transport import free_base_port
 from apex.checkpoint import find_latest
 from apex.transport.sessions import SessionSigner, SignedSessions
-from tests.test_e2e import metrics, wait_for
+from tests.support.processes import wait_for
+from tests.support.runs import metrics
 
 FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
         "--set", "learner.metrics_interval_s=0.5"]
@@ -224,8 +225,8 @@ def last_row(logdir) -> dict:
 def peer(port: int, **kwargs):
     """A hostile peer with a real session: it says hello like any actor (and keeps its
     session alive by ticking, as a live actor would)."""
-    from tests.test_hostile import OPTIONS
     from apex.transport import LearnerClient
+    from tests.support.peers import OPTIONS
 
     client = LearnerClient("127.0.0.1", port, num_envs=4, options=OPTIONS, **kwargs)
     client.handshake(timeout_s=60)
@@ -247,7 +248,7 @@ def updates_per_s(logdir, seconds: float, tick=lambda: None) -> float:
     return (last["learner_updates"] - first["learner_updates"]) / (last["time"] - first["time"])
 
 
-def test_hostile2_04_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
+def test_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
     """`apex learner --ranks 2` with one actor a rank trains at some rate; then rank 1's actor
     dies and a peer that says hello (routed to rank 1) and sends no batch holds its session,
     while two honest actors feed rank 0: the group goes on at half that rate or more (before
@@ -302,7 +303,7 @@ def listening_of(pids) -> dict[int, set[str]]:
     """port -> addresses, of the listening TCP sockets of the processes ``pids``."""
     from pathlib import Path
 
-    from tests.test_distributed import listening_sockets
+    from tests.support.sockets import listening_sockets
 
     inodes = set()
     for pid in pids:
@@ -326,11 +327,11 @@ def refused(host: str, port: int) -> bool:
     return False
 
 
-def test_hostile2_05_a_groups_store_listens_on_loopback_or_on_the_master_address_alone(tmp_path):
+def test_a_groups_store_listens_on_loopback_or_on_the_master_address_alone(tmp_path):
     """`apex learner --ranks 2`: every socket of its ranks listens on loopback, the rendezvous
     store (P+2+N) too, and this host's own address is refused there. Across hosts (--rank R
     --master HOST:PORT, HOST this host's address) the store listens on that address alone."""
-    from tests.test_distributed import non_loopback_address
+    from tests.support.sockets import non_loopback_address
 
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
@@ -363,14 +364,14 @@ def test_hostile2_05_a_groups_store_listens_on_loopback_or_on_the_master_address
         stop_all(procs)
 
 
-def test_hostile2_10_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_credited(tmp_path):
+def test_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_credited(tmp_path):
     """Two peers with real sessions, one routed to each rank: each one's batch, accepted on
     its rank, then sent to the other rank, is refused there (wrong_rank) and its env steps
     are credited once."""
     import zmq
 
     from apex import protocol
-    from tests.test_hostile import honest_batch
+    from tests.support.peers import honest_batch
 
     port = free_base_port(span=6)
     logdir = tmp_path / "run"

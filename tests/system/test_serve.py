@@ -19,7 +19,8 @@ import zmq
 
 from apex.bench.transport import free_base_port
 from apex.client import PolicyClient, PolicyServerError
-from tests.test_e2e import FAST, kill_leftovers, metrics, wait_for
+from tests.support.processes import kill_leftovers, wait_for
+from tests.support.runs import FAST, metrics
 
 TOKEN = "s3cret-token-for-the-serve-tests"
 
@@ -475,7 +476,7 @@ def patient_request(served: Served, method: str, path: str, body=None, seconds: 
         time.sleep(0.1)
 
 
-def test_hostile2_06_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_served(tmp_path):
+def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_served(tmp_path):
     """Issue 30, item 6: 300 connections each holding a body one byte short of the limit and
     100 slowloris connections (a request head dribbled a line a second) once grew apex serve
     by 120 MiB (64 MiB bodies for image observations: gigabytes). Now the bytes of the bodies

@@ -9,12 +9,6 @@ import math
 import os
 import pathlib
 import re
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
 import zlib
 
@@ -34,30 +28,16 @@ from apex.checkpoint import (
     mark_corrupt,
     verify,
 )
-from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 from apex.replay import StackedReplay
-from tests.test_e2e import wait_for
-from tests.test_learner import bandit_chunk
-from tests.test_replay import assert_stacks_are_their_own, fill, new_like
+from tests.support.checkpoints import RunsCode, rewrite_state, state, within
+from tests.support.replays import assert_stacks_are_their_own, bandit_chunk, fill, new_like
 
 
 def small_replay() -> StackedReplay:
     replay = StackedReplay((1,), np.int64, stack=2, capacity=50, frame_capacity=80, seed=0)
     fill(replay, 8)
     return replay
-
-
-def state(updates: int) -> dict:
-    """What every apex checkpoint holds (see LearnerProcess.save_checkpoint), small."""
-    net = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.Adam(net.parameters())
-    net(torch.ones(1, 2)).sum().backward()
-    optimizer.step()
-    return {"online": net.state_dict(), "target": net.state_dict(), "optimizer": optimizer.state_dict(),
-            "updates": updates, "env_steps": 10 * updates, "time": 1.5, "config": {"algo": "apex_dqn"},
-            "episode_stats": {"eval": [], "train": [9.0], "episodes": 1, "best": -math.inf},
-            "weights": torch.full((4,), float(updates))}
 
 
 def write(directory, updates: int, replay=None, keep: int = 5, background: bool = False) -> CheckpointWriter:
@@ -272,18 +252,6 @@ def test_checkpoint_benchmark_reports_a_full_restore_while_inserting():
 # -- hostile and malformed checkpoints
 
 
-class RunsCode:
-    """Pickles as a call that creates ``marker``: what a forged checkpoint would do."""
-
-    def __init__(self, marker, how: str = "os.system") -> None:
-        self.marker, self.how = marker, how
-
-    def __reduce__(self):
-        if self.how == "os.system":
-            return os.system, (f"touch {self.marker}",)
-        return pathlib.Path.touch, (pathlib.Path(self.marker),)
-
-
 def forge(directory, updates: int, marker, how: str = "os.system") -> None:
     """A checkpoint whose manifest matches its files (size, CRC-32) and whose .pt runs code
     when unpickled: size and CRC only detect accidents."""
@@ -321,9 +289,9 @@ def test_a_forged_checkpoint_runs_no_code_and_the_one_before_is_used(tmp_path, c
 def test_a_learners_real_state_loads_without_running_code(tmp_path):
     """What LearnerProcess.save_checkpoint writes: state_dicts of networks and Adam (with
     its moments after some updates), counters, -inf, the full config."""
+    from apex import config as config_module
     from apex.algos import impala
     from apex.algos.apex_dqn import Learner as ApexLearner
-    from apex import config as config_module
     from apex.envs import EnvSpec
     from apex.metrics import EpisodeStats
 
@@ -584,139 +552,12 @@ def test_a_saved_replay_with_values_no_batch_could_bring_is_corrupt_and_leaves_t
     assert len(restored.replay) == len(learner.replay)
 
 
-# -- hostile files, round two (issue 30, items 7-9): a real `apex eval RUN` and a real
-# `apex learner --resume` given a run directory with something planted in it
+# -- hostile files, round two (issue 30, items 7-9): what a checkpoint's files may be and
+# hold (a real `apex eval RUN` and `apex learner --resume` given a run directory with
+# something planted in it: tests/system/test_checkpoint.py)
 
 
-def within(seconds: float, call):
-    """What ``call()`` returns or raises, run in a thread: AssertionError if it takes longer
-    (a read that blocks on a FIFO would never return)."""
-    outcome = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = call()
-        except BaseException as e:  # noqa: BLE001  (handed to the test)
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still blocked after {seconds} s"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
-
-
-def learner_run(logdir: pathlib.Path) -> list[pathlib.Path]:
-    """A run directory with two checkpoints of a real CartPole Ape-X learner, as
-    LearnerProcess.save_checkpoint writes them; their state files, oldest first."""
-    from apex.algos.apex_dqn import Learner
-    from apex.config import Config
-    from apex.envs import env_spec
-    from apex.ingest import RunCounters
-
-    config = Config()
-    learner = Learner(config, env_spec(config.env), torch.device("cpu"))
-    writer = CheckpointWriter(logdir / "checkpoints", keep=5)
-    for n in (1, 2):
-        saved = {**learner.state_dict(), **RunCounters().state_dict(), "time": float(n), "config": config.to_dict()}
-        assert writer.save(f"ckpt-{n:09d}", saved, learner.checkpoint_replay)
-    return sorted((logdir / "checkpoints").glob("ckpt-*.pt"))
-
-
-def rewrite_state(pt: pathlib.Path, saved: dict) -> None:
-    """Replaces a checkpoint's state and makes its manifest match (size and CRC-32 detect
-    accidents, not attackers)."""
-    buffer = io.BytesIO()
-    torch.save(saved, buffer)
-    pt.write_bytes(buffer.getvalue())
-    manifest_path = pt.with_suffix(".json")
-    manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["state"] = {"bytes": len(buffer.getvalue()), "crc32": zlib.crc32(buffer.getvalue())}
-    manifest_path.write_text(json.dumps(manifest))
-
-
-def _address_space(limit: int):
-    def set_limit() -> None:  # in the child
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    return set_limit
-
-
-EVAL_ADDRESS_SPACE = 3 << 30  # apex eval of CartPole needs under 1 GiB of it (RSS 0.25 GB)
-
-
-def apex_eval(run: pathlib.Path, timeout: float = 60) -> subprocess.CompletedProcess:
-    """A real `apex eval RUN` of the newest checkpoint that loads, its address space bounded;
-    TimeoutExpired (the child killed) if it takes longer than ``timeout``."""
-    return subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--which", "newest",
-                           "--episodes", "1"], capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=_address_space(EVAL_ADDRESS_SPACE))
-
-
-class Resumed:
-    """A real `apex learner --resume RUN`, its output in a file, stopped by SIGTERM."""
-
-    def __init__(self, run: pathlib.Path, log: pathlib.Path, *extra: str) -> None:
-        self.run, self.log = run, log
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "apex", "learner", "--resume", str(run), "--port", str(free_base_port()),
-             "--stop-seconds", "600", *extra], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_resumed(self, timeout: float = 60) -> str:
-        """The name of the checkpoint it resumed from, once it says so."""
-        wait_for(lambda: "resumed from" in self.text() or self.process.poll() is not None, timeout,
-                 f"the learner to resume: {self.text()[-2000:]}")
-        found = re.search(r"resumed from (ckpt-\d+)", self.text())
-        assert found, self.text()[-2000:]
-        return found.group(1)
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
-
-
-def shared_lists(levels: int, width: int) -> list:
-    """Lists of lists, each level ``width`` references to every list of the level below:
-    kilobytes to pickle, ``width ** levels`` paths to walk."""
-    level = [[0.0] for _ in range(width)]
-    for _ in range(levels):
-        level = [list(level) for _ in range(width)]
-    return level
-
-
-def test_hostile2_07_a_checkpoint_of_shared_lists_loads_in_seconds_in_eval_and_on_resume(tmp_path):
-    # Walking every path through 8 ** 40 of them kept `apex eval RUN` busy for ever, and a
-    # resume never started. They sit where a resume does not look (the run's own optimizer
-    # options are used), so the checkpoint loads once the walk visits each list once.
-    run = tmp_path / "run"
-    pts = learner_run(run)
-    saved = torch.load(pts[-1], weights_only=True)
-    saved["optimizer"]["param_groups"][0]["shared"] = shared_lists(40, 8)
-    rewrite_state(pts[-1], saved)
-    assert pts[-1].stat().st_size < 400_000
-    started = time.monotonic()
-    evaluated = apex_eval(run)
-    assert evaluated.returncode == 0, evaluated.stderr
-    assert f"{pts[-1].stem} refused" not in evaluated.stderr
-    assert time.monotonic() - started < 60
-    resumed = Resumed(run, tmp_path / "learner.log")
-    try:
-        assert resumed.wait_resumed() == pts[-1].stem
-    finally:
-        assert resumed.stop() == 0
-
-
-def test_hostile2_07_a_state_of_more_values_than_any_learners_is_refused_in_one_line(tmp_path):
+def test_a_state_of_more_values_than_any_learners_is_refused_in_one_line(tmp_path):
     write(tmp_path, 100)
     path = tmp_path / "ckpt-000000100.pt"
     saved = torch.load(path, weights_only=True)
@@ -728,22 +569,9 @@ def test_hostile2_07_a_state_of_more_values_than_any_learners_is_refused_in_one_
     assert "\n" not in str(refused.value) and time.monotonic() - started < 30
 
 
-def _plant(pts: list[pathlib.Path], what: str) -> str:
-    """Replaces the newest checkpoint's manifest with a link to /dev/zero, or its state file
-    with a FIFO nobody writes; what the refusal says it is."""
-    if what == "manifest link to /dev/zero":
-        manifest = pts[-1].with_suffix(".json")
-        manifest.unlink()
-        manifest.symlink_to("/dev/zero")
-        return "is a symbolic link, not a regular file"
-    pts[-1].unlink()
-    os.mkfifo(pts[-1])
-    return "is a FIFO, not a regular file"
-
-
 @pytest.mark.parametrize("suffix", [".json", ".pt", ".replay"])
 @pytest.mark.parametrize("kind, said", [("link", "is a symbolic link"), ("fifo", "is a FIFO")])
-def test_hostile2_08_a_checkpoint_file_that_is_not_a_regular_file_is_set_aside(tmp_path, caplog, suffix, kind, said):
+def test_a_checkpoint_file_that_is_not_a_regular_file_is_set_aside(tmp_path, caplog, suffix, kind, said):
     write(tmp_path, 100, small_replay())
     write(tmp_path, 200, small_replay())
     planted = tmp_path / f"ckpt-000000200{suffix}"
@@ -760,54 +588,7 @@ def test_hostile2_08_a_checkpoint_file_that_is_not_a_regular_file_is_set_aside(t
     assert f"checkpoint ckpt-000000200 refused: {planted} {said}, not a regular file; renamed" in caplog.text
 
 
-@pytest.mark.parametrize("what", ["manifest link to /dev/zero", "state FIFO"])
-def test_hostile2_08_run_files_that_are_not_regular_files_are_refused_in_one_line(tmp_path, what):
-    # The link was read until MemoryError (1.6 GB, a traceback), the FIFO blocked the loader
-    # until it was killed: both are set aside in one line and the checkpoint before is used.
-    run = tmp_path / "run"
-    pts = learner_run(run)
-    shutil.copytree(run, tmp_path / "run-resumed")
-    said = _plant(pts, what)
-    evaluated = apex_eval(run)  # within 60 s and 3 GiB of address space
-    assert evaluated.returncode == 0, evaluated.stderr
-    refused = [line for line in evaluated.stderr.splitlines() if "refused" in line]
-    assert len(refused) == 1 and f"checkpoint {pts[-1].stem} refused: " in refused[0] and said in refused[0], \
-        evaluated.stderr
-    assert evaluated.stdout.count("over 1 episodes") == 1  # the one before played
-    resumed_run = tmp_path / "run-resumed"
-    _plant(sorted((resumed_run / "checkpoints").glob("ckpt-*.pt")), what)
-    resumed = Resumed(resumed_run, tmp_path / "learner.log")
-    try:
-        assert resumed.wait_resumed() == pts[-2].stem
-        assert len([line for line in resumed.text().splitlines() if said in line]) == 1, resumed.text()
-    finally:
-        assert resumed.stop() == 0
-
-
-def test_hostile2_09_a_resumed_checkpoint_with_impossible_returns_neither_stops_the_run_nor_is_its_best(tmp_path):
-    # Returns of 1e300 in a checkpoint's episode statistics stopped the resumed run at once as
-    # solved (--stop-return) and made them the run's best; no actor's episode record could
-    # bring one (transport.max_abs_reward a step, CartPole's 500 steps).
-    run = tmp_path / "run"
-    pts = learner_run(run)
-    saved = torch.load(pts[-1], weights_only=True)
-    saved["episode_stats"] = {"eval": [1e300] * 100, "train": [1e300] * 100, "episodes": 100, "best": 1e300}
-    rewrite_state(pts[-1], saved)
-    resumed = Resumed(run, tmp_path / "learner.log", "--stop-return", "450")
-    try:
-        assert resumed.wait_resumed() == pts[-2].stem
-        assert (f"checkpoint {pts[-1].stem} refused: {pts[-1].name}: episode_stats.eval holds a return of 1e+300"
-                in resumed.text())
-        time.sleep(3)
-        assert resumed.process.poll() is None, resumed.text()[-2000:]
-    finally:
-        assert resumed.stop() == 0
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["stop_reason"] == "signal SIGTERM" and summary["best_return_mean_100"] is None, summary
-    assert summary["return_mean_100"] is None
-
-
-def test_hostile2_09_resumed_episode_statistics_are_held_to_what_episode_records_may_be():
+def test_resumed_episode_statistics_are_held_to_what_episode_records_may_be():
     from apex.metrics import EpisodeStats
 
     honest = {"eval": [500.0] * 100, "train": [-3, 9.5], "episodes": 102, "best": 500.0}

@@ -1,8 +1,7 @@
 """The README's promises that CI depends on."""
 
-from pathlib import Path
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 TEST_COMMAND = "pip install -c constraints.txt -e '.[test]' && pytest"
 
 

@@ -1,5 +1,6 @@
 """Run-directory files: atomic writes that leave no temporary file and follow no link,
-metrics.jsonl appended in place only, write errors (a full disk) survived and counted."""
+metrics.jsonl appended in place only, write errors (a full disk) survived and counted
+(real write limits on a child process: tests/system/test_files.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,6 @@ import errno
 import json
 import logging
 import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,7 @@ import pytest
 from apex.errors import ApexError
 from apex.files import RefusedFile, open_regular, read_regular, remove_stale_temps, write_atomic
 from apex.metrics import MetricsWriter, write_json_atomic
-from tests.test_checkpoint import within
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.checkpoints import within
 
 
 class Quiet:
@@ -37,12 +33,6 @@ class Quiet:
 
 def row(n: int) -> dict:
     return {"time": float(n), "env_steps": 100 * n, "learner_updates": n, "loss": 0.5, "note": "x" * 100}
-
-
-def run_child(script: str, *args: str) -> subprocess.CompletedProcess:
-    """Runs ``script`` in a fresh interpreter: resource limits there do not reach pytest."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
 
 
 def victim(tmp_path: Path) -> Path:
@@ -107,7 +97,7 @@ def test_a_link_planted_at_the_old_temporary_name_redirects_nothing(tmp_path):
 
 def test_a_link_planted_at_a_checkpoint_temporary_name_redirects_nothing(tmp_path):
     from apex.checkpoint import CheckpointWriter, find_latest
-    from tests.test_checkpoint import state
+    from tests.support.checkpoints import state
 
     target = victim(tmp_path)
     directory = tmp_path / "checkpoints"
@@ -254,87 +244,3 @@ def test_tensorboard_is_turned_off_after_its_first_failure(tmp_path, caplog):
     assert writer.write_failures == 1
     assert caplog.text.count("TensorBoard output is off for the rest of the run") == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
-
-
-FILE_SIZE_LIMIT = """
-import resource
-# A per-file size limit: writes past it fail with EFBIG (Python ignores SIGXFSZ), for real,
-# in the kernel, on metrics.jsonl and the TensorBoard event file alike.
-def limit(nbytes):
-    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-"""
-
-
-def test_metrics_and_tensorboard_write_errors_do_not_end_the_run(tmp_path):
-    script = FILE_SIZE_LIMIT + """
-import json, logging, resource, sys, time
-from pathlib import Path
-from apex.metrics import MetricsWriter
-logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-
-class Quiet:
-    def isatty(self):
-        return False
-
-    def write(self, text):
-        return len(text)
-
-    def flush(self):
-        pass
-
-logdir = Path(sys.argv[1])
-writer = MetricsWriter(logdir, console=Quiet())
-limit(4096)
-row = {"env_steps": 0, "learner_updates": 0, "loss": 0.5, "note": "x" * 100}
-for n in range(150):
-    writer.write({**row, "time": float(n), "env_steps": 100 * n, "learner_updates": n})
-    time.sleep(0.002)
-failed_while_full = writer.write_failures
-limit(resource.RLIM_INFINITY)  # the disk freed up
-writer.write({**row, "time": 999.0, "learner_updates": 999})
-writer.close()
-print(json.dumps({"failed_while_full": failed_while_full, "write_failures": writer.write_failures}))
-"""
-    result = run_child(script, str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    counts = json.loads(result.stdout.splitlines()[-1])
-    assert counts["failed_while_full"] > 10 and counts["write_failures"] >= counts["failed_while_full"]
-    assert "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.count("TensorBoard output is off for the rest of the run") == 1, result.stderr
-    # Rate-limited: one line for the first failure, not one per row.
-    assert result.stderr.count("metrics.jsonl failed") <= 2, result.stderr
-    assert "File too large" in result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["learner_updates"] == 999 and len(rows) < 150
-    assert "metrics.jsonl is written again" in result.stderr
-
-
-def test_failed_checkpoint_and_summary_writes_leave_no_temporary_file(tmp_path):
-    script = FILE_SIZE_LIMIT + """
-import json, sys
-from pathlib import Path
-import torch
-from apex.checkpoint import CheckpointWriter
-from apex.metrics import write_json_atomic
-from tests.test_checkpoint import state
-
-logdir = Path(sys.argv[1])
-writer = CheckpointWriter(logdir / "checkpoints", keep=3)
-write_json_atomic(logdir / "summary.json", {"old": True})
-limit(4096)
-big = {**state(100), "weights": torch.zeros(1 << 16)}
-writer.save("ckpt-000000100", big)
-try:
-    write_json_atomic(logdir / "summary.json", {"padding": "x" * 100_000})
-    summary_error = None
-except OSError as e:
-    summary_error = e.errno
-print(json.dumps({"checkpoint_failures": writer.failures, "summary_errno": summary_error}))
-"""
-    result = run_child(script, str(tmp_path))
-    assert result.returncode == 0, result.stderr
-    outcome = json.loads(result.stdout.splitlines()[-1])
-    assert outcome == {"checkpoint_failures": 1, "summary_errno": errno.EFBIG}
-    assert os.listdir(tmp_path / "checkpoints") == []
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "summary.json"]
-    assert json.loads((tmp_path / "summary.json").read_text()) == {"old": True}

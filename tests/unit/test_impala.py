@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apex.algos import impala, impala_actor
 from apex import config as config_module
+from apex.algos import impala, impala_actor
 from apex.envs import EnvSpec
 from apex.replay import UnrollQueue
 

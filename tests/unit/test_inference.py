@@ -1,11 +1,8 @@
 """The actors' NumPy networks compute what the learner's torch networks compute, from the
-weights the learner sends; weights that do not fit are refused, and vector actors never
-import torch."""
+weights the learner sends; weights that do not fit are refused (vector actors never import
+torch: tests/system/test_inference.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -109,19 +106,3 @@ def test_image_observations_use_the_torch_network():
     with pytest.raises(ProtocolError, match="NaN"):
         actor_net.load(poisoned)
     np.testing.assert_allclose(actor_net(obs), expected, rtol=1e-5, atol=1e-6)  # the old weights act on
-
-
-@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
-def test_a_cartpole_actor_core_never_imports_torch(algo):
-    code = (
-        "import sys\n"
-        "from apex import algos\n"
-        "from apex.config import Config\n"
-        f"config = Config(algo={algo!r})\n"
-        "welcome = {'num_envs': 2, 'epsilons': [0.5, 0.01], 'eval_envs': [False, True]}\n"
-        f"actor = algos.get({algo!r}).actor().Actor(config, welcome, seed=0)\n"
-        "for _ in range(50):\n"
-        "    actor.act()\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

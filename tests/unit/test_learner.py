@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from apex import config as config_module
+from apex.algos.apex_dqn import Learner as ApexLearner
 from apex.config import Config
 from apex.envs import EnvSpec
-from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.pipeline import Wakeup
 from apex.learner import pick_device
+from apex.pipeline import Wakeup
 from apex.replay import RateLimiter
+from tests.support.replays import bandit_chunk
 
 
 def test_rate_limiter_holds_the_ratio_within_the_slack():
@@ -35,21 +36,6 @@ def test_rate_limiter_holds_the_ratio_within_the_slack():
     assert not limiter.wait_to_sample(32, timeout=0.01)
     limiter.inserted(10)
     assert limiter.can_sample(32)
-
-
-def bandit_chunk(n: int) -> dict:
-    """One state; action 0 pays 1, action 1 pays 0; episodes end at once."""
-    rng = np.random.default_rng(0)
-    action = rng.integers(0, 2, n)
-    return {
-        "frames": np.zeros((n + 1, 3), np.float32),
-        "obs_frame": np.zeros(n, np.int32),
-        "next_obs_frame": np.ones(n, np.int32),
-        "action": action,
-        "reward": (action == 0).astype(np.float32),
-        "discount": np.zeros(n, np.float32),
-        "priority": np.ones(n, np.float32),
-    }
 
 
 def test_updates_learn_the_better_action_and_lower_priorities():

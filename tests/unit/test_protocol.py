@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apex import protocol
-from apex.protocol import PROTOCOL
 from apex.errors import ProtocolError
-from apex.protocol import DTYPES, MESSAGE_TYPES, decode, encode, pack, unpack
+from apex.protocol import DTYPES, MESSAGE_TYPES, PROTOCOL, decode, encode, pack, unpack
 
 FUZZ_EXAMPLES = 2500  # per fuzz test; five of them: 12,500 malformed inputs a run
 

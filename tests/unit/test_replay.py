@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from apex.replay import Field, PrioritizedReplay
+from tests.support.replays import assert_stacks_are_their_own, fill, new_like
 
 SPEC = {
     "id": ((), np.int64),  # the item's insertion index, so tests can tell items apart
@@ -291,43 +292,6 @@ def test_stacked_replay_takes_compressed_frames_straight_into_its_ring():
 
 
 # -- snapshots (checkpoints)
-
-
-def id_chunk(first_frame: int, first_item: int, transitions: int, stack: int = 2, n: int = 1, width: int = 1) -> dict:
-    """A chunk whose frames hold their own frame id and whose rewards hold their item id."""
-    count = transitions + stack - 1 + n
-    obs = np.arange(transitions)
-    return {
-        "frames": np.repeat((first_frame + np.arange(count, dtype=np.int64))[:, None], width, axis=1),
-        "obs_frame": obs.astype(np.int32),
-        "next_obs_frame": (obs + n).astype(np.int32),
-        "action": np.zeros(transitions, np.int64),
-        "reward": (first_item + obs).astype(np.float32),
-        "discount": np.ones(transitions, np.float32),
-        "priority": 1.0 + (first_item + obs) % 7,
-    }
-
-
-def fill(replay: StackedReplay, chunks: int, transitions: int = 9) -> None:
-    for _ in range(chunks):
-        replay.add(id_chunk(replay.frames.added, replay.total_added, transitions, width=replay.frame_shape[0]))
-
-
-def assert_stacks_are_their_own(replay: StackedReplay, n: int = 400) -> np.ndarray:
-    """Every sampled stack holds the frames its item was stored with (none overwritten)."""
-    batch, indices, _ = replay.sample(n, beta=0.4)
-    obs = batch["obs"][:, :, 0]
-    first_frames = replay.ring.storage["obs_frame"][indices % replay.capacity]
-    np.testing.assert_array_equal(obs[:, 0], first_frames)
-    np.testing.assert_array_equal(np.diff(obs, axis=1), 1)
-    np.testing.assert_array_equal(batch["next_obs"][:, :, 0], obs + 1)
-    np.testing.assert_array_equal(batch["reward"], indices.astype(np.float32))  # the item it claims to be
-    return indices
-
-
-def new_like(replay: StackedReplay) -> StackedReplay:
-    return StackedReplay(replay.frame_shape, replay.frame_dtype, replay.stack, replay.capacity,
-                         replay.frames.capacity, seed=1)
 
 
 def test_snapshot_round_trip_restores_items_priorities_and_eviction_state():

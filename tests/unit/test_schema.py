@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from apex import algos
+from apex import config as config_module
 from apex.algos import apex_dqn, impala
 from apex.bench.batches import BATCH_FIELDS
-from apex import config as config_module
 from apex.config import Config
 from apex.envs import EnvSpec
 from apex.errors import RejectedMessage

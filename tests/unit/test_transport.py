@@ -12,6 +12,8 @@ import pytest
 import zmq
 
 from apex import protocol
+from apex.bench import transport as bench_transport
+from apex.bench.transport import free_base_port
 from apex.transport import (
     HandshakeRejected,
     LearnerClient,
@@ -20,48 +22,7 @@ from apex.transport import (
     TransportConfig,
     generate_keys,
 )
-from apex.bench import transport as bench_transport
-from apex.bench.transport import free_base_port
-
-FAST = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
-SPEC = {"env": {"id": "CartPole-v1"}, "algo": "apex_dqn"}
-
-
-def welcome_all(hello, index):
-    return {**SPEC, "epsilon": 0.4 ** (1 + index)}
-
-
-class Learner:
-    """A LearnerEndpoint whose control loop runs in a background thread (``endpoint``:
-    LearnerEndpoint's keyword arguments, e.g. a learner group's signer and routes)."""
-
-    def __init__(self, port, welcome=welcome_all, options=FAST, **endpoint):
-        self.endpoint = LearnerEndpoint("127.0.0.1", port, welcome, options, **endpoint)
-        self.calls: list = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.is_set():
-            with self._lock:
-                while self.calls:
-                    fn = self.calls.pop(0)
-                    fn(self.endpoint)
-            self.endpoint.poll(10)
-
-    def call(self, fn):
-        """Runs fn(endpoint) on the control thread (sockets belong to one thread)."""
-        done = threading.Event()
-        with self._lock:
-            self.calls.append(lambda e: (fn(e), done.set()))
-        assert done.wait(5)
-
-    def close(self):
-        self._stop.set()
-        self._thread.join(5)
-        self.endpoint.close()
+from tests.support.endpoints import FAST, SPEC, Learner, welcome_all
 
 
 @pytest.fixture
@@ -346,7 +307,7 @@ def routed_rank(welcome, port: int) -> int:
     return 1 if welcome.fields["setup"].get("trajectories") == {"host": None, "port": port + 3} else 0
 
 
-def test_hostile2_04_rank_0_chooses_ranks_not_hellos_and_a_silent_sessions_place_comes_back(port):
+def test_rank_0_chooses_ranks_not_hellos_and_a_silent_sessions_place_comes_back(port):
     """A hello asking for an index does not choose its rank: rank 0 routes each new session to
     the rank with the fewest live ones; a session gone silent (no heartbeats) gives back its
     index and its place on its rank to the next actor."""
@@ -379,7 +340,7 @@ def test_hostile2_04_rank_0_chooses_ranks_not_hellos_and_a_silent_sessions_place
         learner.close()
 
 
-def test_hostile2_10_a_batch_goes_in_on_its_own_rank_alone(port):
+def test_a_batch_goes_in_on_its_own_rank_alone(port):
     """A session's token names its rank under the group's HMAC: rank 0 refuses the batches of
     a session it routed to rank 1 (counted as wrong_rank), and a follower refuses tokens for
     any rank but its own, so a batch accepted on one rank and sent to another is not credited

@@ -1,6 +1,8 @@
 """apex.config.trust: what a config from elsewhere (a checkpoint's, a learner's welcome) may
 make this process import. The real processes (apex eval, actor, serve, --resume) attacked
-through it are in tests/test_hostile.py (test_hostile2_01, test_hostile2_02)."""
+through it are in tests/system/test_hostile.py
+(test_a_checkpoint_whose_config_names_code_runs_none_of_it,
+test_a_forged_welcome_makes_actors_and_serve_run_no_code)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import sys
 import pytest
 
 from apex import config as config_module
-from apex.config.trust import ALLOW_IMPORTS_ENV, allowed_imports, check_imports, from_elsewhere, is_allowed, named_modules
+from apex.config.trust import (
+    ALLOW_IMPORTS_ENV,
+    allowed_imports,
+    check_imports,
+    from_elsewhere,
+    is_allowed,
+    named_modules,
+)
 from apex.errors import ConfigError
 
 HOSTILE = {"env": {"id": "evil.pkg:Evil-v0", "imports": ["os"],

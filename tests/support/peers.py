@@ -1,0 +1,24 @@
+"""A hostile peer's side of a real learner: quick transport options, and the honest batch
+an actor of the learner's run would send."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from apex import algos
+from apex import config as config_module
+from apex.transport import LearnerClient, TransportConfig
+
+OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+
+
+def honest_batch(client: LearnerClient) -> dict:
+    """The first batch an actor of this run would send (the run's own config and spec)."""
+    spec = client.welcome.fields["setup"]
+    config = config_module.from_dict(spec["config"])
+    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"])
+    batch = None
+    while batch is None:
+        batch, _ = core.act()
+    core.close()
+    return {name: np.array(a) for name, a in batch.items()}
