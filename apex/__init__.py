@@ -1,6 +1,6 @@
 """apex: distributed reinforcement learning (Ape-X DQN, IMPALA) over ZeroMQ.
 
-The Python API (see README, "Python API"): ``apex.train``, ``apex.load_config``,
+The Python API (docs/environments.md, "Python API"): ``apex.train``, ``apex.load_config``,
 ``apex.load_policy``, ``apex.evaluate``, ``RunResult``, ``Policy``, ``Config``. They are
 imported on first use, so that ``import apex`` (and ``apex --help``) stays light.
 """

@@ -21,7 +21,7 @@ import numpy as np
 from apex import config as config_module
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
-from apex.files import RefusedFile, open_regular, read_regular
+from apex.system.files import RefusedFile, open_regular, read_regular
 
 if TYPE_CHECKING:
     import gymnasium as gym
@@ -35,7 +35,7 @@ TAIL_READ_BYTES = 16 << 20
 _PROBE = """
 import json, sys
 from apex import config
-from apex.envs import env_spec
+from apex.envs.make import env_spec
 from apex.errors import ApexError
 try:
     cfg = config.from_dict(json.load(sys.stdin))
@@ -101,9 +101,9 @@ def train(
     ApexError, before anything starts, for a bad config, an environment the processes cannot
     make, or taken ports; and if the learner fails (KeyboardInterrupt if it was interrupted).
     """
-    from apex import launch
     from apex.checkpoint import best_and_newest
-    from apex.envs import env_spec
+    from apex.envs.make import env_spec
+    from apex.run import launch
 
     if actors < 1:
         raise ApexError(f"actors must be >= 1, got {actors}")
@@ -184,7 +184,7 @@ class Policy:
     episodes start (a batch of another size starts afresh too)."""
 
     def __init__(self, state: dict[str, Any], source: Path, allow_imports: Collection[str] = ()) -> None:
-        from apex.evaluation import network_from_checkpoint
+        from apex.run.evaluation import network_from_checkpoint
 
         self.config, self.spec, self._net = network_from_checkpoint(state, allow_imports, f"checkpoint {source}")
         self.source = source
@@ -202,7 +202,7 @@ class Policy:
         """The environment as apex made it for training (its kwargs and wrappers, and the
         adapter that turns Discrete, Dict, Tuple and image observations into what the
         network takes): its observations go to ``act`` as they are (stacked, for images)."""
-        from apex.envs import make_env
+        from apex.envs.make import make_env
 
         return make_env(self.env_config, seed, render_mode)
 
@@ -216,7 +216,7 @@ class Policy:
         components), or for a batch (an array, one row per observation)."""
         import torch
 
-        from apex.evaluation import greedy_actions
+        from apex.run.evaluation import greedy_actions
 
         if not 0 <= epsilon <= 1:
             raise ApexError(f"epsilon must be in [0, 1], got {epsilon}")
@@ -248,7 +248,7 @@ def load_policy(path: str | Path, which: str = "best", *, allow_imports: Iterabl
     import only the modules of ``allow_imports`` (and APEX_ALLOW_IMPORTS): a checkpoint
     may come from elsewhere, and importing a module runs its code (apex.config.trust)."""
     from apex.config.trust import allowed_imports
-    from apex.evaluation import load_state
+    from apex.run.evaluation import load_state
 
     allowed = allowed_imports(_names(allow_imports))
     state, source, _ = load_state(path, which)
@@ -268,7 +268,7 @@ def evaluate(
     returns, their mean and std, the checkpoint played, env, algorithm, updates.
     ``allow_imports`` as for ``load_policy``."""
     from apex.config.trust import allowed_imports
-    from apex.evaluation import evaluate as play
+    from apex.run.evaluation import evaluate as play
 
     return play(path, episodes, epsilon, seed, which=which, allow_imports=allowed_imports(_names(allow_imports)))
 

@@ -84,7 +84,7 @@ class PolicyClient:
         return sock
 
     def request(self, op: str, wait: bool = True, **fields: Any) -> dict[str, Any]:
-        """One request and its reply (the wire format in the README). ``wait=False`` sends it
+        """One request and its reply (the wire format in docs/serve.md). ``wait=False`` sends it
         and returns at once: its reply is read with the next request's (replies come in
         order), and an error it brings is raised then, so that a simulator can pipeline,
         e.g. end its finished episodes and ask for the next actions in one round trip."""

@@ -33,9 +33,9 @@ def checkpoint(tmp_path) -> Path:
     """A CartPole Ape-X checkpoint file whose greedy policy always pushes left."""
     import torch
 
-    from apex.algos.apex_dqn import Learner
+    from apex.algos.apex_dqn.learner import Learner
     from apex.config import Config
-    from apex.envs import env_spec
+    from apex.envs.make import env_spec
 
     config = Config()
     learner = Learner(config, env_spec(config.env), torch.device("cpu"))

@@ -2,7 +2,7 @@
 ``apex-test/...`` ids: a run names them with ``env.id: tests.envs:apex-test/Corridor-v0``
 or ``env.imports: [tests.envs]`` (from the repository root, where ``tests`` imports).
 
-Each exercises one kind of space through apex's adapters (apex.spaces):
+Each exercises one kind of space through apex's adapters (apex.envs.spaces):
 
 - ``apex-test/Corridor-v0``: Discrete observations (one-hot), Discrete actions; optimum 1.0.
 - ``apex-test/DictGoal-v0``: Dict observations {goal: Box one-hot, position: Discrete}; optimum 1.0.
@@ -50,10 +50,12 @@ class DictGoal(gym.Env):
 
     def __init__(self, length: int = 6) -> None:
         self.length = length
-        self.observation_space = spaces.Dict({
-            "position": spaces.Discrete(length),
-            "goal": spaces.Box(0.0, 1.0, (length,), np.float32),
-        })
+        self.observation_space = spaces.Dict(
+            {
+                "position": spaces.Discrete(length),
+                "goal": spaces.Box(0.0, 1.0, (length,), np.float32),
+            }
+        )
         self.action_space = spaces.Discrete(2)  # 0 left, 1 right
 
     def _obs(self) -> dict:
@@ -112,8 +114,15 @@ class Catch(gym.Env):
     plane; 2 draws the ball in plane 0 and the paddle in plane 1. ``layout``: ``hw`` (one
     channel only), ``hwc`` or ``chw``."""
 
-    def __init__(self, rows: int = 5, columns: int = 5, cell: int = 8, channels: int = 1, layout: str = "hw",
-                 dtype: str = "uint8") -> None:
+    def __init__(
+        self,
+        rows: int = 5,
+        columns: int = 5,
+        cell: int = 8,
+        channels: int = 1,
+        layout: str = "hw",
+        dtype: str = "uint8",
+    ) -> None:
         assert layout in ("hw", "hwc", "chw") and (layout != "hw" or channels == 1)
         self.rows, self.columns, self.cell, self.channels, self.layout = rows, columns, cell, channels, layout
         self.dtype = np.dtype(dtype)
@@ -126,9 +135,11 @@ class Catch(gym.Env):
     def _render(self) -> np.ndarray:
         c = self.cell
         planes = np.zeros((self.channels, self.rows * c, self.columns * c), self.dtype)
-        planes[0, self.ball_row * c:(self.ball_row + 1) * c, self.ball_column * c:(self.ball_column + 1) * c] = self.on
+        planes[0, self.ball_row * c : (self.ball_row + 1) * c, self.ball_column * c : (self.ball_column + 1) * c] = (
+            self.on
+        )
         paddle = planes[self.channels - 1]
-        paddle[(self.rows - 1) * c:, self.paddle * c:(self.paddle + 1) * c] = self.on
+        paddle[(self.rows - 1) * c :, self.paddle * c : (self.paddle + 1) * c] = self.on
         if self.layout == "hw":
             return planes[0]
         return planes.transpose(1, 2, 0).copy() if self.layout == "hwc" else planes

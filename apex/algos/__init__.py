@@ -1,9 +1,10 @@
 """Algorithms behind one declared seam: each has a learner core (``Learner``, which imports
 torch), an actor core (``Actor``, NumPy only for vector observations), an episode actor for
 `apex serve` (``EpisodeActor``) and the policy that `apex eval` and ``apex.load_policy`` act
-with. The process shells (``apex.learner``, ``apex.actor``, ``apex.serve``, ``apex.evaluation``)
-call only what the protocols below declare, and find each part through ``REGISTRY``, which
-imports a side only when it is asked for (an actor never imports its learner's torch).
+with. The process shells (``apex.learner.process``, ``apex.actor.process``,
+``apex.serve.server``, ``apex.run.evaluation``) call only what the protocols of ``apex.core``
+declare, and find each part through ``REGISTRY``, which imports a side only when it is asked
+for (an actor never imports its learner's torch).
 """
 
 from __future__ import annotations
@@ -11,126 +12,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-if TYPE_CHECKING:  # the registry itself imports nothing heavy: `apex --help` stays fast
-    import numpy as np
-    import torch
-
-    from apex.config import Config, ModelConfig
-    from apex.distributed import GradientAllReduce
-    from apex.envs import EnvSpec
-    from apex.errors import ProtocolError
-    from apex.external import Episode
-    from apex.pipeline import Pending, Staged
-    from apex.protocol import Message
-    from apex.replay import StackedReplay
-    from apex.schema import BatchSchema
-
-
-# A finished episode as actors report it to the learner: [return, length, is_eval].
-EpisodeRecord = list[Any]
-
-
-class LearnerCore(Protocol):
-    """What the learner process calls: no sockets, no files, no threads of its own."""
-
-    schema: BatchSchema  # the one check of what actors send
-    updates: int
-    all_reduce: GradientAllReduce | None  # set by a data-parallel group: see optim.guarded_step
-    samples_per_update: int
-
-    @property
-    def checkpoint_replay(self) -> StackedReplay | None: ...  # what checkpoints hold beside state_dict()
-
-    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None: ...
-    # the algorithm's part of an actor's setup
-    def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]: ...
-    def batch_limits(self, num_envs: int) -> dict[str, int]: ...
-    def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
-    def wait_to_insert(self, timeout: float) -> bool: ...
-    # Validated batches: arrays by name, frames possibly still lz4 (``Compressed``).
-    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]: ...  # each one's error
-
-    # The update in three stages (apex.pipeline): prefetch thread, then main thread, then
-    # main thread a step later; step() runs all three in a row.
-    prefetch_batches: int  # batches the prefetch thread keeps staged ahead
-
-    def prepare(self, timeout: float, most: int = 1) -> list[Staged]: ...  # batches sampled and staged on the device
-    def train(self, staged: Staged) -> Pending: ...  # the update enqueued; no host synchronisation
-    def train_without_batch(self) -> Pending: ...  # a learner group's step on a rank without a batch
-    def finish(self, pending: list[Pending]) -> list[dict[str, float]]: ...  # their metrics; {} for a skipped one
-    def step(self) -> dict[str, float]: ...
-    def weights(self) -> dict[str, np.ndarray]: ...
-    def metrics(self) -> dict[str, Any]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-    def check_state(
-        self, state: dict[str, Any]
-    ) -> None: ...  # CorruptCheckpoint/ValueError if it cannot be loaded; changes nothing
-    @property
-    def memory_nbytes(self) -> int: ...
-
-
-class ActorCore(Protocol):
-    """What the actor process calls: K environments and one batched forward pass."""
-
-    steps: int
-    weights_version: int
-
-    def __init__(self, config: Config, setup: dict[str, Any], seed: int, tick: Callable[[], None] = ...) -> None: ...
-    @property
-    def num_envs(self) -> int: ...
-    def set_weights(self, msg: Message) -> None: ...  # ProtocolError: refused, the old ones act on
-    # (a batch to send or None, finished episodes as [return, length, is_eval])
-    def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]: ...
-    def close(self) -> None: ...
-
-
-class EpisodeActorCore(Protocol):
-    """What `apex serve` calls (through ``apex.external``): episodes that clients step."""
-
-    weights_version: int
-    learns_logged_actions: bool
-    reuse_freed_slots: bool
-
-    def __init__(self, config: Config, setup: dict[str, Any], spec: EnvSpec, seed: int) -> None: ...
-    def set_weights(self, msg: Message) -> None: ...
-    def begin(self, episode: Episode) -> None: ...
-    def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray: ...
-    def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None: ...
-    def abandon(self, episode: Episode) -> None: ...
-    # batches, each with the records of the episodes whose last transitions it holds
-    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]: ...
-
-
-NetworkT = TypeVar("NetworkT", bound="torch.nn.Module")
-
-
-@dataclass(frozen=True)
-class Policy(Generic[NetworkT]):
-    """The network an algorithm's greedy policy acts with, and where checkpoints keep it."""
-
-    checkpoint_key: str  # e.g. "online": the state dict in a checkpoint
-    description: str  # e.g. "the online Q network", for errors
-    network: Callable[[EnvSpec, ModelConfig], NetworkT]
-    # (net, obs [B, ...], core state or None) -> (actions [B(, components)], the next core state or None)
-    greedy: Callable[[NetworkT, torch.Tensor, Any], tuple[torch.Tensor, Any]]
-
-
-@dataclass(frozen=True)
-class LearnerSide:
-    Learner: type[LearnerCore]
-    policy: Policy[Any]  # each algorithm's network type: its greedy takes what its network makes
-
-
-@dataclass(frozen=True)
-class ActorSide:
-    Actor: type[ActorCore]
-    EpisodeActor: type[EpisodeActorCore]
-    # What is wrong with the algorithm's part of a welcome's setup (its common part checked
-    # first: a dict with num_envs in range), or None: a welcome may be forged.
-    setup_problem: Callable[[dict[str, Any]], str | None]
+from apex.core import ActorSide, LearnerSide
 
 
 @dataclass(frozen=True)
@@ -143,28 +26,28 @@ class Algorithm:
 
 @functools.cache  # once a process: evaluation asks for a policy every batch
 def _apex_dqn_learner() -> LearnerSide:
-    from apex.algos import apex_dqn
+    from apex.algos.apex_dqn import learner as apex_dqn
 
     return LearnerSide(apex_dqn.Learner, apex_dqn.POLICY)
 
 
 @functools.cache
 def _apex_dqn_actor() -> ActorSide:
-    from apex.algos import apex_dqn_actor
+    from apex.algos.apex_dqn import actor as apex_dqn_actor
 
     return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor, apex_dqn_actor.setup_problem)
 
 
 @functools.cache
 def _impala_learner() -> LearnerSide:
-    from apex.algos import impala
+    from apex.algos.impala import learner as impala
 
     return LearnerSide(impala.Learner, impala.POLICY)
 
 
 @functools.cache
 def _impala_actor() -> ActorSide:
-    from apex.algos import impala_actor
+    from apex.algos.impala import actor as impala_actor
 
     return ActorSide(impala_actor.Actor, impala_actor.EpisodeActor, impala_actor.setup_problem)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from apex.errors import ApexError
-from apex.files import write_atomic
+from apex.system.files import write_atomic
 
 # Benchmark name -> its module in apex.bench (each with ``run(**options) -> dict``). Imported
 # only when run: building the command line must not import torch, zmq and gymnasium.
@@ -56,7 +56,7 @@ def run(
     report) if a benchmark that checks something (the soak) failed.
     """
     from apex.bench.timing import machine_info
-    from apex.malloc import keep_large_blocks
+    from apex.system.malloc import keep_large_blocks
 
     selected = [n for n in BENCHMARKS if n not in LONG] if "all" in names else names
     keep_large_blocks()  # as the learner does: large decoded arrays stay off fresh mmap pages

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table, summarize, time_calls
+from apex.wire import protocol
 
 
 def run(seconds: float = 1.0) -> dict[str, Any]:

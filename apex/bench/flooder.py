@@ -23,7 +23,7 @@ def header_start(msg_type: str, noise: bytes) -> bytes:
 
     import msgpack
 
-    from apex import protocol
+    from apex.wire import protocol
 
     start: bytes = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, "x": 0})[:-3]  # without the entry "x"
     return protocol.MAGIC + struct.pack("<I", len(start) + len(noise)) + start + noise
@@ -34,7 +34,7 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
     range or of the wrong type: all under the control port's frame size limit."""
     import msgpack
 
-    from apex import protocol
+    from apex.wire import protocol
 
     good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
     hello = protocol.encode("hello", good)
@@ -70,7 +70,7 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
     """Random frames, and well-formed CartPole-sized batches (64 transitions) of made-up sessions."""
     import numpy as np
 
-    from apex import protocol
+    from apex.wire import protocol
 
     n = 64
     arrays: dict[str, np.ndarray] = {
@@ -104,7 +104,7 @@ def _flooder_main(argv: list[str]) -> int:
     prints ``ready`` once connected and, at the end, what it sent as one JSON line."""
     import zmq
 
-    from apex import protocol
+    from apex.wire import protocol
 
     port, kinds = int(argv[0]), argv[1:]
     stopping = []

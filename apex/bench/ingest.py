@@ -23,15 +23,15 @@ import numpy as np
 import zmq
 
 from apex import config as config_module
-from apex import protocol
-from apex.algos.apex_dqn import Learner as ApeXLearner
+from apex.algos.apex_dqn.learner import Learner as ApeXLearner
 from apex.bench import batches
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port, socket_options
 from apex.config import StopConditions
 from apex.errors import ConfigError
-from apex.learner import LearnerProcess
+from apex.learner.process import LearnerProcess
 from apex.transport import Session
+from apex.wire import protocol
 
 SENDERS = 2
 WARMUP_S = 0.5

@@ -361,7 +361,7 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter
 
-        from apex.plot import si
+        from apex.run.plot import si
     except ImportError:
         raise ApexError("apex bench learn --plot needs matplotlib: pip install 'apex-rl[plot]'") from None
     tasks = list(dict.fromkeys(r["task"] for r in runs))

@@ -2,7 +2,7 @@
 
 For the MLP (CartPole) and the Nature CNN (Atari, 4x84x84 stacks), on the CPU and on CUDA
 where present, three ways over the same replay:
-  pipelined    as the learner process runs (apex.pipeline): a prefetch thread keeps
+  pipelined    as the learner process runs (apex.training.pipeline): a prefetch thread keeps
                learner.prefetch_batches batches staged, sampling half of them at a time and
                writing back the priorities of the steps trained since, while the main thread
                trains; with the time per section
@@ -12,7 +12,7 @@ where present, three ways over the same replay:
 Rates are steps over wall time (the CNN on one CPU core takes ~0.5 s a step: a few steps).
 
 With ``--ranks 1,2,...`` it also runs that many learner processes as one data-parallel group
-(apex.distributed: each rank trains its own batch from its own replay, the gradients
+(apex.training.distributed: each rank trains its own batch from its own replay, the gradients
 all-reduced; gloo on the CPU, NCCL on CUDA): batches/s of the group, samples/s of all ranks,
 and the scaling efficiency against one process (samples/s over ranks times one process's).
 """
@@ -30,13 +30,13 @@ import numpy as np
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn import Learner
+from apex.algos.apex_dqn.learner import Learner
 from apex.bench import batches
 from apex.bench.timing import print_records
 from apex.bench.transport import free_port
-from apex.envs import EnvSpec
-from apex.malloc import keep_large_blocks
-from apex.pipeline import Pipeline, SectionTimes
+from apex.envs.make import EnvSpec
+from apex.system.malloc import keep_large_blocks
+from apex.training.pipeline import Pipeline, SectionTimes
 
 BATCH = 512
 MakeChunk = Callable[[], dict[str, np.ndarray]]  # a batch as an actor sends it
@@ -116,7 +116,7 @@ def _sequential(learner: Learner) -> Steps:
 
 
 class _Pipelined:
-    """The learner process's loop without sockets (apex.pipeline.Pipeline): the prefetch
+    """The learner process's loop without sockets (apex.training.pipeline.Pipeline): the prefetch
     thread stages batches and writes results back, the main thread trains."""
 
     def __init__(self, learner: Learner, times: SectionTimes) -> None:
@@ -181,7 +181,7 @@ def _rank_main(
 ) -> None:
     """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
     for ``steps`` steps after a warm-up; reports (steps, seconds, ms per step by section)."""
-    from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
+    from apex.training.distributed import GradientAllReduce, Rank, init_group, leave_group
 
     torch.set_num_threads(1)
     keep_large_blocks()

@@ -25,10 +25,10 @@ from typing import Any
 
 import zmq
 
-from apex import protocol
 from apex.bench import batches
 from apex.bench.timing import print_table
 from apex.transport import TransportConfig
+from apex.wire import protocol
 
 SENDERS = (1, 4)
 WARMUP_S = 0.5

@@ -13,7 +13,7 @@ The manifest also records the run's evaluation return when the checkpoint was wr
 of a run is kept and found: pruning keeps the newest ``keep`` and the best-scoring one, and
 ``find(path, "best")`` / ``candidates(path, "best")`` walk the checkpoints best first.
 
-Each file is written under a unique temporary name, fsync'ed and renamed (apex.files). A
+Each file is written under a unique temporary name, fsync'ed and renamed (apex.system.files). A
 checkpoint whose manifest is malformed or whose files do not match it (truncated,
 corrupted) is never loaded: ``candidates`` says so, renames its files to ``*.corrupt`` and
 goes on with the one before. Size and CRC-32 only catch accidents, so loading trusts the
@@ -21,7 +21,7 @@ files no further: ``torch.load(weights_only=True)`` never runs code, and what it
 checked to be an apex state before anyone uses it. A checkpoint that verifies but does not
 load is set aside the same way with ``mark_corrupt``. Nor does a planted file make loading
 hang or run out of memory: each file is opened only if it is a regular file (not a link, a
-FIFO or a device; ``apex.files.open_regular``) of the size its manifest says, a manifest of
+FIFO or a device; ``apex.system.files.open_regular``) of the size its manifest says, a manifest of
 at most 16 MiB, and the walk over a state visits each shared list once, a million values at most.
 """
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import reprlib
 from typing import Any
 
-from apex.errors import ApexError
+from apex.errors import CorruptCheckpoint as CorruptCheckpoint
+from apex.errors import IncompatibleCheckpoint as IncompatibleCheckpoint
+from apex.errors import show as show
 
 FORMAT = 1
 MANIFESTS = "ckpt-*.json"  # one per complete checkpoint
@@ -17,23 +18,8 @@ ORDERS = ("best", "newest")  # the ways of choosing among a run's checkpoints
 MAX_MANIFEST_BYTES = 16 << 20
 
 
-class CorruptCheckpoint(ApexError):
-    """A checkpoint's manifest is malformed, its files do not match it, or they do not hold
-    what an apex checkpoint holds: set it aside and use the one before."""
-
-
-class IncompatibleCheckpoint(ApexError):
-    """A sound checkpoint that this run cannot use (e.g. a replay of another shape): every
-    checkpoint of the run would say the same, so falling back to an older one does not help."""
-
-
 def is_int(value: Any, minimum: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def show(value: Any) -> str:
-    """A short repr: a forged manifest may hold anything, of any size."""
-    return reprlib.repr(value)
 
 
 def memory_bytes() -> int:

@@ -22,11 +22,11 @@ from apex.checkpoint.common import (
     show,
 )
 from apex.checkpoint.state import check_state, load_failure, read_state
-from apex.files import RefusedFile, open_regular, read_regular
+from apex.system.files import RefusedFile, open_regular, read_regular
 
 if TYPE_CHECKING:
     from apex.replay import StackedReplay
-    from apex.schema import BatchSchema
+    from apex.wire.schema import BatchSchema
 
 _READ_BYTES = 16 << 20
 

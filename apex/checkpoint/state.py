@@ -9,7 +9,7 @@ from typing import Any
 
 from apex.algos import REGISTRY
 from apex.checkpoint.common import CorruptCheckpoint, is_int, memory_bytes, show
-from apex.files import RefusedFile, open_regular
+from apex.system.files import RefusedFile, open_regular
 
 # What every apex learner state holds beside its algorithm's networks, as torch.load
 # (weights_only) returns it; bool is excluded where an int is wanted.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from apex.checkpoint.common import FORMAT, MANIFESTS, finite_or_none, score_of
 from apex.checkpoint.manifest import shard_file_name
 from apex.checkpoint.selection import best_of, best_saved_score, readable
-from apex.files import remove_stale_temps, write_atomic
+from apex.system.files import remove_stale_temps, write_atomic
 
 if TYPE_CHECKING:
     from apex.replay import StackedReplay

@@ -19,7 +19,7 @@ from apex.errors import ApexError
 if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
     from apex.checkpoint import Checkpoint
     from apex.config import Config, StopConditions, TransportConfig
-    from apex.distributed import Rank
+    from apex.training.distributed import Rank
 
 
 def shorthand_overrides(args: argparse.Namespace) -> list[str]:
@@ -121,7 +121,7 @@ def stop_conditions(args: argparse.Namespace) -> StopConditions:
 
 
 def run_logdir(args: argparse.Namespace, config: Config) -> Path:
-    from apex.launch import default_logdir
+    from apex.run.launch import default_logdir
 
     return Path(args.logdir) if args.logdir else default_logdir(config)
 
@@ -129,7 +129,7 @@ def run_logdir(args: argparse.Namespace, config: Config) -> Path:
 def group_rank(args: argparse.Namespace) -> Rank | None:
     """This process's place in a learner group (--rank/--world-size/--master, or torchrun's
     variables), or None."""
-    from apex.distributed import Rank
+    from apex.training.distributed import Rank
 
     given = [args.rank is not None, args.world_size is not None, args.master is not None]
     if any(given) and not all(given):
@@ -143,7 +143,7 @@ def group_rank(args: argparse.Namespace) -> Rank | None:
 
 def learner(args: argparse.Namespace) -> int:
     from apex.checkpoint import has_checkpoint
-    from apex.envs import env_spec
+    from apex.envs.make import env_spec
 
     rank = group_rank(args)
     if args.ranks is not None:
@@ -152,7 +152,7 @@ def learner(args: argparse.Namespace) -> int:
         if rank is not None:
             raise ApexError("--ranks starts the whole group: give it without --rank/--world-size/--master")
     if args.ranks is not None and args.ranks > 1:
-        from apex.launch import run_ranks
+        from apex.run.launch import run_ranks
 
         port = args.port if args.port is not None else load_config(args, resume_checkpoint(args)).transport.port
         return run_ranks(args.argv, args.ranks, port)
@@ -169,8 +169,8 @@ def learner(args: argparse.Namespace) -> int:
     stop = stop_conditions(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
     env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
-    from apex.launch import stop_args
-    from apex.learner import LearnerProcess
+    from apex.learner.process import LearnerProcess
+    from apex.run.launch import stop_args
 
     # The closing line's "resume with": this command's own addresses, keys and stops.
     group_args = []
@@ -195,8 +195,8 @@ def learner(args: argparse.Namespace) -> int:
     )
     group = None
     if rank is not None:
-        from apex.distributed import LearnerGroup
-        from apex.learner import pick_device
+        from apex.learner.runtime import pick_device
+        from apex.training.distributed import LearnerGroup
         from apex.transport import is_loopback
 
         base = args.port if args.port is not None else config.transport.port
@@ -211,7 +211,7 @@ def learner(args: argparse.Namespace) -> int:
             config.digest(),
         )
         if not rank.is_leader:
-            from apex.follower import FollowerProcess
+            from apex.learner.follower import FollowerProcess
 
             code = FollowerProcess(config, logdir, args.bind_host, args.port, group).run()
             logging.shutdown()
@@ -257,7 +257,7 @@ def learner_link(args: argparse.Namespace, who: str) -> tuple[str, int, Transpor
 
 
 def actor(args: argparse.Namespace) -> int:
-    from apex.actor import run_actor
+    from apex.actor.process import run_actor
 
     host, port, options, allowed = learner_link(args, "an actor")
     return run_actor(
@@ -277,7 +277,7 @@ def parse_address(flag: str, text: str, default_host: str = "127.0.0.1") -> tupl
 
 
 def serve(args: argparse.Namespace) -> int:
-    from apex.serve import ServeOptions, read_token, run_serve
+    from apex.serve.server import ServeOptions, read_token, run_serve
 
     learner_host, port, transport, allowed = learner_link(args, "apex serve")
     http = None if args.http in ("off", "none", "") else parse_address("--http", args.http)
@@ -304,7 +304,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from apex import launch
+    from apex.run import launch
 
     if args.actors < 1:
         raise ApexError(f"--actors must be >= 1, got {args.actors}")
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     logdir = resume.logdir if resume else run_logdir(args, config)
     port = args.port if args.port is not None else config.transport.port
     # A wrong env id fails here, in a second, not in every child process after its imports.
-    from apex.envs import env_spec
+    from apex.envs.make import env_spec
 
     env_spec(config.env, config.algo)
     return launch.run(
@@ -346,7 +346,7 @@ def evaluate(args: argparse.Namespace) -> int:
     import json
 
     from apex.config.trust import allowed_imports
-    from apex.evaluation import evaluate
+    from apex.run.evaluation import evaluate
 
     result = evaluate(
         args.checkpoint,
@@ -369,7 +369,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
-    from apex.plot import plot
+    from apex.run.plot import plot
 
     print(f"wrote {plot(args.logdirs, args.output, smooth=args.smooth)}")
     return 0

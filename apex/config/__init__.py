@@ -9,7 +9,6 @@ ConfigError that lists them all.
 from apex.config.loading import RETIRED_KEYS, from_dict, load, load_dict, read_yaml
 from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs
 from apex.config.sections import (
-    ALGOS,
     ATARI_PREFIX,
     DEFAULT_PORT,
     MAX_ENVS_PER_ACTOR,
@@ -25,6 +24,7 @@ from apex.config.sections import (
     port_problem,
     wrapper_problem,
 )
+from apex.core import ALGOS
 from apex.errors import ConfigError
 
 __all__ = [

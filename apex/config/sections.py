@@ -11,11 +11,8 @@ from typing import Any
 
 import yaml
 
-from apex.algos import REGISTRY
+from apex.core import ALGOS
 from apex.errors import ConfigError
-
-ALGOS = tuple(REGISTRY)  # the names `algo` takes
-
 
 ATARI_PREFIX = "ALE/"  # ids of the Arcade Learning Environment
 
@@ -187,7 +184,7 @@ class ActorConfig:
     """Environments each actor process steps together."""
     eps_base: float = 0.4
     """Ape-X ladder: eps = eps_base ** (1 + eps_alpha * u), u in [0, 1] spread over every
-    exploring environment of the actors that join (however many; see README "Exploration")."""
+    exploring environment of the actors that join (however many; see docs/running.md, "Exploration")."""
     eps_alpha: float = 7.0
     """Ape-X ladder exponent."""
     eps_repeat_mu: float | None = None
@@ -540,7 +537,7 @@ class Config:
     def save(self, path: Path) -> Path:
         """Writes the config as YAML that ``load`` reads back (for child processes); never
         through a link planted at ``path``."""
-        from apex.files import write_atomic
+        from apex.system.files import write_atomic
 
         text = yaml.safe_dump(self.to_dict(), sort_keys=False).encode()
         write_atomic(Path(path), lambda f: f.write(text))

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from apex.compression import Compressed
 from apex.replay import snapshot
 from apex.replay.ring import LockedRing, PriorityRing, committed, importance_weights
+from apex.wire.compression import Compressed
 
 if TYPE_CHECKING:
-    from apex.schema import BatchSchema
+    from apex.wire.schema import BatchSchema
 
 
 class FrameRing:
@@ -114,7 +114,7 @@ class StackedReplay(LockedRing):
 
     def add(self, chunk: Mapping[str, np.ndarray]) -> np.ndarray:
         """Stores one chunk (see the class docstring) that the Ape-X batch schema validated
-        (apex.schema: the learner's one check of what actors send): its indices within its
+        (apex.wire.schema: the learner's one check of what actors send): its indices within its
         frames, at most ``capacity`` transitions and ``frames.capacity`` frames."""
         frames = chunk["frames"]
         priorities = self.ring.transform(chunk["priority"], checked=True)

@@ -21,7 +21,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from apex.replay.frames import StackedReplay
-    from apex.schema import BatchSchema
+    from apex.wire.schema import BatchSchema
 
 
 class WritableFile(Protocol):

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from apex import protocol
 from apex.errors import ApexError, ProtocolError
-from apex.logs import RateLimitedLog
-from apex.protocol import Message
+from apex.system.logs import RateLimitedLog
 from apex.transport.keys import load_keypair, load_learner_public
 from apex.transport.settings import MAX_HOST_CHARS, HandshakeRejected, LearnerGone, Ports, Stopped, TransportConfig
+from apex.wire import protocol
+from apex.wire.protocol import Message
 
 log = logging.getLogger("apex.transport")
 

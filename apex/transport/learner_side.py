@@ -16,11 +16,9 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from apex import protocol
 from apex.config import MAX_ENVS_PER_ACTOR
 from apex.errors import ApexError, ProtocolError
-from apex.logs import RateLimitedLog
-from apex.protocol import Message
+from apex.system.logs import RateLimitedLog
 from apex.transport.keys import load_keypair
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import (
@@ -33,6 +31,8 @@ from apex.transport.sessions import (
     peer_address,
 )
 from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
+from apex.wire import protocol
+from apex.wire.protocol import Message
 
 log = logging.getLogger("apex.transport")
 

@@ -7,12 +7,12 @@ import time
 
 import zmq
 
-from apex import protocol
 from apex.errors import ProtocolError, RejectedMessage
-from apex.logs import RateLimitedLog
-from apex.protocol import Message
+from apex.system.logs import RateLimitedLog
 from apex.transport.sessions import BatchSessions, RejectCounter, peer_address
 from apex.transport.settings import TransportConfig
+from apex.wire import protocol
+from apex.wire.protocol import Message
 
 log = logging.getLogger("apex.transport")
 

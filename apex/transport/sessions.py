@@ -60,7 +60,7 @@ class Session:
     weights_identity: bytes | None = None  # its socket on the weights port, once it registered
     env_steps: int = 0  # derived from its batches, never from what it says
     episodes: int = 0
-    step_budget: int = 0  # env steps its episode records may still claim (apex.schema.check_episodes)
+    step_budget: int = 0  # env steps its episode records may still claim (apex.wire.schema.check_episodes)
     limits: dict[str, int] = field(default_factory=dict)  # batch sizes allowed (set by the learner)
     rank: int = 0  # of the learner group: the one rank its batches go to (rank 0 chose it)
 

@@ -47,23 +47,46 @@ pytestmark = [pytest.mark.timeout(1800), pytest.mark.container]
 
 DEPLOY = ROOT / "deploy"
 MAX_IMAGE_BYTES = 1.2e9
-CACHE = Path(os.environ.get("APEX_CONTAINER_CACHE")
-             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "apex-container-test")
+CACHE = Path(
+    os.environ.get("APEX_CONTAINER_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "apex-container-test"
+)
 RUN_ID = uuid.uuid4().hex[:8]  # names this run's images and compose projects
 # The image's Python (Debian bookworm's) and platform, for which pip downloads wheels
 # whatever the host's own Python and C library are.
-WHEEL_TARGET = ["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
-                *(arg for minor in range(36, 16, -1) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")),
-                "--platform", "manylinux2014_x86_64"]
+WHEEL_TARGET = [
+    "--only-binary=:all:",
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--abi",
+    "cp311",
+    *(arg for minor in range(36, 16, -1) for arg in ("--platform", f"manylinux_2_{minor}_x86_64")),
+    "--platform",
+    "manylinux2014_x86_64",
+]
 # Copied into the build context: what deploy/Dockerfile reads (.dockerignore filters again).
-CONTEXT_IGNORE = shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__", "*.so",
-                                        ".hypothesis", ".pytest_cache", ".ruff_cache", "runs")
+CONTEXT_IGNORE = shutil.ignore_patterns(
+    ".git",
+    ".venv*",
+    "build",
+    "*.egg-info",
+    "__pycache__",
+    "*.so",
+    ".hypothesis",
+    ".pytest_cache",
+    ".ruff_cache",
+    "runs",
+)
 
 
 def docker(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     out = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and out.returncode != 0:
-        raise AssertionError(f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        raise AssertionError(
+            f"docker {' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
     return out
 
 
@@ -179,15 +202,37 @@ def wheelhouse(engine, say) -> Path:
     tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+ (tomllib)")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     extras = project["project"]["optional-dependencies"]
-    requirements = sorted([*project["project"]["dependencies"], *extras["atari"], *extras["serve"],
-                           *project["build-system"]["requires"], "wheel"])
+    requirements = sorted(
+        [
+            *project["project"]["dependencies"],
+            *extras["atari"],
+            *extras["serve"],
+            *project["build-system"]["requires"],
+            "wheel",
+        ]
+    )
     constraints = (ROOT / "constraints.txt").read_text()
 
     def make(out: Path) -> None:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(out),
-             "--constraint", str(ROOT / "constraints.txt"), *WHEEL_TARGET, *requirements],
-            capture_output=True, text=True, timeout=400, check=False)
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--dest",
+                str(out),
+                "--constraint",
+                str(ROOT / "constraints.txt"),
+                *WHEEL_TARGET,
+                *requirements,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            check=False,
+        )
         assert result.returncode == 0, f"pip download failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
 
     with phase(say, "wheelhouse (pip download, or the cache)"):
@@ -203,15 +248,31 @@ def image(base_images, wheelhouse, tmp_path_factory, say):
     shutil.copytree(wheelhouse, context / "wheelhouse", copy_function=link_or_copy)
     base, build = base_images
     tag, stage = f"apex-test:{RUN_ID}", f"apex-test-stage:{RUN_ID}"
-    args = ["build", "--force-rm", "-f", "deploy/Dockerfile", "--build-arg", f"BASE_IMAGE={base}",
-            "--build-arg", f"BUILD_IMAGE={build}", "--build-arg", "WHEELHOUSE=wheelhouse"]
+    args = [
+        "build",
+        "--force-rm",
+        "-f",
+        "deploy/Dockerfile",
+        "--build-arg",
+        f"BASE_IMAGE={base}",
+        "--build-arg",
+        f"BUILD_IMAGE={build}",
+        "--build-arg",
+        "WHEELHOUSE=wheelhouse",
+    ]
     try:
         with phase(say, "docker build (offline, from the wheelhouse)"):
             # The build stage is tagged too so that it can be removed with the image (the
             # classic builder keeps it as an untagged image); the second build reuses it.
             for target in (["--target", "build", "-t", stage], ["-t", tag]):
-                result = subprocess.run(["docker", *args, *target, str(context)], cwd=context, capture_output=True,
-                                        text=True, timeout=480, check=False)
+                result = subprocess.run(
+                    ["docker", *args, *target, str(context)],
+                    cwd=context,
+                    capture_output=True,
+                    text=True,
+                    timeout=480,
+                    check=False,
+                )
                 assert result.returncode == 0, f"docker build failed:\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
         yield tag
     finally:
@@ -231,9 +292,16 @@ def test_image_runs_apex(image, say):
         help_text = docker("run", "--rm", image, "--help").stdout
         assert "usage: apex" in help_text
         # The non-root user, and the native extension and torch in the venv the build made.
-        probe = docker("run", "--rm", "--entrypoint", "python", image, "-c",
-                       "import os, torch, apex.native, apex.algos.impala, apex.serve_http; "
-                       "print(os.getuid(), torch.__version__)").stdout.split()
+        probe = docker(
+            "run",
+            "--rm",
+            "--entrypoint",
+            "python",
+            image,
+            "-c",
+            "import os, torch, apex.native, apex.algos.impala.learner, apex.serve.http_frontend; "
+            "print(os.getuid(), torch.__version__)",
+        ).stdout.split()
     assert probe[0] == "10001"
     assert probe[1].startswith("2.13.0")
 
@@ -270,30 +338,57 @@ class Compose:
         self.runs.mkdir(parents=True)
         self.runs.chmod(0o777)  # the containers write as uid 10001
         self.logdir = self.runs / run_name
-        settings = dict(line.split("=", 1) for line in (DEPLOY / ".env.example").read_text().splitlines()
-                        if line and not line.startswith("#"))
+        settings = dict(
+            line.split("=", 1)
+            for line in (DEPLOY / ".env.example").read_text().splitlines()
+            if line and not line.startswith("#")
+        )
         first = free_ports()
-        settings.update(APEX_IMAGE=image, APEX_RUNS_DIR=str(self.runs), APEX_RUN_NAME=run_name,
-                        APEX_HOST_PORTS=f"{first}-{first + 2}", APEX_PUBLISH_HOST="127.0.0.1", APEX_ACTORS="2")
+        settings.update(
+            APEX_IMAGE=image,
+            APEX_RUNS_DIR=str(self.runs),
+            APEX_RUN_NAME=run_name,
+            APEX_HOST_PORTS=f"{first}-{first + 2}",
+            APEX_PUBLISH_HOST="127.0.0.1",
+            APEX_ACTORS="2",
+        )
         env_file = workdir / "compose.env"
         env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
         # The learner's command as the compose file has it, plus this test's flags.
         command = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["learner"]["command"]
         override = workdir / "override.yml"
         override.write_text(yaml.safe_dump({"services": {"learner": {"command": [*command, *learner_flags]}}}))
-        self.cli = [*cli, "--env-file", str(env_file), "-p", self.project,
-                    "-f", str(DEPLOY / "docker-compose.yml"), "-f", str(override)]
+        self.cli = [
+            *cli,
+            "--env-file",
+            str(env_file),
+            "-p",
+            self.project,
+            "-f",
+            str(DEPLOY / "docker-compose.yml"),
+            "-f",
+            str(override),
+        ]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("APEX_", "COMPOSE_"))}
 
     def __call__(self, *args: str, timeout: float = 180) -> str:
-        out = subprocess.run([*self.cli, *args], env=self.env, capture_output=True, text=True, timeout=timeout,
-                             check=False)
-        assert out.returncode == 0, f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        out = subprocess.run(
+            [*self.cli, *args], env=self.env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        assert out.returncode == 0, (
+            f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
         return out.stdout
 
     def containers(self, service: str) -> list[str]:
-        return docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}",
-                      "--filter", f"label=com.docker.compose.service={service}").stdout.split()
+        return docker(
+            "ps",
+            "-aq",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        ).stdout.split()
 
     def learner(self) -> str:
         (container,) = self.containers("learner")
@@ -305,12 +400,19 @@ class Compose:
 
     def down(self) -> None:
         """Everything of the project, whatever state it is in: containers, network, volumes."""
-        subprocess.run([*self.cli, "down", "-v", "--remove-orphans", "--timeout", "10"], env=self.env,
-                       capture_output=True, text=True, timeout=180, check=False)
+        subprocess.run(
+            [*self.cli, "down", "-v", "--remove-orphans", "--timeout", "10"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
         label = f"label=com.docker.compose.project={self.project}"
         for kind in ("container", "network", "volume"):
-            left = docker(kind, "ls", "-q", *(["-a"] if kind == "container" else []), "--filter", label,
-                          check=False).stdout.split()
+            left = docker(
+                kind, "ls", "-q", *(["-a"] if kind == "container" else []), "--filter", label, check=False
+            ).stdout.split()
             if left:
                 docker(kind, "rm", *(["-f"] if kind != "network" else []), *left, check=False)
 
@@ -341,8 +443,11 @@ def wait_for(what: str, condition, timeout: float, compose: Compose, interval: f
         if value:
             return value
         time.sleep(interval)
-    logs = "\n".join(f"--- {service} {c[:12]}\n{compose.logs(c)[-3000:]}"
-                     for service in ("learner", "actor") for c in compose.containers(service))
+    logs = "\n".join(
+        f"--- {service} {c[:12]}\n{compose.logs(c)[-3000:]}"
+        for service in ("learner", "actor")
+        for c in compose.containers(service)
+    )
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{logs}")
 
 
@@ -372,8 +477,12 @@ def test_compose_trains_to_a_summary(project, say):
         compose("up", "-d", "--no-build")
         containers = [compose.learner(), *compose.containers("actor")]
         assert len(containers) == 3, containers
-        wait_for("the learner and the actors to exit",
-                 lambda: all(state(c)["Status"] == "exited" for c in containers), 240, compose)
+        wait_for(
+            "the learner and the actors to exit",
+            lambda: all(state(c)["Status"] == "exited" for c in containers),
+            240,
+            compose,
+        )
     learner_log = compose.logs(containers[0])
     assert state(containers[0])["ExitCode"] == 0, learner_log[-3000:]
     for actor in containers[1:]:
@@ -390,9 +499,12 @@ def test_compose_learner_comes_back_after_a_crash(project, image, say):
     with phase(say, "compose: up to the first checkpoint"):
         compose("up", "-d", "--no-build")
         learner = compose.learner()
-        wait_for("a checkpoint and both actors in the metrics",
-                 lambda: has_checkpoint(compose.logdir) and any(r["actors_connected"] == 2 for r in compose.metrics()),
-                 180, compose)
+        wait_for(
+            "a checkpoint and both actors in the metrics",
+            lambda: has_checkpoint(compose.logdir) and any(r["actors_connected"] == 2 for r in compose.metrics()),
+            180,
+            compose,
+        )
     with phase(say, "compose: learner killed, restarted, resumed, actors back"):
         rows_before = len(compose.metrics())
         # SIGKILL from outside, as a crash would end it: `docker kill` and `docker stop` are
@@ -400,10 +512,18 @@ def test_compose_learner_comes_back_after_a_crash(project, image, say):
         # a container of that user in the host's PID namespace signals it (no root needed).
         pid = state(learner)["Pid"]
         docker("run", "--rm", "--pid=host", "--network=none", "--entrypoint", "sh", image, "-c", f"kill -KILL {pid}")
-        wait_for("docker to restart the learner", lambda: restart_count(learner) >= 1 and state(learner)["Running"],
-                 60, compose)
-        wait_for("the learner to resume from its checkpoint",
-                 lambda: re.search(r"resumed from ckpt-", compose.logs(learner)), 120, compose)
+        wait_for(
+            "docker to restart the learner",
+            lambda: restart_count(learner) >= 1 and state(learner)["Running"],
+            60,
+            compose,
+        )
+        wait_for(
+            "the learner to resume from its checkpoint",
+            lambda: re.search(r"resumed from ckpt-", compose.logs(learner)),
+            120,
+            compose,
+        )
 
         def actors_back() -> bool:
             new = compose.metrics()[rows_before:]
@@ -412,7 +532,7 @@ def test_compose_learner_comes_back_after_a_crash(project, image, say):
 
         wait_for("both actors to send again to the resumed learner", actors_back, 120, compose)
     log = compose.logs(learner)
-    after = log[log.index("resumed from ckpt-"):]
+    after = log[log.index("resumed from ckpt-") :]
     assert sum(joined(after).values()) >= 2, after[-3000:]  # the actors said hello again
     assert restart_count(learner) == 1
     assert all(restart_count(actor) == 0 for actor in compose.containers("actor")), "actors reconnect, not restart"

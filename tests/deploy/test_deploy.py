@@ -58,7 +58,8 @@ def test_compose_files_validate_against_the_compose_spec(schema, name):
 
 def test_compose_settings_come_from_the_environment_with_defaults(schema):
     example = dict(
-        line.split("=", 1) for line in (DEPLOY / ".env.example").read_text().splitlines()
+        line.split("=", 1)
+        for line in (DEPLOY / ".env.example").read_text().splitlines()
         if line and not line.startswith("#")
     )
     used = set(VARIABLE.findall((DEPLOY / "docker-compose.yml").read_text()))
@@ -290,8 +291,11 @@ def test_kubernetes_ranks_overlay_runs_a_two_rank_learner_behind_the_service():
     # rank 1's trajectories: P+3, in the pod and behind the Service
     assert container["ports"] == [{"name": "trajectories-1", "containerPort": 5553}]
     assert service["metadata"]["name"] == "apex-learner" and service["spec"]["ports"][0]["port"] == 5553
-    comments = " ".join(line.lstrip("# ") for line in (DEPLOY / "k8s" / "ranks" / "kustomization.yaml")
-                        .read_text().splitlines() if line.startswith("#"))
+    comments = " ".join(
+        line.lstrip("# ")
+        for line in (DEPLOY / "k8s" / "ranks" / "kustomization.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
     assert "must not be reachable from untrusted networks" in " ".join(comments.split())
 
 

@@ -20,16 +20,28 @@ def state(updates: int) -> dict:
     optimizer = torch.optim.Adam(net.parameters())
     net(torch.ones(1, 2)).sum().backward()
     optimizer.step()
-    return {"online": net.state_dict(), "target": net.state_dict(), "optimizer": optimizer.state_dict(),
-            "updates": updates, "env_steps": 10 * updates, "time": 1.5, "config": {"algo": "apex_dqn"},
-            "episode_stats": {"eval": [], "train": [9.0], "episodes": 1, "best": -math.inf},
-            "weights": torch.full((4,), float(updates))}
+    return {
+        "online": net.state_dict(),
+        "target": net.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "updates": updates,
+        "env_steps": 10 * updates,
+        "time": 1.5,
+        "config": {"algo": "apex_dqn"},
+        "episode_stats": {"eval": [], "train": [9.0], "episodes": 1, "best": -math.inf},
+        "weights": torch.full((4,), float(updates)),
+    }
 
 
 def full_state(checkpoint: Path, updates: int) -> dict:
     """The ``checkpoint`` fixture's networks with everything else a learner checkpoint holds."""
-    return {**torch.load(checkpoint, weights_only=True), "updates": updates, "env_steps": 100, "time": 1.0,
-            "episode_stats": {"eval": [], "train": [], "episodes": 0, "best": -math.inf}}
+    return {
+        **torch.load(checkpoint, weights_only=True),
+        "updates": updates,
+        "env_steps": 100,
+        "time": 1.0,
+        "episode_stats": {"eval": [], "train": [], "episodes": 0, "best": -math.inf},
+    }
 
 
 def rewrite_state(pt: pathlib.Path, saved: dict) -> None:
@@ -64,7 +76,7 @@ def within(seconds: float, call):
     def run() -> None:
         try:
             outcome["value"] = call()
-        except BaseException as e:  # noqa: BLE001  (handed to the test)
+        except BaseException as e:
             outcome["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)

@@ -55,5 +55,6 @@ def assert_stacks_are_their_own(replay: StackedReplay, n: int = 400) -> np.ndarr
 
 
 def new_like(replay: StackedReplay) -> StackedReplay:
-    return StackedReplay(replay.frame_shape, replay.frame_dtype, replay.stack, replay.capacity,
-                         replay.frames.capacity, seed=1)
+    return StackedReplay(
+        replay.frame_shape, replay.frame_dtype, replay.stack, replay.capacity, replay.frames.capacity, seed=1
+    )

@@ -20,8 +20,13 @@ def test_train_refuses_an_env_registered_only_in_this_process(tmp_path):
     gym.register("apex-test/OnlyHere-v0", entry_point=lambda: gym.make("CartPole-v1"))
     try:
         with pytest.raises(ApexError, match="fresh Python process.*env.imports"):
-            apex.train(None, overrides={"env.id": "apex-test/OnlyHere-v0"}, stop_env_steps=1000,
-                       logdir=tmp_path / "run", port=free_base_port())
+            apex.train(
+                None,
+                overrides={"env.id": "apex-test/OnlyHere-v0"},
+                stop_env_steps=1000,
+                logdir=tmp_path / "run",
+                port=free_base_port(),
+            )
     finally:
         gym.registry.pop("apex-test/OnlyHere-v0")
     assert not (tmp_path / "run").exists()
@@ -36,18 +41,28 @@ def test_train_from_a_thread_on_an_imported_env_then_act(tmp_path):
         "env.imports": ["tests.probe_envs"],
         "env.id": "apex-test/ProbeCartPole-v0",
         "env.kwargs": {"marker_dir": str(markers), "tag": "from-kwargs"},
-        "env.wrappers": [{"type": "tests.probe_envs.Mark", "kwargs": {"marker_dir": str(markers), "label": "a"}},
-                         "gymnasium.wrappers.RecordEpisodeStatistics"],
-        "actor.num_envs": 4, "learner.metrics_interval_s": 0.5,
+        "env.wrappers": [
+            {"type": "tests.probe_envs.Mark", "kwargs": {"marker_dir": str(markers), "label": "a"}},
+            "gymnasium.wrappers.RecordEpisodeStatistics",
+        ],
+        "actor.num_envs": 4,
+        "learner.metrics_interval_s": 0.5,
     }
     rows: list[dict] = []
     outcome: dict = {}
 
     def run() -> None:  # as a notebook's worker thread would: no signal handlers there
         try:
-            outcome["result"] = apex.train(None, actors=1, stop_env_steps=4000, logdir=tmp_path / "run",
-                                           overrides=overrides, on_metrics=rows.append, port=free_base_port())
-        except BaseException as e:  # noqa: BLE001 (handed to the test's thread)
+            outcome["result"] = apex.train(
+                None,
+                actors=1,
+                stop_env_steps=4000,
+                logdir=tmp_path / "run",
+                overrides=overrides,
+                on_metrics=rows.append,
+                port=free_base_port(),
+            )
+        except BaseException as e:
             outcome["error"] = e
 
     thread = threading.Thread(target=run)

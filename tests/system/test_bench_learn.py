@@ -15,14 +15,38 @@ from apex.errors import ApexError
 
 def test_bench_learn_writes_figures_for_every_run_and_a_plot(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "apex", "bench", "learn", "--tasks", "cartpole,acrobot", "--seeds", "1",
-         "--seconds", "6", "--json", str(tmp_path / "learn.json"), "--plot", str(tmp_path / "learn.png")],
-        capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "bench",
+            "learn",
+            "--tasks",
+            "cartpole,acrobot",
+            "--seeds",
+            "1",
+            "--seconds",
+            "6",
+            "--json",
+            str(tmp_path / "learn.json"),
+            "--plot",
+            str(tmp_path / "learn.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "learn.json").read_text())["learn"]
     assert report["limit_s"] == 6 and report["seeds"] == 1
     assert [(r["task"], r["algo"]) for r in report["runs"]] == [
-        ("cartpole", "apex_dqn"), ("cartpole", "impala"), ("acrobot", "apex_dqn"), ("acrobot", "impala")]
+        ("cartpole", "apex_dqn"),
+        ("cartpole", "impala"),
+        ("acrobot", "apex_dqn"),
+        ("acrobot", "impala"),
+    ]
     for run in report["runs"]:
         assert run["env_steps"] > 0 and run["updates_per_s"] > 0
         assert run["curve"] and all(len(point) == 3 for point in run["curve"])
@@ -49,8 +73,11 @@ def test_bench_learn_runs_continuous_tasks_with_impala_only(tmp_path, monkeypatc
     calls = []
     monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
     learn.run(tasks="cartpole,pendulum", seeds=1, seconds=30, runs_dir=str(tmp_path))
-    assert [(task, algo) for task, algo, _, _ in calls] == [("cartpole", "apex_dqn"), ("cartpole", "impala"),
-                                                           ("pendulum", "impala")]
+    assert [(task, algo) for task, algo, _, _ in calls] == [
+        ("cartpole", "apex_dqn"),
+        ("cartpole", "impala"),
+        ("pendulum", "impala"),
+    ]
 
 
 def _fake_run(calls):
@@ -58,10 +85,24 @@ def _fake_run(calls):
         calls.append((task, algo, seed, limit_s))
         logdir.mkdir(parents=True)
         (logdir / "metrics.jsonl").write_text("{}\n")
-        return {"task": task, "algo": algo, "seed": seed, "threshold": 475.0, "limit_s": limit_s, "reached": True,
-                "time_to_threshold_s": 10.0 + seed, "wall_s": 11.0 + seed, "startup_s": 2.0, "env_steps": 1000,
-                "final_return": 480.0, "best_return": 490.0, "env_steps_per_s": 100.0, "updates_per_s": 10.0,
-                "curve": [[1.0, 100, 20.0]]}
+        return {
+            "task": task,
+            "algo": algo,
+            "seed": seed,
+            "threshold": 475.0,
+            "limit_s": limit_s,
+            "reached": True,
+            "time_to_threshold_s": 10.0 + seed,
+            "wall_s": 11.0 + seed,
+            "startup_s": 2.0,
+            "env_steps": 1000,
+            "final_return": 480.0,
+            "best_return": 490.0,
+            "env_steps_per_s": 100.0,
+            "updates_per_s": 10.0,
+            "curve": [[1.0, 100, 20.0]],
+        }
+
     return run_one
 
 

@@ -30,10 +30,10 @@ from tests.support.processes import wait_for
 def learner_run(logdir: pathlib.Path) -> list[pathlib.Path]:
     """A run directory with two checkpoints of a real CartPole Ape-X learner, as
     LearnerProcess.save_checkpoint writes them; their state files, oldest first."""
-    from apex.algos.apex_dqn import Learner
+    from apex.algos.apex_dqn.learner import Learner
     from apex.config import Config
-    from apex.envs import env_spec
-    from apex.ingest import RunCounters
+    from apex.envs.make import env_spec
+    from apex.learner.ingest import RunCounters
 
     config = Config()
     learner = Learner(config, env_spec(config.env), torch.device("cpu"))
@@ -47,6 +47,7 @@ def learner_run(logdir: pathlib.Path) -> list[pathlib.Path]:
 def _address_space(limit: int):
     def set_limit() -> None:  # in the child
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     return set_limit
 
 
@@ -56,9 +57,13 @@ EVAL_ADDRESS_SPACE = 3 << 30  # apex eval of CartPole needs under 1 GiB of it (R
 def apex_eval(run: pathlib.Path, timeout: float = 60) -> subprocess.CompletedProcess:
     """A real `apex eval RUN` of the newest checkpoint that loads, its address space bounded;
     TimeoutExpired (the child killed) if it takes longer than ``timeout``."""
-    return subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--which", "newest",
-                           "--episodes", "1"], capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=_address_space(EVAL_ADDRESS_SPACE))
+    return subprocess.run(
+        [sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--which", "newest", "--episodes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=_address_space(EVAL_ADDRESS_SPACE),
+    )
 
 
 class Resumed:
@@ -67,16 +72,34 @@ class Resumed:
     def __init__(self, run: pathlib.Path, log: pathlib.Path, *extra: str) -> None:
         self.run, self.log = run, log
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "apex", "learner", "--resume", str(run), "--port", str(free_base_port()),
-             "--stop-seconds", "600", *extra], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "apex",
+                "learner",
+                "--resume",
+                str(run),
+                "--port",
+                str(free_base_port()),
+                "--stop-seconds",
+                "600",
+                *extra,
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def text(self) -> str:
         return self.log.read_text()
 
     def wait_resumed(self, timeout: float = 60) -> str:
         """The name of the checkpoint it resumed from, once it says so."""
-        wait_for(lambda: "resumed from" in self.text() or self.process.poll() is not None, timeout,
-                 f"the learner to resume: {self.text()[-2000:]}")
+        wait_for(
+            lambda: "resumed from" in self.text() or self.process.poll() is not None,
+            timeout,
+            f"the learner to resume: {self.text()[-2000:]}",
+        )
         found = re.search(r"resumed from (ckpt-\d+)", self.text())
         assert found, self.text()[-2000:]
         return found.group(1)
@@ -147,8 +170,9 @@ def test_run_files_that_are_not_regular_files_are_refused_in_one_line(tmp_path, 
     evaluated = apex_eval(run)  # within 60 s and 3 GiB of address space
     assert evaluated.returncode == 0, evaluated.stderr
     refused = [line for line in evaluated.stderr.splitlines() if "refused" in line]
-    assert len(refused) == 1 and f"checkpoint {pts[-1].stem} refused: " in refused[0] and said in refused[0], \
+    assert len(refused) == 1 and f"checkpoint {pts[-1].stem} refused: " in refused[0] and said in refused[0], (
         evaluated.stderr
+    )
     assert evaluated.stdout.count("over 1 episodes") == 1  # the one before played
     resumed_run = tmp_path / "run-resumed"
     _plant(sorted((resumed_run / "checkpoints").glob("ckpt-*.pt")), what)
@@ -172,8 +196,10 @@ def test_a_resumed_checkpoint_with_impossible_returns_neither_stops_the_run_nor_
     resumed = Resumed(run, tmp_path / "learner.log", "--stop-return", "450")
     try:
         assert resumed.wait_resumed() == pts[-2].stem
-        assert (f"checkpoint {pts[-1].stem} refused: {pts[-1].name}: episode_stats.eval holds a return of 1e+300"
-                in resumed.text())
+        assert (
+            f"checkpoint {pts[-1].stem} refused: {pts[-1].name}: episode_stats.eval holds a return of 1e+300"
+            in resumed.text()
+        )
         time.sleep(3)
         assert resumed.process.poll() is None, resumed.text()[-2000:]
     finally:

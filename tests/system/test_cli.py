@@ -41,7 +41,18 @@ def test_bench_sumtree_writes_the_json_report(tmp_path):
 def test_bench_codec_and_transport_report_against_pickle(tmp_path):
     report_path = tmp_path / "bench.json"
     result = subprocess.run(
-        [sys.executable, "-m", "apex.cli", "bench", "codec", "transport", "--seconds", "0.2", "--json", str(report_path)],
+        [
+            sys.executable,
+            "-m",
+            "apex.cli",
+            "bench",
+            "codec",
+            "transport",
+            "--seconds",
+            "0.2",
+            "--json",
+            str(report_path),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -63,9 +74,28 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
     report_path = tmp_path / "bench.json"
     plot = tmp_path / "scaling.png"
     result = subprocess.run(
-        [sys.executable, "-m", "apex.cli", "bench", "ingest", "learner", "e2e", "--seconds", "4",
-         "--actors", "1", "--ranks", "1,2", "--plot", str(plot), "--json", str(report_path)],
-        capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "apex.cli",
+            "bench",
+            "ingest",
+            "learner",
+            "e2e",
+            "--seconds",
+            "4",
+            "--actors",
+            "1",
+            "--ranks",
+            "1,2",
+            "--plot",
+            str(plot),
+            "--json",
+            str(report_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(report_path.read_text())
@@ -75,10 +105,15 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
     assert "atari" in ingest or "atari" in report["ingest"]["skipped"]
     learner = {(r["model"], r["device"], r["ranks"]): r for r in report["learner"]["results"]}
     assert learner[("mlp", "cpu", 1)]["batches_per_s"] > 0 and learner[("nature_cnn", "cpu", 1)]["batch"] == 512
-    assert 0 < learner[("mlp", "cpu", 1)]["pipelined_vs_update_only"] and learner[("mlp", "cpu", 1)]["time_train_ms"] > 0
+    assert (
+        learner[("mlp", "cpu", 1)]["pipelined_vs_update_only"] > 0 and learner[("mlp", "cpu", 1)]["time_train_ms"] > 0
+    )
     for model in ("mlp", "nature_cnn"):  # two learner processes over gloo: both ranks' samples, the leader's sections
         pair = learner[(model, "cpu", 2)]
-        assert pair["samples_per_s"] == pytest.approx(2 * 512 * pair["batches_per_s"], rel=1e-2) and 0 < pair["scaling_efficiency"]
+        assert (
+            pair["samples_per_s"] == pytest.approx(2 * 512 * pair["batches_per_s"], rel=1e-2)
+            and pair["scaling_efficiency"] > 0
+        )
         assert pair["time_train_ms"] > 0 and pair["time_sample_ms"] > 0
     (row,) = report["e2e"]["results"]
     assert row["actors"] == 1 and row["env_steps_per_s"] > 0 and row["updates_per_s"] > 0
@@ -90,13 +125,23 @@ def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
     report_path = tmp_path / "flood.json"
     result = subprocess.run(
         [sys.executable, "-m", "apex", "bench", "flood", "--seconds", "4", "--json", str(report_path)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert result.returncode in (0, 2), result.stderr[-3000:]  # 2: a ratio fell short; the report is written all the same
+    assert result.returncode in (0, 2), result.stderr[
+        -3000:
+    ]  # 2: a ratio fell short; the report is written all the same
     report = json.loads(report_path.read_text())["flood"]
     phases = {r["phase"]: r for r in report["results"]}
-    assert list(phases) == ["unloaded", "hello flood", "control garbage", "trajectory garbage", "unloaded again",
-                            "all at once"]
+    assert list(phases) == [
+        "unloaded",
+        "hello flood",
+        "control garbage",
+        "trajectory garbage",
+        "unloaded again",
+        "all at once",
+    ]
     for row in phases.values():
         for key in ("updates_per_s", "env_steps_per_s", "updates_ratio", "env_steps_ratio", "learner_rss_mb"):
             assert isinstance(row[key], (int, float)), (row["phase"], key, row[key])
@@ -113,7 +158,9 @@ def test_bench_flood_measures_every_phase_and_counts_the_refused(tmp_path):
 def test_help_imports_nothing_heavy():
     """`apex --help` stays fast (0.1 s here) by building the parser without torch, ZeroMQ,
     gymnasium or the benchmarks."""
-    code = ("import sys; from apex.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('torch', 'zmq', 'gymnasium', 'numpy', 'apex.bench.e2e') if m in sys.modules))")
+    code = (
+        "import sys; from apex.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'zmq', 'gymnasium', 'numpy', 'apex.bench.e2e') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -22,8 +22,13 @@ def alias_bomb(levels: int = 9) -> str:
 
 
 def config_show(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apex", "config", "show", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "apex", "config", "show", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_an_alias_bomb_is_refused_in_one_line_within_seconds(tmp_path):
@@ -37,15 +42,22 @@ def test_an_alias_bomb_is_refused_in_one_line_within_seconds(tmp_path):
     out = config_show(str(bomb), timeout=20)
     assert time.monotonic() - started < 10
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.strip().splitlines() == [f"apex config: error: {bomb}: its YAML aliases expand it past 100000 "
-                                               "values (an alias bomb?): write the values out, or use fewer aliases"]
+    assert out.stderr.strip().splitlines() == [
+        f"apex config: error: {bomb}: its YAML aliases expand it past 100000 "
+        "values (an alias bomb?): write the values out, or use fewer aliases"
+    ]
     started = time.monotonic()
     with pytest.raises(ConfigError, match="aliases expand it past 100000 values"):
         config.load(bomb)
     with pytest.raises(ConfigError, match="aliases expand it past"):
-        config.load(None, ["env.kwargs={a: &a [x, x, x, x, x, x, x, x, x, x], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, "
-                           "*a], c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: &d [*c, *c, *c, *c, *c, *c, *c, *c, "
-                           "*c, *c], e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d, *d]}"])
+        config.load(
+            None,
+            [
+                "env.kwargs={a: &a [x, x, x, x, x, x, x, x, x, x], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, "
+                "*a], c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: &d [*c, *c, *c, *c, *c, *c, *c, *c, "
+                "*c, *c], e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d, *d]}"
+            ],
+        )
     assert time.monotonic() - started < 2
     loop = tmp_path / "loop.yaml"
     loop.write_text("env:\n  kwargs: &k {self: *k}\n")
@@ -62,8 +74,10 @@ def test_an_alias_bomb_is_refused_in_one_line_within_seconds(tmp_path):
 
 
 def test_config_show_says_a_huge_integer_and_an_infinite_rate_in_one_line_each(tmp_path):
-    for args, message in ((["--set", f"learner.batch_size={HUGE}"], "learner.batch_size must be within"),
-                          (["--set", "learner.lr=.inf"], "learner.lr must be a finite number, got inf")):
+    for args, message in (
+        (["--set", f"learner.batch_size={HUGE}"], "learner.batch_size must be within"),
+        (["--set", "learner.lr=.inf"], "learner.lr must be a finite number, got inf"),
+    ):
         out = config_show(*args)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         [line] = out.stderr.strip().splitlines()
@@ -73,4 +87,5 @@ def test_config_show_says_a_huge_integer_and_an_infinite_rate_in_one_line_each(t
     out = config_show(str(path))
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "apex config: error: invalid configuration: learner.batch_size must be within -2**53..2**53, got an integer "
-        "of 5000 digits"], out.stderr[-2000:]
+        "of 5000 digits"
+    ], out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""apex.distributed: the data-parallel group's step (gloo, two real processes)."""
+"""apex.training.distributed: the data-parallel group's step (gloo, two real processes)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn import Learner as ApexLearner
+from apex.algos.apex_dqn.learner import Learner as ApexLearner
 from apex.bench.transport import free_port
-from apex.distributed import GradientAllReduce, Rank, init_group, leave_group
-from apex.envs import EnvSpec
+from apex.envs.make import EnvSpec
 from apex.errors import ApexError
-from apex.pipeline import Staged
+from apex.training.distributed import GradientAllReduce, Rank, init_group, leave_group
+from apex.training.pipeline import Staged
 from tests.support.sockets import listening_sockets, non_loopback_address
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
@@ -22,21 +22,32 @@ BATCH = 64
 
 
 def bandit_learner(grad_clip: float) -> ApexLearner:
-    config = config_module.load(None, ["learner.batch_size=64", "learner.lr=1e-2", f"learner.grad_clip={grad_clip}",
-                                       "learner.device=cpu", "seed=7"])
+    config = config_module.load(
+        None,
+        ["learner.batch_size=64", "learner.lr=1e-2", f"learner.grad_clip={grad_clip}", "learner.device=cpu", "seed=7"],
+    )
     core = ApexLearner(config, SPEC, torch.device("cpu"))
     rng = np.random.default_rng(0)
     n = 500
     action = rng.integers(0, 2, n)
-    core.insert({"frames": rng.standard_normal((n + 1, 3)).astype(np.float32),
-                 "obs_frame": np.arange(n, dtype=np.int32), "next_obs_frame": np.arange(1, n + 1, dtype=np.int32),
-                 "action": action, "reward": (action == 0).astype(np.float32),
-                 "discount": np.full(n, 0.9, np.float32), "priority": rng.random(n).astype(np.float32) + 0.1})
+    core.insert(
+        {
+            "frames": rng.standard_normal((n + 1, 3)).astype(np.float32),
+            "obs_frame": np.arange(n, dtype=np.int32),
+            "next_obs_frame": np.arange(1, n + 1, dtype=np.int32),
+            "action": action,
+            "reward": (action == 0).astype(np.float32),
+            "discount": np.full(n, 0.9, np.float32),
+            "priority": rng.random(n).astype(np.float32) + 0.1,
+        }
+    )
     return core
 
 
 def one_step(core: ApexLearner, batch: dict[str, np.ndarray]) -> dict:
-    metrics = core.finish([core.train(Staged({k: torch.from_numpy(v) for k, v in batch.items()}, np.arange(len(batch["action"]))))])[0]
+    metrics = core.finish(
+        [core.train(Staged({k: torch.from_numpy(v) for k, v in batch.items()}, np.arange(len(batch["action"]))))]
+    )[0]
     return metrics
 
 
@@ -44,8 +55,9 @@ def grads(core: ApexLearner) -> dict[str, np.ndarray]:
     return {name: p.grad.numpy().copy() for name, p in core.online.named_parameters()}
 
 
-def _rank_main(rank: int, world: int, port: int, grad_clip: float, batch: dict, out: mp.Queue,
-               without_batch: tuple[int, ...] = ()) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, grad_clip: float, batch: dict, out: mp.Queue, without_batch: tuple[int, ...] = ()
+) -> None:
     """One step of the group on a share of ``batch`` (ranks in ``without_batch`` have none)."""
     torch.set_num_threads(1)
     init_group(Rank(rank, world, f"127.0.0.1:{port}"), torch.device("cpu"))
@@ -71,8 +83,10 @@ def group_step(batch: dict, grad_clip: float, world: int, without_batch: tuple[i
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    ranks = [ctx.Process(target=_rank_main, args=(r, world, port, grad_clip, batch, out, without_batch))
-             for r in range(world)]
+    ranks = [
+        ctx.Process(target=_rank_main, args=(r, world, port, grad_clip, batch, out, without_batch))
+        for r in range(world)
+    ]
     for p in ranks:
         p.start()
     results = sorted(out.get(timeout=120) for _ in ranks)
@@ -155,7 +169,7 @@ def test_the_rendezvous_store_listens_on_the_master_address_alone(where):
 def test_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
     import socket
 
-    from apex.distributed import listen_on
+    from apex.training.distributed import listen_on
 
     with pytest.raises(ApexError, match="rank 0 cannot listen on --master no-such-host.invalid:"):
         listen_on("no-such-host.invalid", free_port())
@@ -166,12 +180,15 @@ def test_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
             listen_on("127.0.0.1", taken.getsockname()[1])
 
 
-@pytest.mark.parametrize("args, message", [
-    ((2, 2, "127.0.0.1:5000"), "--rank must be in 0..1"),
-    ((0, 0, "127.0.0.1:5000"), "--world-size must be >= 1"),
-    ((0, 2, "nohost"), "--master must be HOST:PORT"),
-    ((0, 2, "127.0.0.1:99999"), "--master must be HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((2, 2, "127.0.0.1:5000"), "--rank must be in 0..1"),
+        ((0, 0, "127.0.0.1:5000"), "--world-size must be >= 1"),
+        ((0, 2, "nohost"), "--master must be HOST:PORT"),
+        ((0, 2, "127.0.0.1:99999"), "--master must be HOST:PORT"),
+    ],
+)
 def test_rank_arguments_are_checked(args, message):
     with pytest.raises(ApexError, match=message):
         Rank.checked(*args)

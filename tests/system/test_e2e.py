@@ -11,37 +11,60 @@ import numpy as np
 import pytest
 import zmq
 
-from apex import protocol
 from apex.bench.transport import free_base_port
+from apex.wire import protocol
 from tests.support.paths import ROOT
 from tests.support.processes import apex, kill_leftovers, processes_mentioning, wait_for
 from tests.support.runs import FAST, metrics
 
 CONTRACT_METRICS = {
-    "time", "env_steps", "learner_updates", "env_steps_per_s", "updates_per_s", "episodes",
-    "return_mean_100", "replay_size", "actors_connected", "weights_version", "rejected_messages",
+    "time",
+    "env_steps",
+    "learner_updates",
+    "env_steps_per_s",
+    "updates_per_s",
+    "episodes",
+    "return_mean_100",
+    "replay_size",
+    "actors_connected",
+    "weights_version",
+    "rejected_messages",
 }
 
 
 def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     logdir = tmp_path / "run"
     # Rows every 0.1 s: the run may reach its 20,000 env steps within the first 0.5 s.
-    proc = apex("run", "--actors", "2", "--logdir", str(logdir), "--port", str(free_base_port()),
-                "--stop-env-steps", "20000", *FAST, "--set", "learner.metrics_interval_s=0.1")
-    out, err = proc.communicate(timeout=180)
+    proc = apex(
+        "run",
+        "--actors",
+        "2",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+        "--stop-env-steps",
+        "20000",
+        *FAST,
+        "--set",
+        "learner.metrics_interval_s=0.1",
+    )
+    _out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     summary = json.loads((logdir / "summary.json").read_text())
     assert summary["stop_reason"] == "20000 env steps"
     assert summary["env_steps"] >= 20000 and summary["learner_updates"] > 0
     assert {"wall_seconds", "return_mean_100", "best_return_mean_100"} <= summary.keys()
     rows = metrics(logdir)
-    assert len(rows) >= 2 and all(CONTRACT_METRICS <= row.keys() for row in rows)
+    assert len(rows) >= 2 and all(row.keys() >= CONTRACT_METRICS for row in rows)
     assert max(r["actors_connected"] for r in rows) == 2
     assert rows[-1]["env_steps"] == summary["env_steps"]
     # the pipelined learner's time per step by section, in every row that covers steps
     stepped = [r for r in rows if "time_train_ms" in r]
-    assert stepped and all(r["time_train_ms"] > 0 and r["time_sample_ms"] >= 0 and r["time_write_back_ms"] >= 0
-                           and r["time_idle_ms"] >= 0 for r in stepped)
+    assert stepped and all(
+        r["time_train_ms"] > 0 and r["time_sample_ms"] >= 0 and r["time_write_back_ms"] >= 0 and r["time_idle_ms"] >= 0
+        for r in stepped
+    )
     assert any(r["time_sample_ms"] > 0 for r in stepped)  # a row may train on batches a refill staged before it
     assert list((logdir / "checkpoints").glob("ckpt-*.pt"))
     time.sleep(0.5)
@@ -51,12 +74,24 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
 def test_impala_run_reports_policy_lag(tmp_path):
     logdir = tmp_path / "impala"
     config = ROOT / "configs" / "cartpole_impala.yaml"
-    proc = apex("run", "--config", str(config), "--actors", "1", "--logdir", str(logdir),
-                "--port", str(free_base_port()), "--stop-env-steps", "20000", *FAST)
+    proc = apex(
+        "run",
+        "--config",
+        str(config),
+        "--actors",
+        "1",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+        "--stop-env-steps",
+        "20000",
+        *FAST,
+    )
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err
     rows = metrics(logdir)
-    assert all(CONTRACT_METRICS <= row.keys() for row in rows)
+    assert all(row.keys() >= CONTRACT_METRICS for row in rows)
     trained = [r for r in rows if r["learner_updates"] > 0 and r["policy_lag_mean"] is not None]
     assert trained and all(r["policy_lag_max"] >= r["policy_lag_mean"] >= 0 for r in trained)
     assert {"queue_unrolls", "queue_dropped_unrolls", "entropy"} <= rows[-1].keys()
@@ -67,8 +102,18 @@ def test_impala_run_reports_policy_lag(tmp_path):
 def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
     logdir = tmp_path / "hand"
     port = free_base_port()
-    learner = apex("learner", "--logdir", str(logdir), "--bind-host", "127.0.0.1", "--port", str(port),
-                   "--stop-seconds", "120", *FAST)
+    learner = apex(
+        "learner",
+        "--logdir",
+        str(logdir),
+        "--bind-host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--stop-seconds",
+        "120",
+        *FAST,
+    )
     actor_args = ["actor", "--learner", f"127.0.0.1:{port}", *FAST[:4]]
     actors = [apex(*actor_args) for _ in range(2)]
     try:
@@ -81,12 +126,21 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
         push = zmq.Context.instance().socket(zmq.PUSH)
         push.connect(f"tcp://127.0.0.1:{port + 1}")
         push.send_multipart([b"\x00garbage", b"x"])
-        push.send_multipart(protocol.encode(
-            "batch", {"actor_index": 9, "weights_version": 0, "info": {}, "session": bytes(16), "seq": 0},
-            {"frames": np.zeros((2, 4), np.float32), "obs_frame": np.array([0], np.int32),
-             "next_obs_frame": np.array([1], np.int32), "action": np.array([7]), "reward": np.ones(1, np.float32),
-             "discount": np.ones(1, np.float32), "priority": np.ones(1, np.float32)},
-        ))
+        push.send_multipart(
+            protocol.encode(
+                "batch",
+                {"actor_index": 9, "weights_version": 0, "info": {}, "session": bytes(16), "seq": 0},
+                {
+                    "frames": np.zeros((2, 4), np.float32),
+                    "obs_frame": np.array([0], np.int32),
+                    "next_obs_frame": np.array([1], np.int32),
+                    "action": np.array([7]),
+                    "reward": np.ones(1, np.float32),
+                    "discount": np.ones(1, np.float32),
+                    "priority": np.ones(1, np.float32),
+                },
+            )
+        )
         push.close(linger=1000)
 
         actors[0] = apex(*actor_args)  # restarted: it rejoins
@@ -110,7 +164,10 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--set", "env.id=CartPole-v9"], "env.id 'CartPole-v9' is not a registered Gymnasium environment; did you mean CartPole-v1?"),
+        (
+            ["--set", "env.id=CartPole-v9"],
+            "env.id 'CartPole-v9' is not a registered Gymnasium environment; did you mean CartPole-v1?",
+        ),
         (["--set", "replay.capacty=5"], "unknown key replay.capacty; did you mean replay.capacity?"),
         (["--config", "no/such.yaml"], "config no/such.yaml not found"),
     ],

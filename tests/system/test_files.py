@@ -15,8 +15,9 @@ from tests.support.paths import ROOT
 
 def run_child(script: str, *args: str) -> subprocess.CompletedProcess:
     """Runs ``script`` in a fresh interpreter: resource limits there do not reach pytest."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 # -- write errors
@@ -32,10 +33,12 @@ def limit(nbytes):
 
 
 def test_metrics_and_tensorboard_write_errors_do_not_end_the_run(tmp_path):
-    script = FILE_SIZE_LIMIT + """
+    script = (
+        FILE_SIZE_LIMIT
+        + """
 import json, logging, resource, sys, time
 from pathlib import Path
-from apex.metrics import MetricsWriter
+from apex.learner.metrics import MetricsWriter
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
 class Quiet:
@@ -61,6 +64,7 @@ writer.write({**row, "time": 999.0, "learner_updates": 999})
 writer.close()
 print(json.dumps({"failed_while_full": failed_while_full, "write_failures": writer.write_failures}))
 """
+    )
     result = run_child(script, str(tmp_path))
     assert result.returncode == 0, result.stderr
     counts = json.loads(result.stdout.splitlines()[-1])
@@ -76,12 +80,14 @@ print(json.dumps({"failed_while_full": failed_while_full, "write_failures": writ
 
 
 def test_failed_checkpoint_and_summary_writes_leave_no_temporary_file(tmp_path):
-    script = FILE_SIZE_LIMIT + """
+    script = (
+        FILE_SIZE_LIMIT
+        + """
 import json, sys
 from pathlib import Path
 import torch
 from apex.checkpoint import CheckpointWriter
-from apex.metrics import write_json_atomic
+from apex.learner.metrics import write_json_atomic
 from tests.support.checkpoints import state
 
 logdir = Path(sys.argv[1])
@@ -97,6 +103,7 @@ except OSError as e:
     summary_error = e.errno
 print(json.dumps({"checkpoint_failures": writer.failures, "summary_errno": summary_error}))
 """
+    )
     result = run_child(script, str(tmp_path))
     assert result.returncode == 0, result.stderr
     outcome = json.loads(result.stdout.splitlines()[-1])

@@ -28,9 +28,19 @@ def run_cli(*args: str, timeout: float = 60) -> tuple[int, str, str]:
 def test_an_actors_num_envs_is_its_own_not_a_config_shorthand():
     """`apex actor --num-envs 1` (APEX_NUM_ENVS in containers) asks the learner for 1
     environment; it is not checked against the actor's local config's eval_envs."""
-    code, _, err = run_cli("actor", "--learner", f"127.0.0.1:{free_base_port()}", "--num-envs", "1",
-                           "--set", "transport.heartbeat_interval_s=0.5", "--set", "transport.heartbeat_timeout_s=1",
-                           "--set", "transport.give_up_after_s=2")
+    code, _, err = run_cli(
+        "actor",
+        "--learner",
+        f"127.0.0.1:{free_base_port()}",
+        "--num-envs",
+        "1",
+        "--set",
+        "transport.heartbeat_interval_s=0.5",
+        "--set",
+        "transport.heartbeat_timeout_s=1",
+        "--set",
+        "transport.give_up_after_s=2",
+    )
     assert code == 2 and "no learner answered" in err, err
 
 
@@ -64,8 +74,9 @@ def test_a_wrong_env_id_fails_in_the_parent_within_3s(tmp_path):
 @pytest.mark.parametrize("command", ["run", "learner"])
 def test_an_unusable_action_space_fails_before_anything_starts(tmp_path, command):
     start = time.monotonic()
-    code, _, err = run_cli(command, "--env", "Pendulum-v1", "--logdir", str(tmp_path / "run"),
-                           "--port", str(free_base_port()))
+    code, _, err = run_cli(
+        command, "--env", "Pendulum-v1", "--logdir", str(tmp_path / "run"), "--port", str(free_base_port())
+    )
     assert time.monotonic() - start < 3  # checked before torch is imported
     assert code == 2 and "Pendulum-v1" in err and "Discrete" in err
     assert not (tmp_path / "run").exists()
@@ -112,12 +123,34 @@ def test_config_show_explains_every_setting_and_reads_back(tmp_path):
 
 def test_apex_run_prints_one_banner_progress_and_a_closing_line(tmp_path):
     logdir = tmp_path / "run"
-    code, out, err = run_cli("run", "--env", "Acrobot-v1", "--algo", "impala", "--seed", "3", "--num-envs", "4",
-                             "--actors", "1", "--stop-env-steps", "3000", "--logdir", str(logdir),
-                             "--port", str(free_base_port()), timeout=120)
+    code, _out, err = run_cli(
+        "run",
+        "--env",
+        "Acrobot-v1",
+        "--algo",
+        "impala",
+        "--seed",
+        "3",
+        "--num-envs",
+        "4",
+        "--actors",
+        "1",
+        "--stop-env-steps",
+        "3000",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+        timeout=120,
+    )
     assert code == 0, err
     saved = yaml.safe_load((logdir / "config.yaml").read_text())
-    assert (saved["env"]["id"], saved["algo"], saved["seed"], saved["actor"]["num_envs"]) == ("Acrobot-v1", "impala", 3, 4)
+    assert (saved["env"]["id"], saved["algo"], saved["seed"], saved["actor"]["num_envs"]) == (
+        "Acrobot-v1",
+        "impala",
+        3,
+        4,
+    )
     lines = err.splitlines()
     banners = [line for line in lines if "starting" in line or "apex run:" in line or "apex learner:" in line]
     assert len(banners) == 1 and "starting impala on Acrobot-v1" in banners[0] and str(logdir) in banners[0], banners
@@ -134,10 +167,24 @@ def test_apex_run_prints_one_banner_progress_and_a_closing_line(tmp_path):
 
 def test_the_learner_keeps_its_best_checkpoint_and_eval_plays_it(tmp_path):
     logdir = tmp_path / "run"
-    code, _, err = run_cli("run", "--stop-env-steps", "40000", "--logdir", str(logdir), "--port", str(free_base_port()),
-                           "--set", "learner.checkpoint_interval_updates=40", "--set", "learner.keep_checkpoints=1",
-                           "--set", "learner.best_checkpoint_interval_s=0.5", "--set", "learner.metrics_interval_s=0.5",
-                           timeout=180)
+    code, _, err = run_cli(
+        "run",
+        "--stop-env-steps",
+        "40000",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+        "--set",
+        "learner.checkpoint_interval_updates=40",
+        "--set",
+        "learner.keep_checkpoints=1",
+        "--set",
+        "learner.best_checkpoint_interval_s=0.5",
+        "--set",
+        "learner.metrics_interval_s=0.5",
+        timeout=180,
+    )
     assert code == 0, err
     manifests = {m.stem: json.loads(m.read_text()) for m in (logdir / "checkpoints").glob("ckpt-*.json")}
     scores = {name: m["return_mean_100"] for name, m in manifests.items() if m["return_mean_100"] is not None}

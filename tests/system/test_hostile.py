@@ -32,22 +32,31 @@ import torch
 import zmq
 
 from apex import config as config_module
-from apex import protocol
 from apex.bench.transport import free_base_port, free_port
 from apex.transport import LearnerClient, generate_keys
+from apex.wire import protocol
 from tests.support.peers import OPTIONS, honest_batch
 from tests.support.processes import processes_mentioning, wait_for
 from tests.support.runs import FAST, metrics
 
 # Small batches, and ingest that the sample-to-insert ratio does not hold back on a loaded machine.
-QUICK_START = ["--set", "replay.min_size=500", "--set", "learner.batch_size=64", "--set", "impala.batch_unrolls=8",
-               "--set", "replay.samples_per_insert=0.5"]
+QUICK_START = [
+    "--set",
+    "replay.min_size=500",
+    "--set",
+    "learner.batch_size=64",
+    "--set",
+    "impala.batch_unrolls=8",
+    "--set",
+    "replay.samples_per_insert=0.5",
+]
 
 
 def start(*args: str, log: Path, **kwargs) -> subprocess.Popen:
     """An apex process with its output in a file (a pipe nobody reads would block it)."""
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "apex", *args], stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, **kwargs
+    )
 
 
 def rss_mb(pid: int) -> float:
@@ -65,10 +74,32 @@ class Run:
         tmp.mkdir(parents=True, exist_ok=True)
         self.logdir, self.port = tmp / f"run-{algo}", free_base_port()
         self.learner_log = tmp / f"learner-{algo}.log"
-        self.learner = start("learner", "--logdir", str(self.logdir), "--port", str(self.port), "--set", f"algo={algo}",
-                             *FAST, *QUICK_START, *extra, log=self.learner_log, preexec_fn=preexec_fn)
-        self.actors = [start("actor", "--learner", f"127.0.0.1:{self.port}", "--actor-index", str(i), *FAST[:4],
-                             log=tmp / f"actor-{algo}-{i}.log") for i in range(actors)]
+        self.learner = start(
+            "learner",
+            "--logdir",
+            str(self.logdir),
+            "--port",
+            str(self.port),
+            "--set",
+            f"algo={algo}",
+            *FAST,
+            *QUICK_START,
+            *extra,
+            log=self.learner_log,
+            preexec_fn=preexec_fn,
+        )
+        self.actors = [
+            start(
+                "actor",
+                "--learner",
+                f"127.0.0.1:{self.port}",
+                "--actor-index",
+                str(i),
+                *FAST[:4],
+                log=tmp / f"actor-{algo}-{i}.log",
+            )
+            for i in range(actors)
+        ]
         if actors:
             self.wait_updating(90)
 
@@ -89,7 +120,9 @@ class Run:
         return self.row().get("rejected_by_reason", {}).get(reason, 0)
 
     def wait_rejected(self, reason: str, at_least: int, timeout: float = 20) -> None:
-        wait_for(lambda: self.rejected(reason) >= at_least, timeout, f"{at_least} rejected for {reason!r}: {self.row()}")
+        wait_for(
+            lambda: self.rejected(reason) >= at_least, timeout, f"{at_least} rejected for {reason!r}: {self.row()}"
+        )
 
     def stop(self, timeout: float = 30) -> int:
         for proc in [self.learner, *self.actors]:
@@ -158,7 +191,8 @@ def impala_run(tmp_path_factory):
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_path, algo):
     # Observations up to float32's limit let in (the default, the space's bounds and 1e6, refuses
-    # them: test_finite_poison_is_refused_by_the_learner_and_by_apex_serve): the defence behind it, skipped updates, is what is tested here.
+    # them: test_finite_poison_is_refused_by_the_learner_and_by_apex_serve): the defence behind
+    # it, skipped updates, is what is tested here.
     run = Run(tmp_path, algo, "--set", "learner.checkpoint_interval_s=2", "--set", "transport.max_abs_obs=3.3e38")
     try:
         peer = run.session()
@@ -195,8 +229,16 @@ def test_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_tra
     each unroll's start, done flags, Gaussian samples and densities), forged but well formed,
     is refused and counted by reason while the learner lives and trains; a finite but absurd
     cell state (1e30) passes the schema and leaves the weights finite."""
-    run = Run(tmp_path, "impala", "--set", "env.id=Pendulum-v1", "--set", "model.recurrent=lstm",
-              "--set", "model.lstm_size=16")
+    run = Run(
+        tmp_path,
+        "impala",
+        "--set",
+        "env.id=Pendulum-v1",
+        "--set",
+        "model.recurrent=lstm",
+        "--set",
+        "model.lstm_size=16",
+    )
     try:
         peer = run.session()
         batch = honest_batch(peer)
@@ -260,8 +302,12 @@ def test_a_forged_checkpoint_runs_no_code_and_resume_falls_back(tmp_path):
     run, checkpoints = stopped_run_with_two_checkpoints(tmp_path)
     marker = tmp_path / "pwned"
     forge(checkpoints[-1], marker)
-    evaluated = subprocess.run([sys.executable, "-m", "apex", "eval", "--checkpoint", str(checkpoints[-1])],
-                               capture_output=True, text=True, timeout=120)
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "apex", "eval", "--checkpoint", str(checkpoints[-1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert evaluated.returncode == 2 and len(evaluated.stderr.strip().splitlines()) == 1, evaluated.stderr
     resumed = Run(tmp_path / "resumed", "apex_dqn", "--resume", str(run.logdir), "--stop-seconds", "600")
     try:
@@ -318,7 +364,7 @@ def test_a_hello_flood_neither_stalls_training_nor_delays_sigterm(tmp_path):
 
 FLOOD_HELLOS = """
 import sys, zmq
-from apex import protocol
+from apex.wire import protocol
 port = int(sys.argv[1])
 frames = protocol.encode("hello", {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1})
 sockets = []
@@ -371,8 +417,9 @@ def test_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
 
 def test_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_curve(tmp_path):
     port = free_base_port()
-    local = start("learner", "--logdir", str(tmp_path / "a"), "--port", str(port), "--stop-seconds", "600",
-                  log=tmp_path / "a.log")
+    local = start(
+        "learner", "--logdir", str(tmp_path / "a"), "--port", str(port), "--stop-seconds", "600", log=tmp_path / "a.log"
+    )
     try:
         wait_for(lambda: "starting apex_dqn on" in (tmp_path / "a.log").read_text(), 60, "the learner to start")
         listening = Path("/proc/net/tcp").read_text()
@@ -381,8 +428,18 @@ def test_learner_binds_loopback_by_default_and_warns_on_an_open_bind_without_cur
     finally:
         local.send_signal(signal.SIGTERM)
         local.wait(30)
-    open_bind = start("learner", "--logdir", str(tmp_path / "b"), "--port", str(port), "--bind-host", "0.0.0.0",
-                      "--stop-seconds", "1", log=tmp_path / "b.log")
+    open_bind = start(
+        "learner",
+        "--logdir",
+        str(tmp_path / "b"),
+        "--port",
+        str(port),
+        "--bind-host",
+        "0.0.0.0",
+        "--stop-seconds",
+        "1",
+        log=tmp_path / "b.log",
+    )
     open_bind.wait(60)
     warnings = [line for line in (tmp_path / "b.log").read_text().splitlines() if "without CURVE" in line]
     assert len(warnings) == 1 and "apex keygen" in warnings[0]
@@ -396,8 +453,17 @@ def _small_files() -> None:  # in the child: writes past 256 KB fail (EFBIG; Pyt
 
 
 def test_write_errors_in_metrics_tensorboard_and_checkpoints_are_survived(tmp_path):
-    run = Run(tmp_path, "apex_dqn", "--set", "learner.checkpoint_interval_s=1", "--set", "learner.metrics_interval_s=0.1",
-              "--stop-seconds", "25", preexec_fn=_small_files)
+    run = Run(
+        tmp_path,
+        "apex_dqn",
+        "--set",
+        "learner.checkpoint_interval_s=1",
+        "--set",
+        "learner.metrics_interval_s=0.1",
+        "--stop-seconds",
+        "25",
+        preexec_fn=_small_files,
+    )
     assert run.learner.wait(timeout=90) == 0
     run.stop()
     log = run.learner_log.read_text()
@@ -460,7 +526,7 @@ def test_an_actor_waiting_for_a_learner_says_so_and_stops_on_a_signal_within_a_s
     log = tmp_path / "actor.log"
     actor = start("actor", "--learner", f"127.0.0.1:{port}", log=log)
     try:
-        wait_for(lambda: "waiting for learner at 127.0.0.1:%d (10 s)" % port in log.read_text(), 30, "a waiting line")
+        wait_for(lambda: f"waiting for learner at 127.0.0.1:{port} (10 s)" in log.read_text(), 30, "a waiting line")
         actor.send_signal(signal.SIGTERM)
         started = time.monotonic()
         assert actor.wait(timeout=5) == 0
@@ -488,11 +554,14 @@ def test_apex_run_returns_a_learner_start_up_error_within_five_seconds(tmp_path,
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
     else:  # found only by the learner process, after its own start-up (CUDA asked for, none here)
-        args += ["--set", "learner.device=cuda:7"] if not torch.cuda.is_available() else ["--set", "learner.device=cuda:99"]
+        args += (
+            ["--set", "learner.device=cuda:7"] if not torch.cuda.is_available() else ["--set", "learner.device=cuda:99"]
+        )
     started = time.monotonic()
     with taken:
-        result = subprocess.run([sys.executable, "-m", "apex", "run", *args], capture_output=True, text=True,
-                                timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "apex", "run", *args], capture_output=True, text=True, timeout=60
+        )
     elapsed = time.monotonic() - started
     assert result.returncode == 2, result.stderr
     expected = {"unknown env": "NoSuchEnv-v0", "port taken": f"port {port + 1}", "learner failing": "CUDA"}[problem]
@@ -509,10 +578,13 @@ def test_hello_fields_are_bounded(apex_run):
     dealer.setsockopt(zmq.ROUTING_ID, b"hostile-3")
     dealer.connect(f"tcp://127.0.0.1:{apex_run.port}")
     try:
-        for fields, words in (({"actor_index": 2**51}, "actor index must be in 0..65535"),
-                              ({"actor_index": -1}, "actor index must be in"),
-                              ({"pid": 2**63}, "pid in"), ({"host": "h" * 10_000}, "host must be at most"),
-                              ({"num_envs": 2**40}, "num_envs must be in")):
+        for fields, words in (
+            ({"actor_index": 2**51}, "actor index must be in 0..65535"),
+            ({"actor_index": -1}, "actor index must be in"),
+            ({"pid": 2**63}, "pid in"),
+            ({"host": "h" * 10_000}, "host must be at most"),
+            ({"num_envs": 2**40}, "num_envs must be in"),
+        ):
             hello = {"actor_index": None, "num_envs": 1, "host": "x", "pid": 1, **fields}
             dealer.send_multipart(protocol.encode("hello", hello))
             assert dealer.poll(5000)
@@ -569,8 +641,11 @@ def test_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex
     # One captured batch sent 200 times: in once.
     replayed = apex_run.rejected("replayed")
     inserted = apex_run.row()["inserted"]
-    frames = protocol.encode("batch", {"actor_index": peer.actor_index, "weights_version": 0, "info": {},
-                                       "session": peer._session, "seq": peer._seq}, batch)
+    frames = protocol.encode(
+        "batch",
+        {"actor_index": peer.actor_index, "weights_version": 0, "info": {}, "session": peer._session, "seq": peer._seq},
+        batch,
+    )
     for _ in range(200):
         stranger.send_multipart(frames)
     # (the peer keeps its session alive meanwhile, as a live actor would)
@@ -598,9 +673,11 @@ def test_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex
 
 
 def test_ten_garbage_senders_do_not_stop_an_honest_actor(apex_run):
-    script = ("import os, sys, zmq\ns = zmq.Context().socket(zmq.PUSH)\n"
-              "s.connect(f'tcp://127.0.0.1:{int(sys.argv[1]) + 1}')\n"
-              "while True: s.send_multipart([b'\\x81\\xa1v\\x03' + os.urandom(64), os.urandom(512)])\n")
+    script = (
+        "import os, sys, zmq\ns = zmq.Context().socket(zmq.PUSH)\n"
+        "s.connect(f'tcp://127.0.0.1:{int(sys.argv[1]) + 1}')\n"
+        "while True: s.send_multipart([b'\\x81\\xa1v\\x03' + os.urandom(64), os.urandom(512)])\n"
+    )
     garbage = [subprocess.Popen([sys.executable, "-c", script, str(apex_run.port)]) for _ in range(10)]
     try:
         malformed = apex_run.rejected("malformed")
@@ -638,8 +715,16 @@ def test_small_messages_declaring_large_arrays_cost_no_memory(fixture, request):
     _zeros_lz4(512 * 2**20), _zeros_lz4(3_200_000)  # made before the session, which must not go silent
     before = rss_mb(run.learner.pid)
     peer = run.session()
-    fields = lambda: {"actor_index": peer.actor_index, "weights_version": 0, "info": {},  # noqa: E731
-                      "session": peer._session, "seq": peer._seq}
+
+    def fields() -> dict:
+        return {
+            "actor_index": peer.actor_index,
+            "weights_version": 0,
+            "info": {},
+            "session": peer._session,
+            "seq": peer._seq,
+        }
+
     rejected = run.rejected("too_large") + run.rejected("fields")
     for name in ("frames", "unknown"):  # four 2.1 MB payloads declaring 512 MB each
         for _ in range(2):
@@ -648,8 +733,11 @@ def test_small_messages_declaring_large_arrays_cost_no_memory(fixture, request):
     batch = honest_batch(peer)
     many = {k: np.repeat(v, 5000, axis=0) for k, v in batch.items()}  # 500,000 unrolls (IMPALA)
     send(peer, many)
-    wait_for(lambda: run.rejected("too_large") + run.rejected("fields") + run.rejected("malformed") >= rejected + 5,
-             20, f"the bombs to be rejected: {run.row().get('rejected_by_reason')}")
+    wait_for(
+        lambda: run.rejected("too_large") + run.rejected("fields") + run.rejected("malformed") >= rejected + 5,
+        20,
+        f"the bombs to be rejected: {run.row().get('rejected_by_reason')}",
+    )
     control = zmq.Context.instance().socket(zmq.DEALER)
     control.connect(f"tcp://127.0.0.1:{run.port}")
     malformed = run.rejected("malformed")
@@ -686,8 +774,9 @@ def forge_config(pt: Path, edit) -> None:
 
 
 def apex_command(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "apex", *args], capture_output=True, text=True, timeout=timeout,
-                          **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "apex", *args], capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
 
 def refused_import(result: subprocess.CompletedProcess, command: str, module: str) -> None:
@@ -711,10 +800,16 @@ def test_a_checkpoint_whose_config_names_code_runs_none_of_it(tmp_path):
     refused_import(apex_command("eval", "--checkpoint", str(run.logdir), "--which", "newest"), "eval", "pydoc")
     with pytest.raises(config_module.ConfigError, match="module 'pydoc'.*--allow-import pydoc"):
         apex.load_policy(checkpoints[-1])
-    refused_import(apex_command("learner", "--resume", str(run.logdir), "--port", str(free_base_port()),
-                                "--stop-seconds", "600"), "learner", "pydoc")
-    refused_import(apex_command("run", "--resume", str(run.logdir), "--port", str(free_base_port()),
-                                "--stop-seconds", "600"), "run", "pydoc")
+    refused_import(
+        apex_command("learner", "--resume", str(run.logdir), "--port", str(free_base_port()), "--stop-seconds", "600"),
+        "learner",
+        "pydoc",
+    )
+    refused_import(
+        apex_command("run", "--resume", str(run.logdir), "--port", str(free_base_port()), "--stop-seconds", "600"),
+        "run",
+        "pydoc",
+    )
     assert not marker.exists()
     # The same checkpoint, allowed by the one who loads it: the wrapper runs (the check above
     # is what stopped it, not something else on the way).
@@ -767,12 +862,17 @@ def test_a_forged_welcome_makes_actors_and_serve_run_no_code(tmp_path, forgery):
     try:
         link = ["--learner", f"127.0.0.1:{learner.port}", "--set", "transport.give_up_after_s=20"]
         refused_import(apex_command("actor", *link, env=environment), "actor", module)
-        refused_import(apex_command("serve", *link, "--http", f"127.0.0.1:{free_port()}", env=environment),
-                       "serve", module)
+        refused_import(
+            apex_command("serve", *link, "--http", f"127.0.0.1:{free_port()}", env=environment), "serve", module
+        )
         assert not marker.exists()
         # Allowed by the actor's own side, the same welcome runs the code: the check stopped it.
-        allowed = subprocess.Popen([sys.executable, "-m", "apex", "actor", *link, "--allow-import", module],
-                                   env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        allowed = subprocess.Popen(
+            [sys.executable, "-m", "apex", "actor", *link, "--allow-import", module],
+            env=environment,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_for(marker.exists, 60, "the allowed module's code to run")
         finally:
@@ -792,13 +892,25 @@ def forged_setup(algo: str, edit) -> dict:
 
 
 FORGED_SIZES = {  # a welcome's sizes before: a traceback, or an actor making 10**9 environments
-    "frame_stack": ("impala", lambda s: s["config"]["env"].update(frame_stack=10**9), "env.frame_stack must be in 1..64"),
-    "hidden": ("impala", lambda s: s["config"]["model"].update(hidden=[10**9]), "model.hidden must be at most 16 sizes"),
+    "frame_stack": (
+        "impala",
+        lambda s: s["config"]["env"].update(frame_stack=10**9),
+        "env.frame_stack must be in 1..64",
+    ),
+    "hidden": (
+        "impala",
+        lambda s: s["config"]["model"].update(hidden=[10**9]),
+        "model.hidden must be at most 16 sizes",
+    ),
     "num_envs": ("impala", lambda s: s.update(num_envs=10**9), "setup.num_envs must be in 1..4096"),
     "seed": ("impala", lambda s: s.update(seed="0"), "setup.seed must be a int"),
     "no_epsilons": ("apex_dqn", lambda s: s.pop("epsilons"), "setup.epsilons must be a list of 1 numbers in [0, 1]"),
     "nan_epsilon": ("apex_dqn", lambda s: s.update(epsilons=[float("nan")]), "setup.epsilons must be a list of 1"),
-    "eval_envs": ("apex_dqn", lambda s: s.update(eval_envs=[False] * 5), "setup.eval_envs must be a list of 1 booleans"),
+    "eval_envs": (
+        "apex_dqn",
+        lambda s: s.update(eval_envs=[False] * 5),
+        "setup.eval_envs must be a list of 1 booleans",
+    ),
 }
 
 
@@ -817,7 +929,9 @@ def test_a_forged_welcomes_sizes_and_ladder_are_one_line_not_a_traceback(tmp_pat
             result = apex_command(command, *link, *commands[command], timeout=60)
             assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
             # one error (a config's lists each problem on a line of its own below it)
-            [error] = [i for i, line in enumerate(result.stderr.splitlines()) if line.startswith(f"apex {command}: error")]
+            [error] = [
+                i for i, line in enumerate(result.stderr.splitlines()) if line.startswith(f"apex {command}: error")
+            ]
             assert words in "\n".join(result.stderr.splitlines()[error:]), result.stderr[-3000:]
     finally:
         learner.close()
@@ -830,9 +944,12 @@ def http_json(port: int, method: str, path: str, body: dict | None = None) -> tu
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as reply:
             return reply.status, json.loads(reply.read())
@@ -853,8 +970,15 @@ def test_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
     trains on at its unloaded rate."""
     run = Run(tmp_path, "apex_dqn")
     serve_port = free_port()
-    served = start("serve", "--learner", f"127.0.0.1:{run.port}", "--http", f"127.0.0.1:{serve_port}", *FAST[:4],
-                   log=tmp_path / "serve.log")
+    served = start(
+        "serve",
+        "--learner",
+        f"127.0.0.1:{run.port}",
+        "--http",
+        f"127.0.0.1:{serve_port}",
+        *FAST[:4],
+        log=tmp_path / "serve.log",
+    )
     try:
         unloaded = update_rate(run, 4)
         peer = run.session()
@@ -873,8 +997,11 @@ def test_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
         assert loaded >= 0.5 * unloaded, (loaded, unloaded)
         assert run.row()["skipped_updates"] == 0
 
-        wait_for(lambda: (tmp_path / "serve.log").exists() and "serving" in (tmp_path / "serve.log").read_text(), 60,
-                 "apex serve to serve")
+        wait_for(
+            lambda: (tmp_path / "serve.log").exists() and "serving" in (tmp_path / "serve.log").read_text(),
+            60,
+            "apex serve to serve",
+        )
         status, opened = http_json(serve_port, "POST", "/v1/episodes", {})
         assert status in (200, 201), opened
         action = f"/v1/episodes/{opened['episode_id']}/action"

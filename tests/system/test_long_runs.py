@@ -12,7 +12,7 @@ import time
 import pytest
 
 from apex.bench.transport import free_base_port
-from apex.metrics import MetricsWriter, status_line
+from apex.learner.metrics import MetricsWriter, status_line
 from tests.support.processes import apex, kill_leftovers, processes_mentioning, wait_for
 from tests.support.runs import FAST, metrics
 
@@ -48,7 +48,7 @@ def test_learner_killed_and_resumed_keeps_its_replay_and_its_actors(tmp_path):
 
         target = 40_000
         resumed = apex("learner", "--resume", str(logdir), "--port", str(port), "--stop-env-steps", str(target))
-        out, err = resumed.communicate(timeout=120)
+        _out, err = resumed.communicate(timeout=120)
         assert resumed.returncode == 0, err
         assert f"resumed from {saved['name']}" in err
         rows = metrics(logdir)[rows_before:]
@@ -70,14 +70,25 @@ def test_learner_killed_and_resumed_keeps_its_replay_and_its_actors(tmp_path):
 
 def test_run_restarts_a_killed_learner_from_its_checkpoint(tmp_path):
     logdir = tmp_path / "run"
-    run = apex("run", "--actors", "2", "--logdir", str(logdir), "--port", str(free_base_port()),
-               "--stop-env-steps", "60000", *FAST, *CHECKPOINT_OFTEN)
+    run = apex(
+        "run",
+        "--actors",
+        "2",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(free_base_port()),
+        "--stop-env-steps",
+        "60000",
+        *FAST,
+        *CHECKPOINT_OFTEN,
+    )
     try:
         wait_for(lambda: checkpoint_with_replay(logdir, 2000), 90, "a checkpoint")
         learners = [line for line in processes_mentioning(str(logdir)) if " learner " in line]
         assert len(learners) == 1, learners
         os.kill(int(learners[0].split()[0]), signal.SIGKILL)
-        out, err = run.communicate(timeout=150)
+        _out, err = run.communicate(timeout=150)
     finally:
         kill_leftovers([run])
     assert run.returncode == 0, err
@@ -96,16 +107,31 @@ def test_resume_without_checkpoints_is_a_clear_error(tmp_path):
 
 def test_actor_gives_up_on_a_learner_that_never_answers(tmp_path):
     start = time.monotonic()
-    proc = apex("actor", "--learner", f"127.0.0.1:{free_base_port()}", *FAST[:4], "--set", "transport.give_up_after_s=3")
+    proc = apex(
+        "actor", "--learner", f"127.0.0.1:{free_base_port()}", *FAST[:4], "--set", "transport.give_up_after_s=3"
+    )
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "no learner answered" in err and "transport.give_up_after_s" in err
     assert time.monotonic() - start < 30
 
 
-ROW = {"time": 12.0, "env_steps": 5000, "learner_updates": 40, "env_steps_per_s": 1000.0, "updates_per_s": 8.0,
-       "return_mean_100": 21.5, "replay_size": 2500, "replay_capacity": 10000, "actors_connected": 2,
-       "policy_lag_mean": 3.0, "loss": 0.25, "priority_mean": 0.5, "queue_unrolls": 3, "weights_version": 40}
+ROW = {
+    "time": 12.0,
+    "env_steps": 5000,
+    "learner_updates": 40,
+    "env_steps_per_s": 1000.0,
+    "updates_per_s": 8.0,
+    "return_mean_100": 21.5,
+    "replay_size": 2500,
+    "replay_capacity": 10000,
+    "actors_connected": 2,
+    "policy_lag_mean": 3.0,
+    "loss": 0.25,
+    "priority_mean": 0.5,
+    "queue_unrolls": 3,
+    "weights_version": 40,
+}
 
 
 class Console(io.StringIO):
@@ -130,8 +156,16 @@ def test_status_line_on_a_terminal_and_plain_lines_every_30s_otherwise(tmp_path)
     assert tty.getvalue().count("\r") == len(rows) and tty.getvalue().count("\n") == 1
     assert pipe.getvalue().splitlines() == [status_line(rows[i]) for i in (0, 2, 4)]
     line = status_line({**ROW, "eval_episodes_in_window": 100})
-    for part in ("env steps", "5,000", "1,000/s", "updates", "eval return    21.5 over 100 ep", "2,500 ( 25%)",
-                 "actors 2", "policy lag 3 updates"):
+    for part in (
+        "env steps",
+        "5,000",
+        "1,000/s",
+        "updates",
+        "eval return    21.5 over 100 ep",
+        "2,500 ( 25%)",
+        "actors 2",
+        "policy lag 3 updates",
+    ):
         assert part in line, part
     assert "over" not in status_line(ROW) and "policy lag -" in status_line({**ROW, "policy_lag_mean": None})
 
@@ -147,8 +181,16 @@ def test_tensorboard_reads_the_scalars(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"return/return_mean_100", "throughput/updates_per_s", "lag/policy_lag_mean", "replay/replay_size",
-            "replay/priority_mean", "replay/queue_unrolls", "loss/loss", "system/actors_connected"} <= tags
+    assert {
+        "return/return_mean_100",
+        "throughput/updates_per_s",
+        "lag/policy_lag_mean",
+        "replay/replay_size",
+        "replay/priority_mean",
+        "replay/queue_unrolls",
+        "loss/loss",
+        "system/actors_connected",
+    } <= tags
     returns = events.Scalars("return/return_mean_100")
     assert [(e.step, e.value) for e in returns] == [(5000, 21.5), (9000, 30.0)]
 
@@ -156,8 +198,22 @@ def test_tensorboard_reads_the_scalars(tmp_path):
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_a_stopped_run_resumed_goes_on_from_its_counters(tmp_path, algo):
     logdir, port = tmp_path / "run", free_base_port()
-    first = apex("run", "--actors", "1", "--logdir", str(logdir), "--port", str(port), "--stop-env-steps", "8000",
-                 "--set", f"algo={algo}", "--set", "replay.min_size=1000", *FAST)
+    first = apex(
+        "run",
+        "--actors",
+        "1",
+        "--logdir",
+        str(logdir),
+        "--port",
+        str(port),
+        "--stop-env-steps",
+        "8000",
+        "--set",
+        f"algo={algo}",
+        "--set",
+        "replay.min_size=1000",
+        *FAST,
+    )
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     before = json.loads((logdir / "summary.json").read_text())
@@ -175,8 +231,14 @@ def test_a_stopped_run_resumed_goes_on_from_its_counters(tmp_path, algo):
 def test_soak_with_churning_actors_keeps_the_learner_flat_and_leaves_nothing(tmp_path):
     from apex.bench import soak
 
-    result = soak.run(seconds=35, actors=2, churn_s=3, checkpoint_s=5,
-                      overrides=("replay.capacity=20000", "actor.num_envs=4"), logdir=str(tmp_path / "soak"))
+    result = soak.run(
+        seconds=35,
+        actors=2,
+        churn_s=3,
+        checkpoint_s=5,
+        overrides=("replay.capacity=20000", "actor.num_envs=4"),
+        logdir=str(tmp_path / "soak"),
+    )
     assert result["passed"], result["problems"]
     assert result["actor_kills"] >= 3 and result["checkpoints_written"] >= 3
     assert result["learner_exit"] == 0 and result["leftover_pids"] == []

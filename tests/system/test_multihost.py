@@ -49,8 +49,12 @@ def hosts():
 
 
 def in_host(ns: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "apex", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "apex", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_actors_on_two_hosts_train_one_learner(hosts, tmp_path):
@@ -61,8 +65,19 @@ def test_actors_on_two_hosts_train_one_learner(hosts, tmp_path):
         in_host(hosts["actor1"], "actor", "--learner", "10.231.1.1:5550", "--num-envs", "4", *fast),
         in_host(hosts["actor2"], "actor", "--learner", "10.231.2.1", "--num-envs", "4", *fast),
     ]
-    learner = in_host(hosts["learner"], "learner", "--bind-host", "0.0.0.0", "--port", "5550",
-                      "--logdir", str(logdir), "--stop-env-steps", "30000", *fast)
+    learner = in_host(
+        hosts["learner"],
+        "learner",
+        "--bind-host",
+        "0.0.0.0",
+        "--port",
+        "5550",
+        "--logdir",
+        str(logdir),
+        "--stop-env-steps",
+        "30000",
+        *fast,
+    )
     try:
         _, err = learner.communicate(timeout=240)
         assert learner.returncode == 0, err

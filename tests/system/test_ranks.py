@@ -19,13 +19,24 @@ from apex.transport.sessions import SessionSigner, SignedSessions
 from tests.support.processes import wait_for
 from tests.support.runs import metrics
 
-FAST = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=1.5",
-        "--set", "learner.metrics_interval_s=0.5"]
+FAST = [
+    "--set",
+    "transport.heartbeat_interval_s=0.2",
+    "--set",
+    "transport.heartbeat_timeout_s=1.5",
+    "--set",
+    "learner.metrics_interval_s=0.5",
+]
 
 
 def apex(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "apex", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def ranks_of(port: int) -> dict[int, int]:
@@ -71,10 +82,34 @@ def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
     checkpoints hold rank 1's replay shard, and the group resumed on 2 ranks restores it."""
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
-    learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
-                   "--stop-return", "475", "--stop-seconds", "150", *FAST)
-    actors = [apex("actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "16", "--set", "transport.heartbeat_interval_s=0.2",
-                   "--set", "transport.heartbeat_timeout_s=1.5") for _ in range(2)]
+    learner = apex(
+        "learner",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-return",
+        "475",
+        "--stop-seconds",
+        "150",
+        *FAST,
+    )
+    actors = [
+        apex(
+            "actor",
+            "--learner",
+            f"127.0.0.1:{port}",
+            "--num-envs",
+            "16",
+            "--set",
+            "transport.heartbeat_interval_s=0.2",
+            "--set",
+            "transport.heartbeat_timeout_s=1.5",
+        )
+        for _ in range(2)
+    ]
     try:
         _, err = learner.communicate(timeout=240)
         assert learner.returncode == 0, err[-3000:]
@@ -84,14 +119,17 @@ def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
         assert all(r["ranks"] == 2 for r in rows)
         # rank 1 trained on the batches of the actor the welcome sent to it
         assert max(r["group_replay_size"] - r["replay_size"] for r in rows) > 1000
-        assert "sending batches to the learner rank at 127.0.0.1:" in "".join(a.communicate(timeout=30)[1] for a in actors)
+        assert "sending batches to the learner rank at 127.0.0.1:" in "".join(
+            a.communicate(timeout=30)[1] for a in actors
+        )
         newest = find_latest(logdir)
         assert newest.ranks == 2 and newest.shard_path(1).stat().st_size == newest.manifest["shards"][0]["bytes"]
         shard_items = newest.manifest["shards"][0]["replay_header"]["items"]
         assert shard_items[2] - shard_items[1] > 1000
 
-        resumed = apex("learner", "--ranks", "2", "--port", str(port), "--resume", str(logdir),
-                       "--stop-seconds", "1", *FAST)
+        resumed = apex(
+            "learner", "--ranks", "2", "--port", str(port), "--resume", str(logdir), "--stop-seconds", "1", *FAST
+        )
         _, err = resumed.communicate(timeout=120)
         assert resumed.returncode == 0, err[-3000:]
         restored = f"rank 1 restored its replay shard of {newest.name}"
@@ -104,16 +142,37 @@ def test_two_ranks_train_cartpole_and_resume_with_every_shard(tmp_path):
 def test_a_rank_that_dies_stops_the_group_and_apex_run_starts_it_again(tmp_path):
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
-    run = apex("run", "--ranks", "2", "--actors", "2", "--port", str(port), "--logdir", str(logdir),
-               "--stop-seconds", "240", "--stop-env-steps", "150000", "--set", "learner.checkpoint_interval_s=1", *FAST)
+    run = apex(
+        "run",
+        "--ranks",
+        "2",
+        "--actors",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-seconds",
+        "240",
+        "--stop-env-steps",
+        "150000",
+        "--set",
+        "learner.checkpoint_interval_s=1",
+        *FAST,
+    )
     try:
         wait_for(lambda: any(r["learner_updates"] > 50 for r in metrics(logdir)), 120, "the group to train")
-        wait_for(lambda: find_latest(logdir).ranks == 2 if list((logdir / "checkpoints").glob("*.json")) else False,
-                 60, "a checkpoint of both ranks")
+        wait_for(
+            lambda: find_latest(logdir).ranks == 2 if list((logdir / "checkpoints").glob("*.json")) else False,
+            60,
+            "a checkpoint of both ranks",
+        )
         first = ranks_of(port)
         assert set(first) == {0, 1}
         os.kill(first[1], signal.SIGKILL)
-        wait_for(lambda: set(ranks_of(port)) == {0, 1} and ranks_of(port)[1] != first[1], 60, "the group to start again")
+        wait_for(
+            lambda: set(ranks_of(port)) == {0, 1} and ranks_of(port)[1] != first[1], 60, "the group to start again"
+        )
         _, err = run.communicate(timeout=240)
         assert run.returncode == 0, err[-3000:]
         assert "rank 1 exited with -9" in err and "stopping the group" in err
@@ -149,11 +208,13 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
     import numpy as np
     import zmq
 
-    from apex import protocol
+    from apex.wire import protocol
 
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
-    learner = apex("learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "60", *FAST)
+    learner = apex(
+        "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "60", *FAST
+    )
     actors = [apex("actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "4") for _ in range(2)]
     context = zmq.Context()
     push = context.socket(zmq.PUSH)
@@ -162,10 +223,15 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
     try:
         wait_for(lambda: any(r["learner_updates"] > 20 for r in metrics(logdir)), 120, "the group to train")
         n = 64
-        batch = {"frames": np.zeros((n + 1, 4), np.float32), "obs_frame": np.arange(n, dtype=np.int32),
-                 "next_obs_frame": np.arange(1, n + 1, dtype=np.int32), "action": np.zeros(n, np.int64),
-                 "reward": np.full(n, np.nan, np.float32), "discount": np.ones(n, np.float32),
-                 "priority": np.ones(n, np.float32)}
+        batch = {
+            "frames": np.zeros((n + 1, 4), np.float32),
+            "obs_frame": np.arange(n, dtype=np.int32),
+            "next_obs_frame": np.arange(1, n + 1, dtype=np.int32),
+            "action": np.zeros(n, np.int64),
+            "reward": np.full(n, np.nan, np.float32),
+            "discount": np.ones(n, np.float32),
+            "priority": np.ones(n, np.float32),
+        }
         foreign = SessionSigner(b"not the group's secret!!").token(1, 4, 1)
         for token in (foreign, b"x" * 16, foreign[:-1] + b"\0"):
             for _ in range(2):
@@ -173,7 +239,9 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
                 push.send_multipart(protocol.encode("batch", fields, batch))
         for _ in range(20):
             push.send_multipart([os.urandom(200)])
-        empty = protocol.encode("batch", {"actor_index": 1, "weights_version": 0, "info": {}, "session": foreign, "seq": 9})
+        empty = protocol.encode(
+            "batch", {"actor_index": 1, "weights_version": 0, "info": {}, "session": foreign, "seq": 9}
+        )
         header = protocol.header_of(empty)
         header["layout"] = msgpack.packb([["frames", "<f4", [2**40, 4], "lz4"]])
         push.send_multipart([*protocol.with_header(empty, header), b"\0" * 16])
@@ -182,8 +250,11 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
             rows = metrics(logdir)
             return rows[-1]["rejected_by_reason"] if rows else {}
 
-        wait_for(lambda: refused().get("no_session", 0) >= 6 and refused().get("malformed", 0) >= 21, 30,
-                 "rank 1's refusals to reach rank 0's metrics")
+        wait_for(
+            lambda: refused().get("no_session", 0) >= 6 and refused().get("malformed", 0) >= 21,
+            30,
+            "rank 1's refusals to reach rank 0's metrics",
+        )
         updates = metrics(logdir)[-1]["learner_updates"]
         wait_for(lambda: metrics(logdir)[-1]["learner_updates"] > updates + 20, 60, "the group to train on")
         assert set(ranks_of(port)) == {0, 1}  # both ranks alive
@@ -213,8 +284,13 @@ def test_an_actor_ignores_a_malformed_trajectories_address_in_its_welcome():
 
 def logged(log, *args: str) -> subprocess.Popen:
     """An apex process with its output in a file (a pipe nobody reads would block it)."""
-    return subprocess.Popen([sys.executable, "-m", "apex", *args], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "apex", *args],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def last_row(logdir) -> dict:
@@ -256,16 +332,30 @@ def test_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
     actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--num-envs", "4", *FAST[:4]]
-    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
-                     "--stop-seconds", "400", *FAST)
+    learner = logged(
+        tmp_path / "learner.log",
+        "learner",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-seconds",
+        "400",
+        *FAST,
+    )
     procs = [learner]
     silent = None
     try:
         procs.append(logged(tmp_path / "actor-a.log", *actor_args))
         wait_for(lambda: last_row(logdir).get("actors_connected") == 1, 120, "the first actor (rank 0's)")
         procs.append(logged(tmp_path / "actor-b.log", *actor_args))
-        wait_for(lambda: "sending batches to the learner rank at 127.0.0.1:" in (tmp_path / "actor-b.log").read_text(),
-                 120, "the second actor to be sent to rank 1")
+        wait_for(
+            lambda: "sending batches to the learner rank at 127.0.0.1:" in (tmp_path / "actor-b.log").read_text(),
+            120,
+            "the second actor to be sent to rank 1",
+        )
 
         def rank_1_trains() -> bool:  # its replay past replay.min_size: it samples
             row = last_row(logdir)
@@ -282,8 +372,9 @@ def test_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
         silent = peer(port)
         assert routed_to_rank_1(silent, port)
         procs.append(logged(tmp_path / "actor-c.log", *actor_args))
-        wait_for(lambda: (silent.tick(), last_row(logdir).get("actors_connected") == 3)[-1], 60,
-                 "the second honest actor")
+        wait_for(
+            lambda: (silent.tick(), last_row(logdir).get("actors_connected") == 3)[-1], 60, "the second honest actor"
+        )
         assert "sending batches" not in (tmp_path / "actor-c.log").read_text()  # rank 0's
         updates_per_s(logdir, 5, silent.tick)  # rank 1 trains out what its replay still allows
         loaded = updates_per_s(logdir, 10, silent.tick)
@@ -336,8 +427,19 @@ def test_a_groups_store_listens_on_loopback_or_on_the_master_address_alone(tmp_p
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
     store = port + 4
-    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
-                     "--stop-seconds", "300", *FAST)
+    learner = logged(
+        tmp_path / "learner.log",
+        "learner",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-seconds",
+        "300",
+        *FAST,
+    )
     procs = [learner]
     here = non_loopback_address()
     try:
@@ -353,9 +455,26 @@ def test_a_groups_store_listens_on_loopback_or_on_the_master_address_alone(tmp_p
 
         port = free_base_port(span=6)
         master = f"{here}:{port + 4}"
-        procs = [logged(tmp_path / f"rank-{r}.log", "learner", "--rank", str(r), "--world-size", "2", "--master", master,
-                        "--port", str(port), "--logdir", str(tmp_path / "hosts"), "--stop-seconds", "300", *FAST)
-                 for r in range(2)]
+        procs = [
+            logged(
+                tmp_path / f"rank-{r}.log",
+                "learner",
+                "--rank",
+                str(r),
+                "--world-size",
+                "2",
+                "--master",
+                master,
+                "--port",
+                str(port),
+                "--logdir",
+                str(tmp_path / "hosts"),
+                "--stop-seconds",
+                "300",
+                *FAST,
+            )
+            for r in range(2)
+        ]
         wait_for(lambda: metrics(tmp_path / "hosts"), 120, "the group across hosts to form")
         sockets = listening_of(p.pid for p in procs)
         assert sockets.get(port + 4) == {here}, sockets
@@ -370,14 +489,27 @@ def test_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_c
     are credited once."""
     import zmq
 
-    from apex import protocol
+    from apex.wire import protocol
     from tests.support.peers import honest_batch
 
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
     # The peers' sessions outlive a loaded machine's pauses (making a batch ticks nothing).
-    learner = logged(tmp_path / "learner.log", "learner", "--ranks", "2", "--port", str(port), "--logdir", str(logdir),
-                     "--stop-seconds", "300", *FAST, "--set", "transport.heartbeat_timeout_s=30")
+    learner = logged(
+        tmp_path / "learner.log",
+        "learner",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-seconds",
+        "300",
+        *FAST,
+        "--set",
+        "transport.heartbeat_timeout_s=30",
+    )
     context = zmq.Context()
     peers = []
     try:
@@ -401,8 +533,17 @@ def test_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_c
         credited = 0
         for sender, other_port in ((on_rank_1, port + 1), (on_rank_0, port + 3)):
             batch = honest_batch(sender)
-            frames = protocol.encode("batch", {"actor_index": sender.actor_index, "weights_version": 0, "info": {},
-                                               "session": sender._session, "seq": sender._seq}, batch)
+            frames = protocol.encode(
+                "batch",
+                {
+                    "actor_index": sender.actor_index,
+                    "weights_version": 0,
+                    "info": {},
+                    "session": sender._session,
+                    "seq": sender._seq,
+                },
+                batch,
+            )
             sender.tick()
             assert sender.send_frames(frames, timeout_s=20)  # on its own rank
             wait_for(lambda: env_steps() > credited, 60, "the batch to be credited on its rank")

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-import tests.envs  # noqa: F401  (registers the apex-test/ ids)
+import tests.envs  # noqa: F401 - registers the test environments
 from apex.bench.transport import free_base_port
 from tests.support.learning import assert_reached
 from tests.support.paths import ROOT
@@ -22,9 +22,14 @@ RECALL = ["--config", "configs/recall_impala.yaml", "--actors", "2", "--set", "l
 
 
 def run(logdir, *args: str, timeout: float = 300) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "apex", "run", "--logdir", str(logdir), "--port",
-                           str(free_base_port()), *args], check=False, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "apex", "run", "--logdir", str(logdir), "--port", str(free_base_port()), *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((logdir / "summary.json").read_text())
 
@@ -38,8 +43,16 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
     summary = run(tmp_path / "lstm", *RECALL, "--stop-return", "0.9", "--stop-seconds", "180")
     assert_reached(summary, 0.9)
     seconds = max(20.0, summary["wall_seconds"])
-    flat = run(tmp_path / "flat", *RECALL, "--set", "model.recurrent=none", "--stop-return", "0.9",
-               "--stop-seconds", str(seconds))
+    flat = run(
+        tmp_path / "flat",
+        *RECALL,
+        "--set",
+        "model.recurrent=none",
+        "--stop-return",
+        "0.9",
+        "--stop-seconds",
+        str(seconds),
+    )
     assert flat["stop_reason"].endswith("seconds"), flat
     windows = [r["return_mean_100"] for r in metrics(tmp_path / "flat") if r.get("eval_episodes_in_window") == 100]
     assert len(windows) >= 20 and max(windows) < 0.5 and abs(np.mean(windows)) < 0.15, windows  # chance: 0.0
@@ -63,17 +76,34 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
         returns.append(total)
     assert np.mean(returns) >= 0.9, returns
 
-    resumed = run(tmp_path / "lstm", "--resume", str(tmp_path / "lstm"), "--allow-import", "tests.envs", "--actors", "2",
-                  "--stop-seconds", str(summary["wall_seconds"] + 6), "--stop-return", "2.0")  # seconds count on
+    resumed = run(
+        tmp_path / "lstm",
+        "--resume",
+        str(tmp_path / "lstm"),
+        "--allow-import",
+        "tests.envs",
+        "--actors",
+        "2",
+        "--stop-seconds",
+        str(summary["wall_seconds"] + 6),
+        "--stop-return",
+        "2.0",
+    )  # seconds count on
     assert resumed["learner_updates"] > summary["learner_updates"]
     # from this run's checkpoint (one that lacked the core's weights would not load)
     assert 0 < int(resumed["resumed_from"].removeprefix("ckpt-")) <= summary["learner_updates"], resumed
-    after = [r for r in metrics(tmp_path / "lstm") if r["learner_updates"] > summary["learner_updates"]
-             and r.get("eval_episodes_in_window") == 100]
+    after = [
+        r
+        for r in metrics(tmp_path / "lstm")
+        if r["learner_updates"] > summary["learner_updates"] and r.get("eval_episodes_in_window") == 100
+    ]
     # It goes on remembering (chance is 0.0) in fewer updates than learning from scratch took. A
     # resumed policy may fall back to chance for a while first, as a fresh one does (README,
     # known limits): CI saw windows at chance for 60% of the updates learning had taken.
     remembered = next((r for r in after if r["return_mean_100"] >= 0.8), None)
     assert remembered is not None, [r["return_mean_100"] for r in after]
-    assert remembered["learner_updates"] - summary["learner_updates"] < summary["learner_updates"], \
-        ([r["return_mean_100"] for r in after], remembered["learner_updates"], summary["learner_updates"])
+    assert remembered["learner_updates"] - summary["learner_updates"] < summary["learner_updates"], (
+        [r["return_mean_100"] for r in after],
+        remembered["learner_updates"],
+        summary["learner_updates"],
+    )

@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import msgpack
 import numpy as np
@@ -34,13 +35,20 @@ class Served:
     logdir: Path
     log: Path
 
-    def http(self, method: str, path: str, body: bytes | str | dict | None = None, token: str | None = TOKEN,
-             headers: dict | None = None) -> tuple[int, dict]:
+    def http(
+        self,
+        method: str,
+        path: str,
+        body: bytes | str | dict | None = None,
+        token: str | None = TOKEN,
+        headers: dict | None = None,
+    ) -> tuple[int, dict]:
         connection = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
         try:
             payload = json.dumps(body) if isinstance(body, dict) else body
-            connection.request(method, path, payload, {**({"Authorization": f"Bearer {token}"} if token else {}),
-                                                       **(headers or {})})
+            connection.request(
+                method, path, payload, {**({"Authorization": f"Bearer {token}"} if token else {}), **(headers or {})}
+            )
             response = connection.getresponse()
             return response.status, json.loads(response.read())
         finally:
@@ -54,13 +62,45 @@ def start_served(tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] 
     port, front = free_base_port(), free_base_port()
     (tmp_path / "token").write_text(TOKEN + "\n")
     log = tmp_path / "serve.log"
-    learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", "--algo", algo, "--port", str(port),
-                                "--logdir", str(tmp_path / "run"), "--stop-seconds", "300", *FAST],
-                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
-    serve = subprocess.Popen([sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}",
-                              "--http", f"127.0.0.1:{front}", "--zmq", str(front + 1), "--token-file",
-                              str(tmp_path / "token"), *extra, *FAST[:4]],
-                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    learner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "learner",
+            "--algo",
+            algo,
+            "--port",
+            str(port),
+            "--logdir",
+            str(tmp_path / "run"),
+            "--stop-seconds",
+            "300",
+            *FAST,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "learner.log", "w"),
+    )
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "serve",
+            "--learner",
+            f"127.0.0.1:{port}",
+            "--http",
+            f"127.0.0.1:{front}",
+            "--zmq",
+            str(front + 1),
+            "--token-file",
+            str(tmp_path / "token"),
+            *extra,
+            *FAST[:4],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),
+    )
     served = Served(learner, serve, front, front + 1, tmp_path / "run", log)
 
     def up() -> bool:
@@ -68,6 +108,7 @@ def start_served(tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] 
             return served.health()["connected"]
         except OSError:
             return False
+
     try:
         wait_for(up, 60, "apex serve to answer")
     except AssertionError:
@@ -106,14 +147,20 @@ def play_http(served: Served, episodes: int) -> int:
         episode = started["episode_id"]
         reward = None
         while True:
-            status, reply = served.http("POST", f"/v1/episodes/{episode}/action",
-                                        {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})})
+            status, reply = served.http(
+                "POST",
+                f"/v1/episodes/{episode}/action",
+                {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})},
+            )
             assert status == 200, reply
             obs, reward, terminated, truncated, _ = env.step(reply["action"])
             steps += 1
             if terminated or truncated:
-                status, reply = served.http("POST", f"/v1/episodes/{episode}/end", {
-                    "observation": obs.tolist(), "terminated": terminated, "truncated": truncated, "reward": reward})
+                status, reply = served.http(
+                    "POST",
+                    f"/v1/episodes/{episode}/end",
+                    {"observation": obs.tolist(), "terminated": terminated, "truncated": truncated, "reward": reward},
+                )
                 assert status == 200, reply
                 break
     return steps
@@ -169,8 +216,13 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
         # finite as float64, inf as the run's float32: the learner would refuse the batch it went
         # into, honest episodes' steps with it
         ("POST", action, {"observation": [0.0, 1e300, 0.0, 0.0]}, 400, "float32: at most"),
-        ("POST", action, '{"observation": [0.0, 0.0, 0.0, 0.0], "reward": 1' + "0" * 400 + "}", 400,
-         "rewards must be numbers"),
+        (
+            "POST",
+            action,
+            '{"observation": [0.0, 0.0, 0.0, 0.0], "reward": 1' + "0" * 400 + "}",
+            400,
+            "rewards must be numbers",
+        ),
         ("POST", action, {"observation": [0.0] * 4, "reward": "lots"}, 400, "rewards must be numbers"),
         ("POST", action, {"observation": [0.0] * 4, "reward": 1e300}, 400, "max_abs_reward"),
         ("POST", "/v1/episodes/0123456789abcdef01234567/action", {"observation": [0.0] * 4}, 404, "no open episode"),
@@ -184,8 +236,13 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
         got, reply = served.http(method, path, body)
         assert (got, words in reply.get("error", "")) == (status, True), (method, path, str(body)[:60], got, reply)
     # a token header that is not UTF-8 (aiohttp keeps its bytes as surrogates)
-    got, reply = served.http("POST", action, {"observation": [0.0] * 4}, token=None,
-                             headers={"Authorization": b"Bearer " + TOKEN.encode() + b"\xff"})
+    got, reply = served.http(
+        "POST",
+        action,
+        {"observation": [0.0] * 4},
+        token=None,
+        headers={"Authorization": b"Bearer " + TOKEN.encode() + b"\xff"},
+    )
     assert got == 401 and "bearer token" in reply["error"], reply
     after = served.health()
     assert after["env_steps"] == before["env_steps"]  # not one step taken by a bad request
@@ -222,12 +279,19 @@ def test_ends_ride_inside_the_next_act_request_over_both_transports(served):
         assert after["requests"] - before["requests"] == 1  # one act request (health checks are not counted)
         assert after["episodes_finished"] - before["episodes_finished"] == 1
         assert after["env_steps"] - before["env_steps"] == 2  # a's last step and b's
-        status, reply = served.http("POST", "/v1/batch/action", {
-            "episode_ids": [b], "observations": [[0.03] * 4],
-            "end": {"episode_ids": [c], "observations": [[0.0] * 3]}})
+        status, reply = served.http(
+            "POST",
+            "/v1/batch/action",
+            {
+                "episode_ids": [b],
+                "observations": [[0.03] * 4],
+                "end": {"episode_ids": [c], "observations": [[0.0] * 3]},
+            },
+        )
         assert status == 400 and "does not match" in reply["error"]
-        status, reply = served.http("POST", "/v1/batch/action", {
-            "episode_ids": [b], "observations": [[0.03] * 4], "end": "all of them"})
+        status, reply = served.http(
+            "POST", "/v1/batch/action", {"episode_ids": [b], "observations": [[0.03] * 4], "end": "all of them"}
+        )
         assert status == 400 and "end must be a map" in reply["error"]
         assert served.health()["env_steps"] == after["env_steps"]  # neither part of either applied
 
@@ -237,13 +301,22 @@ def test_ends_ride_inside_the_next_act_request_over_both_transports(served):
         before = served.health()
         bad = {"dtype": "float32", "shape": [1, 4], "data": b"\0" * 12}
         with pytest.raises(PolicyServerError, match="data must be 16 bytes"):
-            client.request("act", episode_ids=[b], observations=[[0.02] * 4], end={"episode_ids": [a], "observations": bad})
+            client.request(
+                "act", episode_ids=[b], observations=[[0.02] * 4], end={"episode_ids": [a], "observations": bad}
+            )
         assert served.health()["env_steps"] == before["env_steps"]
         good = {**bad, "data": np.zeros(4, np.float32).tobytes()}
-        client.request("act", episode_ids=[b], observations=[[0.02] * 4], end={"episode_ids": [a], "observations": good,
-                                                                               "terminated": [True]})
+        client.request(
+            "act",
+            episode_ids=[b],
+            observations=[[0.02] * 4],
+            end={"episode_ids": [a], "observations": good, "terminated": [True]},
+        )
         after = served.health()
-        assert after["env_steps"] - before["env_steps"] == 2 and after["episodes_finished"] - before["episodes_finished"] == 1
+        assert (
+            after["env_steps"] - before["env_steps"] == 2
+            and after["episodes_finished"] - before["episodes_finished"] == 1
+        )
 
 
 def raw_zmq(served: Served, frames: list[bytes]) -> dict:
@@ -274,11 +347,27 @@ def test_each_hostile_zmq_request_gets_its_error(served):
         (msgpack.packb({**request, "observations": {**array, "dtype": "object"}}), 400, "dtype must be one of"),
         # unhashable dtypes once ended the frontend's loop: no reply to anyone after
         (msgpack.packb({**request, "observations": {**array, "dtype": ["float32"]}}), 400, "dtype must be one of"),
-        (msgpack.packb({**request, "observations": array, "end": {"episode_ids": [episode],
-                                                                 "observations": {**array, "dtype": {}}}}), 400,
-         "end.observations: dtype must be one of"),
-        (msgpack.packb({**request, "observations": {**array, "dtype": "float64", "data": np.array(
-            [[0.0, 1e300, 0.0, 0.0]]).tobytes()}}), 400, "float32: at most"),
+        (
+            msgpack.packb(
+                {
+                    **request,
+                    "observations": array,
+                    "end": {"episode_ids": [episode], "observations": {**array, "dtype": {}}},
+                }
+            ),
+            400,
+            "end.observations: dtype must be one of",
+        ),
+        (
+            msgpack.packb(
+                {
+                    **request,
+                    "observations": {**array, "dtype": "float64", "data": np.array([[0.0, 1e300, 0.0, 0.0]]).tobytes()},
+                }
+            ),
+            400,
+            "float32: at most",
+        ),
         (msgpack.packb({**request, "observations": {**array, "data": b"\0" * 15}}), 400, "data must be 16 bytes"),
         (msgpack.packb({**request, "observations": {**array, "shape": [1, -4]}}), 400, "shape must be"),
         (msgpack.packb({**request, "observations": {**array, "shape": [1, 3], "data": b"\0" * 12}}), 400, "shape"),
@@ -306,10 +395,15 @@ def test_a_client_that_leaves_mid_body_is_counted_not_a_traceback(served):
     before = served.health()["rejected_by_reason"].get("disconnected", 0)
     for _ in range(3):
         with socket.create_connection(("127.0.0.1", served.http_port)) as sock:
-            sock.sendall(f"POST /v1/episodes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                         "Content-Length: 100\r\n\r\n{".encode())
-    wait_for(lambda: served.health()["rejected_by_reason"].get("disconnected", 0) == before + 3, 10,
-             "the three to be counted")
+            sock.sendall(
+                f"POST /v1/episodes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Length: 100\r\n\r\n{".encode()
+            )
+    wait_for(
+        lambda: served.health()["rejected_by_reason"].get("disconnected", 0) == before + 3,
+        10,
+        "the three to be counted",
+    )
     assert "Error handling request" not in served.log.read_text()
 
 
@@ -318,12 +412,12 @@ def test_a_request_that_finds_a_bug_is_answered_500_counted_and_the_frontend_ser
     import logging
     from collections import Counter
 
-    from apex.logs import RateLimitedLog
-    from apex.serve import Server
-    from apex.serve_zmq import Handler
+    from apex.serve.server import Server
+    from apex.serve.zmq_frontend import Handler
+    from apex.system.logs import RateLimitedLog
 
     class Broken:  # a server whose episode code fails as a bug would
-        rejected: Counter = Counter()
+        rejected: ClassVar[Counter] = Counter()
         _internal_log = RateLimitedLog(logging.getLogger("test"))
         internal_error = Server.internal_error
         refused = Server.refused
@@ -374,9 +468,25 @@ def test_a_flood_from_one_client_does_not_stop_another_from_training(served):
     for thread in floods:
         thread.start()
     try:
-        honest = subprocess.run([sys.executable, "-m", "apex.bench.cartpole_client", "zmq", f"127.0.0.1:{served.zmq_port}",
-                                 "--envs", "16", "--seconds", "8", "--token", TOKEN],
-                                capture_output=True, text=True, timeout=120, check=False)
+        honest = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "apex.bench.cartpole_client",
+                "zmq",
+                f"127.0.0.1:{served.zmq_port}",
+                "--envs",
+                "16",
+                "--seconds",
+                "8",
+                "--token",
+                TOKEN,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     finally:
         stop_flood.set()
         for thread in floods:
@@ -388,20 +498,43 @@ def test_a_flood_from_one_client_does_not_stop_another_from_training(served):
     assert sent["http"] >= 200 and sent["zmq"] >= 200
     assert sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values()) >= sent["http"]
     assert served.serve.poll() is None and served.learner.poll() is None
-    wait_for(lambda: metrics(served.logdir)[-1]["env_steps"] >= learner_steps + steps // 2, 30,
-             "the learner to count the honest client's steps")
+    wait_for(
+        lambda: metrics(served.logdir)[-1]["env_steps"] >= learner_steps + steps // 2,
+        30,
+        "the learner to count the honest client's steps",
+    )
     assert metrics(served.logdir)[-1]["rejected_messages"] == 0  # nothing bad reached the learner
 
 
 def test_serving_beyond_loopback_needs_a_token(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--http", "0.0.0.0:0"],
-                         capture_output=True, text=True, timeout=60, check=False, env={"PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--http", "0.0.0.0:0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and "--token-file" in out.stderr, out.stderr
     for text in ("abc\n", "  \n\n"):  # too short, or only blanks
         (tmp_path / "short").write_text(text)
-        out = subprocess.run([sys.executable, "-m", "apex", "serve", "--learner", "127.0.0.1:9", "--token-file",
-                              str(tmp_path / "short")], capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "apex",
+                "serve",
+                "--learner",
+                "127.0.0.1:9",
+                "--token-file",
+                str(tmp_path / "short"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert out.returncode == 2 and "at least 16 characters" in out.stderr, out.stderr
 
 
@@ -409,8 +542,9 @@ def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
     served = start_served(tmp_path, algo="impala")
     try:
         _, started = served.http("POST", "/v1/episodes")
-        status, reply = served.http("POST", f"/v1/episodes/{started['episode_id']}/log_action",
-                                    {"observation": [0.0] * 4, "action": 1})
+        status, reply = served.http(
+            "POST", f"/v1/episodes/{started['episode_id']}/log_action", {"observation": [0.0] * 4, "action": 1}
+        )
         assert status == 409 and "on-policy" in reply["error"]
         steps = play_http(served, 2)
         assert served.health()["env_steps"] == steps
@@ -420,25 +554,63 @@ def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
 
 def test_zmq_with_curve_lets_in_only_clients_with_an_authorised_key(tmp_path):
     for name in ("keys", "other"):
-        assert subprocess.run([sys.executable, "-m", "apex", "keygen", str(tmp_path / name)], capture_output=True,
-                              check=False).returncode == 0
+        assert (
+            subprocess.run(
+                [sys.executable, "-m", "apex", "keygen", str(tmp_path / name)], capture_output=True, check=False
+            ).returncode
+            == 0
+        )
     keys = str(tmp_path / "keys")
     port, front = free_base_port(), free_base_port()
-    learner = subprocess.Popen([sys.executable, "-m", "apex", "learner", "--port", str(port), "--curve-dir", keys,
-                                "--logdir", str(tmp_path / "run"), "--stop-seconds", "120", *FAST],
-                               stdout=subprocess.DEVNULL, stderr=open(tmp_path / "learner.log", "w"))
-    serve = subprocess.Popen([sys.executable, "-m", "apex", "serve", "--learner", f"127.0.0.1:{port}", "--curve-dir",
-                              keys, "--http", "off", "--zmq", str(front), *FAST[:4]],
-                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "serve.log", "w"))
+    learner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "learner",
+            "--port",
+            str(port),
+            "--curve-dir",
+            keys,
+            "--logdir",
+            str(tmp_path / "run"),
+            "--stop-seconds",
+            "120",
+            *FAST,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "learner.log", "w"),
+    )
+    serve = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "serve",
+            "--learner",
+            f"127.0.0.1:{port}",
+            "--curve-dir",
+            keys,
+            "--http",
+            "off",
+            "--zmq",
+            str(front),
+            *FAST[:4],
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "serve.log", "w"),
+    )
     try:
         with PolicyClient(f"127.0.0.1:{front}", curve_dir=keys, timeout_s=60) as client:
             assert client.spaces()["action"] == {"type": "Discrete", "n": 2}
             (episode,) = client.start_episodes(1)
             assert client.get_actions([episode], [[0.0] * 4]).shape == (1,)
         for curve_dir in (None, str(tmp_path / "other")):  # no keys, or keys the server does not know
-            with PolicyClient(f"127.0.0.1:{front}", curve_dir=curve_dir, timeout_s=2) as client:
-                with pytest.raises(TimeoutError):
-                    client.spaces()
+            with (
+                PolicyClient(f"127.0.0.1:{front}", curve_dir=curve_dir, timeout_s=2) as client,
+                pytest.raises(TimeoutError),
+            ):
+                client.spaces()
         assert "CURVE" in (tmp_path / "serve.log").read_text()
     finally:
         for process in (serve, learner):
@@ -486,7 +658,9 @@ def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_
     import socket
 
     idle_s = 15
-    served = start_served(tmp_path, extra=("--set", "serve.max_connections=350", "--set", f"serve.idle_timeout_s={idle_s}"))
+    served = start_served(
+        tmp_path, extra=("--set", "serve.max_connections=350", "--set", f"serve.idle_timeout_s={idle_s}")
+    )
     attack: list[socket.socket] = []
     try:
         limit = body_limit(served)
@@ -504,8 +678,10 @@ def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_
             attack.append(sock)
             return sock
 
-        head = (f"POST /v1/batch/action HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {limit}\r\n\r\n").encode()
+        head = (
+            f"POST /v1/batch/action HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {limit}\r\n\r\n"
+        ).encode()
         # All connect before any sends, so that the 400 are open at once.
         holders = [s for s in (connect() for _ in range(300)) if s is not None]
         slow = [s for s in (connect() for _ in range(100)) if s is not None]
@@ -562,8 +738,13 @@ def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_
             time.sleep(3.0)  # the bodies and heads arrive (a few MiB a second is enough to fill the budget)
             # An honest episode, served while the slowloris connections are still open.
             started = patient_request(served, "POST", "/v1/episodes", seconds=idle_s / 2)
-            reply = patient_request(served, "POST", f"/v1/episodes/{started['episode_id']}/action",
-                                    {"observation": [0.0] * 4}, seconds=idle_s / 2)
+            reply = patient_request(
+                served,
+                "POST",
+                f"/v1/episodes/{started['episode_id']}/action",
+                {"observation": [0.0] * 4},
+                seconds=idle_s / 2,
+            )
             assert reply["action"] in (0, 1)
             assert sum(still_open(s) for s in slow) >= 10, "the honest client came after the slowloris ones closed"
             time.sleep(1.0)

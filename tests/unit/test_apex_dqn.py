@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from apex.algos import apex_dqn, apex_dqn_actor
+from apex.algos.apex_dqn import actor as apex_dqn_actor
+from apex.algos.apex_dqn import learner as apex_dqn
 
 
 def reference_transitions(frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack):
@@ -72,8 +73,19 @@ def test_chunker_matches_reference(length, n, stack, chunk, terminated, seed):
         f = c["frames"]
         for i in range(len(c["action"])):
             o, nx = c["obs_frame"][i], c["next_obs_frame"][i]
-            got.append((f[o : o + stack], c["action"][i], c["reward"][i], c["discount"][i], f[nx : nx + stack], c["priority"][i]))
-    expected = reference_transitions(frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack)
+            got.append(
+                (
+                    f[o : o + stack],
+                    c["action"][i],
+                    c["reward"][i],
+                    c["discount"][i],
+                    f[nx : nx + stack],
+                    c["priority"][i],
+                )
+            )
+    expected = reference_transitions(
+        frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack
+    )
     assert len(got) == len(expected) == length
     for g, e in zip(got, expected):
         np.testing.assert_array_equal(g[0], e[0])
@@ -107,10 +119,24 @@ def test_chunker_scales_training_rewards_but_not_the_return():
 
 
 def test_merge_chunks_offsets_frame_indices():
-    a = {"frames": np.arange(3.0)[:, None], "obs_frame": np.array([0, 1]), "next_obs_frame": np.array([1, 2]),
-         "action": np.array([0, 1]), "reward": np.ones(2), "discount": np.ones(2), "priority": np.ones(2)}
-    b = {"frames": np.arange(10.0, 12.0)[:, None], "obs_frame": np.array([0]), "next_obs_frame": np.array([1]),
-         "action": np.array([2]), "reward": np.ones(1), "discount": np.ones(1), "priority": np.ones(1)}
+    a = {
+        "frames": np.arange(3.0)[:, None],
+        "obs_frame": np.array([0, 1]),
+        "next_obs_frame": np.array([1, 2]),
+        "action": np.array([0, 1]),
+        "reward": np.ones(2),
+        "discount": np.ones(2),
+        "priority": np.ones(2),
+    }
+    b = {
+        "frames": np.arange(10.0, 12.0)[:, None],
+        "obs_frame": np.array([0]),
+        "next_obs_frame": np.array([1]),
+        "action": np.array([2]),
+        "reward": np.ones(1),
+        "discount": np.ones(1),
+        "priority": np.ones(1),
+    }
     m = apex_dqn_actor.merge_chunks([a, b])
     assert m["frames"][m["obs_frame"], 0].tolist() == [0.0, 1.0, 10.0]
     assert m["frames"][m["next_obs_frame"], 0].tolist() == [1.0, 2.0, 11.0]

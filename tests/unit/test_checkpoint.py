@@ -50,8 +50,11 @@ def write(directory, updates: int, replay=None, keep: int = 5, background: bool 
 def test_written_checkpoint_verifies_and_restores_state_and_replay(tmp_path):
     replay = small_replay()
     write(tmp_path, 100, replay, background=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000100.json", "ckpt-000000100.pt",
-                                                          "ckpt-000000100.replay"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000100.json",
+        "ckpt-000000100.pt",
+        "ckpt-000000100.replay",
+    ]
     checkpoint = find_latest(tmp_path)
     assert checkpoint.name == "ckpt-000000100" and checkpoint.config == {"algo": "apex_dqn"}
     loaded = checkpoint.load_state()
@@ -120,7 +123,11 @@ def test_manifest_is_written_last_so_a_killed_write_leaves_no_checkpoint(tmp_pat
     assert find_latest(tmp_path).name == "ckpt-000000100"
     write(tmp_path, 300)  # a new writer clears the leftovers
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt-000000100.json", "ckpt-000000100.pt", "ckpt-000000300.json", "ckpt-000000300.pt"]
+        "ckpt-000000100.json",
+        "ckpt-000000100.pt",
+        "ckpt-000000300.json",
+        "ckpt-000000300.pt",
+    ]
 
 
 def test_only_the_newest_k_are_kept(tmp_path):
@@ -172,7 +179,11 @@ def test_find_best_picks_the_highest_score_and_newest_the_newest(tmp_path):
     assert find(tmp_path, "best").name == "ckpt-000000002"
     assert find(tmp_path, "newest").name == "ckpt-000000004" == find_latest(tmp_path).name
     assert [c.name for c in candidates(tmp_path, "best")] == [
-        "ckpt-000000002", "ckpt-000000003", "ckpt-000000001", "ckpt-000000004"]
+        "ckpt-000000002",
+        "ckpt-000000003",
+        "ckpt-000000001",
+        "ckpt-000000004",
+    ]
     best, best_score, newest = best_and_newest(tmp_path)
     assert (best.name, best_score, newest.name) == ("ckpt-000000002.pt", 500.0, "ckpt-000000004.pt") and best.is_file()
     with pytest.raises(ApexError, match="'latest' is neither 'best'"):
@@ -230,7 +241,7 @@ def test_a_second_background_save_while_one_runs_is_skipped(tmp_path):
 
 
 def test_eval_refuses_a_corrupt_checkpoint_with_one_line(tmp_path):
-    from apex.evaluation import load_checkpoint
+    from apex.run.evaluation import load_checkpoint
 
     write(tmp_path, 100)
     path = tmp_path / "ckpt-000000100.pt"
@@ -290,10 +301,10 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
     """What LearnerProcess.save_checkpoint writes: state_dicts of networks and Adam (with
     its moments after some updates), counters, -inf, the full config."""
     from apex import config as config_module
-    from apex.algos import impala
-    from apex.algos.apex_dqn import Learner as ApexLearner
-    from apex.envs import EnvSpec
-    from apex.metrics import EpisodeStats
+    from apex.algos.apex_dqn.learner import Learner as ApexLearner
+    from apex.algos.impala import learner as impala
+    from apex.envs.make import EnvSpec
+    from apex.learner.metrics import EpisodeStats
 
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     for algo in ("apex_dqn", "impala"):
@@ -303,8 +314,14 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
             learner.insert(bandit_chunk(500))
             for _ in range(3):
                 learner.step()
-        saved = {**learner.state_dict(), "env_steps": 5000, "env_steps_by_host": {"127.0.0.1": 5000},
-                 "episode_stats": EpisodeStats().state_dict(), "time": 12.5, "config": config.to_dict()}
+        saved = {
+            **learner.state_dict(),
+            "env_steps": 5000,
+            "env_steps_by_host": {"127.0.0.1": 5000},
+            "episode_stats": EpisodeStats().state_dict(),
+            "time": 12.5,
+            "config": config.to_dict(),
+        }
         directory = tmp_path / algo
         assert CheckpointWriter(directory, keep=3).save("ckpt-000000003", saved)
         loaded = find_latest(directory).load_state()
@@ -386,11 +403,11 @@ def header(key, value):
         (header("chunks", [[1]]), "chunks must be a list"),
         (header("chunks", {"a": 1}), "chunks must be a list"),
         (header("chunks", [[9, 0], [5, 9]]), "in insertion order"),
-        (header("chunks", [[10 ** 6, 0]]), "within items and frames"),
+        (header("chunks", [[10**6, 0]]), "within items and frames"),
         (lambda m: m.__setitem__("replay_header", None), "replay_header must be an object"),
         (lambda m: m["replay_header"].pop("items"), "items must be [start, valid, end]"),
         (lambda m: m["files"]["state"].__setitem__("crc32", -1), "files.state must be"),
-        (lambda m: m["files"]["state"].__setitem__("crc32", 2 ** 32), "files.state must be"),
+        (lambda m: m["files"]["state"].__setitem__("crc32", 2**32), "files.state must be"),
         (lambda m: m["files"]["replay"].__setitem__("bytes", "12"), "files.replay must be"),
         (lambda m: m["files"].__setitem__("extra", {"bytes": 0, "crc32": 0}), "files lists 'extra'"),
         (lambda m: m.__setitem__("files", []), "files must be an object listing 'state'"),
@@ -425,8 +442,13 @@ def test_a_replay_that_does_not_match_its_header_is_corrupt_and_leaves_the_repla
     # A file shorter than its header says, with a manifest made to match it.
     path = tmp_path / "ckpt-000000200.replay"
     path.write_bytes(path.read_bytes()[:-100])
-    edit_manifest(tmp_path, 200, lambda m: m["files"].__setitem__(
-        "replay", {"bytes": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}))
+    edit_manifest(
+        tmp_path,
+        200,
+        lambda m: m["files"].__setitem__(
+            "replay", {"bytes": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
+        ),
+    )
     newest = find_latest(tmp_path)
     restored = new_like(small_replay())
     with pytest.raises(CorruptCheckpoint, match="ckpt-000000200.replay does not hold the replay"):
@@ -458,8 +480,8 @@ def test_a_stale_temporary_link_is_removed_not_followed(tmp_path):
 
 def _trained_apex_learner(config_overrides: tuple[str, ...] = ()):
     from apex import config as config_module
-    from apex.algos.apex_dqn import Learner as ApexLearner
-    from apex.envs import EnvSpec
+    from apex.algos.apex_dqn.learner import Learner as ApexLearner
+    from apex.envs.make import EnvSpec
 
     config = config_module.load(None, ["replay.capacity=1000", "replay.min_size=100", *config_overrides])
     learner = ApexLearner(config, EnvSpec((3,), np.dtype(np.float32), 1, 2), torch.device("cpu"))
@@ -589,13 +611,18 @@ def test_a_checkpoint_file_that_is_not_a_regular_file_is_set_aside(tmp_path, cap
 
 
 def test_resumed_episode_statistics_are_held_to_what_episode_records_may_be():
-    from apex.metrics import EpisodeStats
+    from apex.learner.metrics import EpisodeStats
 
     honest = {"eval": [500.0] * 100, "train": [-3, 9.5], "episodes": 102, "best": 500.0}
     assert EpisodeStats.problem(honest, 500, 1.0) is None
     assert EpisodeStats.problem({**honest, "best": -math.inf}, 500, 1.0) is None  # no full window yet
-    for key, value in (("eval", 500.5), ("train", math.nan), ("train", -math.inf), ("best", 10**400),
-                       ("best", math.nan)):
+    for key, value in (
+        ("eval", 500.5),
+        ("train", math.nan),
+        ("train", -math.inf),
+        ("best", 10**400),
+        ("best", math.nan),
+    ):
         forged = {**honest, key: value if key == "best" else [*honest[key], value]}
         problem = EpisodeStats.problem(forged, 500, 1.0)
         assert problem is not None and problem.startswith(f"episode_stats.{key} holds a return of "), problem

@@ -28,7 +28,9 @@ def test_keygen_writes_usable_keys_and_refuses_to_overwrite(tmp_path, capsys):
     assert "actor.key_secret" in out
     public, secret = zmq.auth.load_certificate(str(tmp_path / "keys" / "learner.key_secret"))
     assert len(public) == 40 and len(secret) == 40
-    assert (tmp_path / "keys" / "authorized" / "actor.key").read_bytes() == (tmp_path / "keys" / "actor.key").read_bytes()
+    assert (tmp_path / "keys" / "authorized" / "actor.key").read_bytes() == (
+        tmp_path / "keys" / "actor.key"
+    ).read_bytes()
     assert (tmp_path / "keys" / "actor.key_secret").stat().st_mode & 0o077 == 0
     assert main(["keygen", str(tmp_path / "keys")]) == 2
     assert "choose an empty directory" in capsys.readouterr().err

@@ -26,8 +26,17 @@ def test_every_shipped_config_loads(path):
 
 
 def test_overrides_parse_values_as_yaml():
-    c = config.load(None, ["env.id=Acrobot-v1", "model.hidden=[64, 32]", "learner.lr=1e-3", "env.max_episode_steps=200",
-                           "transport.curve_dir=null", "actor.eval_envs=0"])
+    c = config.load(
+        None,
+        [
+            "env.id=Acrobot-v1",
+            "model.hidden=[64, 32]",
+            "learner.lr=1e-3",
+            "env.max_episode_steps=200",
+            "transport.curve_dir=null",
+            "actor.eval_envs=0",
+        ],
+    )
     assert c.env.id == "Acrobot-v1"
     assert c.model.hidden == [64, 32]
     assert c.learner.lr == 1e-3 and isinstance(c.learner.lr, float)
@@ -103,19 +112,25 @@ def test_round_trip_through_dict():
     assert config.from_dict(c.to_dict()) == c
 
 
-@pytest.mark.parametrize("key, text, message", [
-    ("learner.batch_size", HUGE, "learner.batch_size must be within -2**53..2**53, got an integer of 5000 digits"),
-    ("learner.batch_size", str(2**60), f"learner.batch_size must be within -2**53..2**53, got {2**60}"),
-    ("learner.lr", HUGE, "learner.lr must be within -2**53..2**53, got an integer of 5000 digits"),
-    ("env.kwargs", "{size: " + HUGE + "}", "env.kwargs holds an integer outside -2**53..2**53: an integer of 5000 digits"),
-    ("learner.lr", ".inf", "learner.lr must be a finite number, got inf"),
-    ("learner.lr", ".nan", "learner.lr must be a finite number, got nan"),
-    ("learner.lr", "1e400", "learner.lr must be a finite number, got '1e400'"),
-    ("transport.max_abs_reward", "-.inf", "transport.max_abs_reward must be a finite number, got -inf"),
-    ("actor.eps_repeat_mu", ".inf", "actor.eps_repeat_mu must be a finite number or null, got inf"),
-])
-def test_integers_out_of_range_and_non_finite_floats_are_one_line_naming_the_key(tmp_path, key, text,
-                                                                                             message):
+@pytest.mark.parametrize(
+    "key, text, message",
+    [
+        ("learner.batch_size", HUGE, "learner.batch_size must be within -2**53..2**53, got an integer of 5000 digits"),
+        ("learner.batch_size", str(2**60), f"learner.batch_size must be within -2**53..2**53, got {2**60}"),
+        ("learner.lr", HUGE, "learner.lr must be within -2**53..2**53, got an integer of 5000 digits"),
+        (
+            "env.kwargs",
+            "{size: " + HUGE + "}",
+            "env.kwargs holds an integer outside -2**53..2**53: an integer of 5000 digits",
+        ),
+        ("learner.lr", ".inf", "learner.lr must be a finite number, got inf"),
+        ("learner.lr", ".nan", "learner.lr must be a finite number, got nan"),
+        ("learner.lr", "1e400", "learner.lr must be a finite number, got '1e400'"),
+        ("transport.max_abs_reward", "-.inf", "transport.max_abs_reward must be a finite number, got -inf"),
+        ("actor.eps_repeat_mu", ".inf", "actor.eps_repeat_mu must be a finite number or null, got inf"),
+    ],
+)
+def test_integers_out_of_range_and_non_finite_floats_are_one_line_naming_the_key(tmp_path, key, text, message):
     """Issue 30, item 11: a 5,000-digit integer gave a traceback and learner.lr: .inf was
     taken; each is refused in one line naming the key, from --set and from a file."""
     with pytest.raises(ConfigError) as by_set:

@@ -12,12 +12,14 @@ from gymnasium import spaces as gs
 from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
 
 from apex import config as config_module
-from apex import inference, spaces
-from apex.algos import impala, impala_actor
+from apex.algos.impala import actor as impala_actor
+from apex.algos.impala import learner as impala
 from apex.config import ConfigError, ModelConfig
-from apex.envs import EnvSpec
+from apex.envs import spaces
+from apex.envs.make import EnvSpec
 from apex.errors import RejectedMessage
-from apex.models import (
+from apex.nets import numpy_nets as inference
+from apex.nets.torch_nets import (
     LOG_STD_MAX,
     LOG_STD_MIN,
     PolicyValueNetwork,
@@ -57,8 +59,9 @@ def test_a_clipped_action_is_scored_by_the_sample_the_environment_got_clipped():
     assert inside.any() and not inside.all()
     normal = Normal(params[..., :3], params[..., 3:].exp())
     torch.testing.assert_close(gaussian_log_prob(params, u), normal.log_prob(u).sum(-1))
-    torch.testing.assert_close(gaussian_log_prob(params, u)[inside],
-                               normal.log_prob(torch.from_numpy(clipped)).sum(-1)[inside])
+    torch.testing.assert_close(
+        gaussian_log_prob(params, u)[inside], normal.log_prob(torch.from_numpy(clipped)).sum(-1)[inside]
+    )
 
 
 def test_a_squashed_actions_log_density_matches_torch_and_leaves_the_ratio_alone():
@@ -72,10 +75,16 @@ def test_a_squashed_actions_log_density_matches_torch_and_leaves_the_ratio_alone
     convert = spaces.action_plan(gs.Box(LOW.numpy(), HIGH.numpy()), "x", "squash").convert
     action = torch.from_numpy(np.stack([convert(row) for row in u.numpy()]).astype(np.float64))
     mid, half = (HIGH + LOW) / 2, (HIGH - LOW) / 2
-    reference = TransformedDistribution(Normal(params[..., :3].double(), params[..., 3:].exp().double()),
-                                        [TanhTransform(), AffineTransform(mid.double(), half.double())])
-    torch.testing.assert_close(squashed_log_prob(params.double(), u.double(), LOW.double(), HIGH.double()),
-                               reference.log_prob(action).sum(-1), rtol=1e-5, atol=1e-4)
+    reference = TransformedDistribution(
+        Normal(params[..., :3].double(), params[..., 3:].exp().double()),
+        [TanhTransform(), AffineTransform(mid.double(), half.double())],
+    )
+    torch.testing.assert_close(
+        squashed_log_prob(params.double(), u.double(), LOW.double(), HIGH.double()),
+        reference.log_prob(action).sum(-1),
+        rtol=1e-5,
+        atol=1e-4,
+    )
     ratio_squashed = squashed_log_prob(target, u, LOW, HIGH) - squashed_log_prob(params, u, LOW, HIGH)
     ratio_gaussian = gaussian_log_prob(target, u) - gaussian_log_prob(params, u)
     torch.testing.assert_close(ratio_squashed, ratio_gaussian, rtol=1e-5, atol=1e-4)
@@ -125,8 +134,9 @@ def test_the_learner_scores_the_samples_the_actor_drew(bounds):
     tensors = learner.sample().tensors
     with torch.no_grad():
         params, _ = learner.net.unroll(tensors["obs"], None, None)
-    torch.testing.assert_close(gaussian_log_prob(params[:-1], tensors["action"]), tensors["behaviour_logp"],
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        gaussian_log_prob(params[:-1], tensors["action"]), tensors["behaviour_logp"], rtol=1e-4, atol=1e-4
+    )
     u = tensors["action"].numpy()
     assert np.abs(u).max() > 0 and np.std(u) > 0.2  # sampled, not the mean
 
@@ -140,12 +150,15 @@ def continuous_batch(config, K: int = 2) -> tuple[dict, EnvSpec]:
     return batch, actor.spec
 
 
-@pytest.mark.parametrize("name, value", [
-    ("action", np.nan),
-    ("action", np.inf),
-    ("action", 1e7),  # beyond MAX_ABS_CONTINUOUS_ACTION: its log-density could overflow float32
-    ("behaviour_logp", 50.0),  # a density no clamped log-std reaches
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("action", np.nan),
+        ("action", np.inf),
+        ("action", 1e7),  # beyond MAX_ABS_CONTINUOUS_ACTION: its log-density could overflow float32
+        ("behaviour_logp", 50.0),  # a density no clamped log-std reaches
+    ],
+)
 def test_a_forged_continuous_action_or_density_is_refused(name, value):
     config = pendulum_config()
     batch, spec = continuous_batch(config)

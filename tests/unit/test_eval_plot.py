@@ -14,7 +14,7 @@ from apex import config as config_module
 from apex.cli import main
 from apex.config import Config
 from apex.errors import ApexError
-from apex.evaluation import evaluate
+from apex.run.evaluation import evaluate
 from tests.support.checkpoints import full_state
 from tests.support.runs import metrics_run
 
@@ -44,8 +44,15 @@ def test_plot_draws_several_runs(tmp_path, capsys):
     for name, slope in (("a", 1.0), ("b", 2.0)):
         logdir = tmp_path / name
         logdir.mkdir()
-        rows = [{"time": t, "env_steps": 1000 * t, "env_steps_per_s": 1000.0,
-                 "return_mean_100": None if t == 0 else slope * t} for t in range(10)]
+        rows = [
+            {
+                "time": t,
+                "env_steps": 1000 * t,
+                "env_steps_per_s": 1000.0,
+                "return_mean_100": None if t == 0 else slope * t,
+            }
+            for t in range(10)
+        ]
         (logdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         logdirs.append(str(logdir))
     output = tmp_path / "runs.png"
@@ -57,7 +64,7 @@ def test_plot_draws_several_runs(tmp_path, capsys):
 
 
 def test_plot_keeps_the_timeline_a_resumed_run_went_on_with():
-    from apex.plot import _labels, surviving_timeline
+    from apex.run.plot import _labels, surviving_timeline
 
     # Killed at t=10 after a checkpoint at t=6; the resumed learner logs the resume point
     # and goes on from there.
@@ -116,7 +123,7 @@ def visible_tick_labels(axis, which: str) -> list[str]:
 
 
 def test_plot_tick_labels_are_short_enough_to_read(tmp_path):
-    from apex.plot import figure, si
+    from apex.run.plot import figure, si
 
     fig = figure([metrics_run(tmp_path / "run", config=config_of("CartPole-v1", "apex_dqn"))])
     fig.canvas.draw()
@@ -129,11 +136,18 @@ def test_plot_tick_labels_are_short_enough_to_read(tmp_path):
     assert all(len(label) <= 6 for label in visible_tick_labels(throughput, "y"))
     assert fig.axes[1].get_xlabel() == "minutes"  # 1200 s of wall time
     assert [si(v) for v in (0, 950, 1500, 999_600, 1_250_000, 2e9, -3000)] == [
-        "0", "950", "1.5k", "1M", "1.25M", "2B", "\N{MINUS SIGN}3k"]
+        "0",
+        "950",
+        "1.5k",
+        "1M",
+        "1.25M",
+        "2B",
+        "\N{MINUS SIGN}3k",
+    ]
 
 
 def test_plot_legend_names_each_runs_env_and_algorithm(tmp_path):
-    from apex.plot import figure
+    from apex.run.plot import figure
 
     logdirs = [
         metrics_run(tmp_path / "cartpole", config=config_of("CartPole-v1", "apex_dqn")),
@@ -149,12 +163,17 @@ def test_plot_legend_names_each_runs_env_and_algorithm(tmp_path):
         (checkpoints / f"ckpt-{updates:09d}.json").write_text(json.dumps(manifest))
     fig = figure(logdirs)
     legend = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
-    assert legend == ["CartPole-v1 apex_dqn", "ALE/Pong-v5 impala (pong1)", "ALE/Pong-v5 impala (pong2)",
-                      "Acrobot-v1 apex_dqn", "bare"]
+    assert legend == [
+        "CartPole-v1 apex_dqn",
+        "ALE/Pong-v5 impala (pong1)",
+        "ALE/Pong-v5 impala (pong2)",
+        "Acrobot-v1 apex_dqn",
+        "bare",
+    ]
 
 
 def test_plot_smoothing_is_an_ema_over_the_raw_curve(tmp_path):
-    from apex.plot import figure, plot
+    from apex.run.plot import figure, plot
 
     logdir = metrics_run(tmp_path / "run", config=config_of("CartPole-v1", "apex_dqn"))
     raw = [t + (-1) ** t * 3 for t in range(1, 41)]

@@ -3,14 +3,15 @@ and without ez-greedy's held random actions (actor.eps_repeat_mu)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 
 from apex import config as config_module
-from apex.algos import exploration
-from apex.algos.apex_dqn_actor import Actor
+from apex.algos.apex_dqn import exploration
+from apex.algos.apex_dqn.actor import Actor
 from apex.config import ActorConfig
 from apex.errors import ConfigError
 
@@ -44,10 +45,10 @@ def test_the_ladder_follows_the_actors_that_join(actors):
     epsilons = [exploration.actor_epsilons(i, 6, config)[0][:5] for i in range(actors)]
     flat = [e for eps in epsilons for e in eps]
     assert len(set(flat)) == len(flat) == actors * 5
-    assert max(flat) == pytest.approx(0.4) and min(flat) < 0.4 ** 7
+    assert max(flat) == pytest.approx(0.4) and min(flat) < 0.4**7
     # spread: the positions on the ladder leave no gap wider than two even steps
     positions = sorted(math.log(e / 0.4, 0.4) / 7 for e in flat)
-    assert max(b - a for a, b in zip(positions, positions[1:])) <= 2 / len(flat) + 1e-9
+    assert max(b - a for a, b in itertools.pairwise(positions)) <= 2 / len(flat) + 1e-9
 
 
 def test_actor_offsets_are_van_der_corput():
@@ -57,13 +58,13 @@ def test_actor_offsets_are_van_der_corput():
 def run_lengths(actions: list[int]) -> list[int]:
     """Lengths of the runs of equal consecutive actions."""
     lengths, count = [], 1
-    for previous, action in zip(actions, actions[1:]):
+    for previous, action in itertools.pairwise(actions):
         if action == previous:
             count += 1
         else:
             lengths.append(count)
             count = 1
-    return lengths + [count]
+    return [*lengths, count]
 
 
 def play(explorer: exploration.Explorer, steps: int, greedy: int = 0) -> np.ndarray:
@@ -93,8 +94,7 @@ def test_ez_greedy_holds_random_actions_for_zeta_distributed_durations():
 
 
 def test_ez_greedy_leaves_evaluation_rows_plain_and_drops_a_hold_at_episode_end():
-    explorer = exploration.Explorer([1.0, 1.0], 1000, np.random.default_rng(2), repeat_mu=1.1,
-                                    plain=[False, True])
+    explorer = exploration.Explorer([1.0, 1.0], 1000, np.random.default_rng(2), repeat_mu=1.1, plain=[False, True])
     actions = play(explorer, 5000)
     assert max(run_lengths(actions[:, 1].tolist())) <= 3
     assert np.mean(run_lengths(actions[:, 0].tolist())) > 5
@@ -105,8 +105,13 @@ def test_ez_greedy_leaves_evaluation_rows_plain_and_drops_a_hold_at_episode_end(
 
 
 def test_the_actor_plays_ez_greedy_where_the_config_says_so():
-    overrides = ["actor.num_envs=4", "actor.eval_envs=1", "actor.eps_base=1.0", "actor.eps_alpha=0",
-                 "actor.eps_repeat_mu=1.5"]
+    overrides = [
+        "actor.num_envs=4",
+        "actor.eval_envs=1",
+        "actor.eps_base=1.0",
+        "actor.eps_alpha=0",
+        "actor.eps_repeat_mu=1.5",
+    ]
     config = config_module.load(None, overrides)
     welcome = {"epsilons": [1.0, 1.0, 1.0, 0.0], "eval_envs": [False, False, False, True]}
     actor = Actor(config, welcome, seed=0)

@@ -1,4 +1,4 @@
-"""apex.external and the algorithms' episode actors without sockets: what external episodes
+"""apex.serve.episodes and the algorithms' episode actors without sockets: what external episodes
 become (n-step transitions, unrolls) and that every bad request is refused before it
 changes anything."""
 
@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from apex import config as config_module
-from apex.algos import apex_dqn, impala
-from apex.algos.apex_dqn_actor import EpisodeActor as ApexEpisodeActor
-from apex.algos.exploration import actor_epsilons
-from apex.algos.impala_actor import EpisodeActor as ImpalaEpisodeActor
-from apex.envs import env_spaces
-from apex.external import ExternalEpisodes, RequestError
+from apex.algos.apex_dqn import learner as apex_dqn
+from apex.algos.apex_dqn.actor import EpisodeActor as ApexEpisodeActor
+from apex.algos.apex_dqn.exploration import actor_epsilons
+from apex.algos.impala import learner as impala
+from apex.algos.impala.actor import EpisodeActor as ImpalaEpisodeActor
+from apex.envs.make import env_spaces
+from apex.serve.episodes import ExternalEpisodes, RequestError
 
 K = 4  # the session's num_envs: rungs (Ape-X), unrolls per batch (IMPALA)
 
@@ -27,8 +28,15 @@ class Clock:
 
 
 def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisodes:
-    overrides = [f"algo={algo}", "learner.gamma=0.9", "learner.n_step=3", "actor.chunk_transitions=4",
-                 "impala.unroll_length=4", f"actor.num_envs={K}", *(f"{k}={v}" for k, v in sets.items())]
+    overrides = [
+        f"algo={algo}",
+        "learner.gamma=0.9",
+        "learner.n_step=3",
+        "actor.chunk_transitions=4",
+        "impala.unroll_length=4",
+        f"actor.num_envs={K}",
+        *(f"{k}={v}" for k, v in sets.items()),
+    ]
     config = config_module.load(None, overrides)
     spec, low, high = env_spaces(config.env, algo)
     if algo == "apex_dqn":
@@ -36,16 +44,24 @@ def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisod
         actor = ApexEpisodeActor(config, {"epsilons": epsilons, "eval_envs": eval_mask}, spec, 0)
     else:
         actor = ImpalaEpisodeActor(config, {"num_envs": K}, spec, 0)
-    return ExternalEpisodes(config, spec, low, high, actor, max_episodes=max_episodes, episode_timeout_s=10.0,
-                            clock=clock or Clock())
+    return ExternalEpisodes(
+        config, spec, low, high, actor, max_episodes=max_episodes, episode_timeout_s=10.0, clock=clock or Clock()
+    )
 
 
 def obs(t: float) -> list[float]:
     return [0.1 * t, 0.0, 0.0, 0.0]  # CartPole observations, told apart by their first value
 
 
-def play(episodes: ExternalEpisodes, episode_id: str, steps: int, *, first: int = 0, terminated: bool = True,
-         truncated: bool = False) -> None:
+def play(
+    episodes: ExternalEpisodes,
+    episode_id: str,
+    steps: int,
+    *,
+    first: int = 0,
+    terminated: bool = True,
+    truncated: bool = False,
+) -> None:
     """An episode of ``steps`` steps with reward t + 1 at step t, observations obs(first + t)."""
     for t in range(steps):
         episodes.act([episode_id], [obs(first + t)], None if t == 0 else [float(t)])
@@ -54,8 +70,9 @@ def play(episodes: ExternalEpisodes, episode_id: str, steps: int, *, first: int 
 
 def validate(algo: str, episodes: ExternalEpisodes, batch: dict) -> None:
     module = apex_dqn if algo == "apex_dqn" else impala
-    module.batch_schema(episodes.spec, episodes.config).validate(batch, module.batch_limits(K, episodes.spec,
-                                                                                              episodes.config))
+    module.batch_schema(episodes.spec, episodes.config).validate(
+        batch, module.batch_limits(K, episodes.spec, episodes.config)
+    )
 
 
 def test_apex_episode_makes_the_n_step_transitions_a_local_actor_would():
@@ -68,9 +85,9 @@ def test_apex_episode_makes_the_n_step_transitions_a_local_actor_would():
     order = np.argsort(batch["frames"][batch["obs_frame"], 0])
     for i, t in enumerate(range(6)):
         row = order[i]
-        expected = sum(0.9 ** k * rewards[t + k] for k in range(3) if t + k < 6)
+        expected = sum(0.9**k * rewards[t + k] for k in range(3) if t + k < 6)
         assert batch["reward"][row] == pytest.approx(expected, rel=1e-6)
-        assert batch["discount"][row] == pytest.approx(0.9 ** 3 if t + 3 < 6 else 0.0)
+        assert batch["discount"][row] == pytest.approx(0.9**3 if t + 3 < 6 else 0.0)
         assert batch["frames"][batch["obs_frame"][row], 0] == pytest.approx(0.1 * t)
         assert batch["frames"][batch["next_obs_frame"][row], 0] == pytest.approx(0.1 * min(t + 3, 6))
     assert records == [[21.0, 6, records[0][2]]]  # 1 + 2 + ... + 6 over 6 steps
@@ -159,6 +176,7 @@ def test_bad_requests_are_refused_before_anything_changes(algo):
 def test_an_act_request_that_carries_ends_makes_what_separate_requests_make(algo):
     """One round trip a step: episodes ended inside the next act request give the same data
     as an end request followed by an act request."""
+
     def run(combined: bool):
         episodes = make(algo)
         a, b = episodes.start(2)
@@ -273,18 +291,24 @@ def test_an_episode_is_stopped_at_the_envs_time_limit_so_that_the_learner_takes_
     episodes.end([episode_id], [obs(5)], [False], [True], [1.0])
     ((batch, records),) = episodes.take(flush=True)
     assert records[0][1] == 5  # within the learner's 1..step_limit
-    from apex.schema import check_episodes
+    from apex.wire.schema import check_episodes
 
-    check_episodes({"episodes": records}, max_episodes=len(batch["action"]), step_limit=5, max_abs_reward=1e6,
-                   step_budget=len(batch["action"]))
+    check_episodes(
+        {"episodes": records},
+        max_episodes=len(batch["action"]),
+        step_limit=5,
+        max_abs_reward=1e6,
+        step_budget=len(batch["action"]),
+    )
 
 
 def test_apex_external_episodes_hold_ez_greedy_actions_each_on_its_own():
     """With actor.eps_repeat_mu, each external episode holds its own random action: two
     episodes acting in one request do not share a hold, and an episode's hold survives
     between requests."""
-    episodes = make("apex_dqn", **{"actor.eps_base": 1.0, "actor.eps_alpha": 0, "actor.eval_envs": 0,
-                                   "actor.eps_repeat_mu": 1.1})
+    episodes = make(
+        "apex_dqn", **{"actor.eps_base": 1.0, "actor.eps_alpha": 0, "actor.eval_envs": 0, "actor.eps_repeat_mu": 1.1}
+    )
     ids = episodes.start(2)
     episodes.act(ids, [obs(0), obs(0)])
     states = [episodes.episodes[i].state for i in ids]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from apex.errors import ApexError
-from apex.files import RefusedFile, open_regular, read_regular, remove_stale_temps, write_atomic
-from apex.metrics import MetricsWriter, write_json_atomic
+from apex.learner.metrics import MetricsWriter, write_json_atomic
+from apex.system.files import RefusedFile, open_regular, read_regular, remove_stale_temps, write_atomic
 from tests.support.checkpoints import within
 
 
@@ -166,9 +166,14 @@ def test_read_regular_reads_a_regular_file_in_a_linked_run_directory(tmp_path):
         assert f.read() == b"{}\n"
 
 
-@pytest.mark.parametrize("kind, said", [("link to /dev/zero", "is a symbolic link, not a regular file"),
-                                        ("fifo", "is a FIFO, not a regular file"),
-                                        ("directory", "is a directory, not a regular file")])
+@pytest.mark.parametrize(
+    "kind, said",
+    [
+        ("link to /dev/zero", "is a symbolic link, not a regular file"),
+        ("fifo", "is a FIFO, not a regular file"),
+        ("directory", "is a directory, not a regular file"),
+    ],
+)
 def test_read_regular_refuses_what_is_not_a_regular_file_in_one_line_without_blocking(tmp_path, kind, said):
     path = tmp_path / "metrics.jsonl"
     if kind == "fifo":
@@ -197,10 +202,10 @@ def test_read_regular_refuses_a_file_larger_than_it_may_be_before_reading_it(tmp
 
 
 def test_metrics_survive_a_full_disk_and_go_on_when_it_frees_up(tmp_path, monkeypatch, caplog):
-    import apex.metrics
+    import apex.learner.metrics
 
     writer = MetricsWriter(tmp_path, console=Quiet(), tensorboard=False)
-    real_write_all = apex.metrics._write_all
+    real_write_all = apex.learner.metrics._write_all
     calls = []
 
     def full_disk(fd, data):
@@ -209,14 +214,14 @@ def test_metrics_survive_a_full_disk_and_go_on_when_it_frees_up(tmp_path, monkey
         raise OSError(errno.ENOSPC, "No space left on device")
 
     writer.write(row(0))
-    monkeypatch.setattr(apex.metrics, "_write_all", full_disk)
+    monkeypatch.setattr(apex.learner.metrics, "_write_all", full_disk)
     with caplog.at_level(logging.WARNING):
         for n in range(1, 6):
             writer.write(row(n))
     assert writer.write_failures == 5 and len(calls) == 5
     failures_logged = [r for r in caplog.records if "metrics.jsonl failed" in r.getMessage()]
     assert len(failures_logged) == 1 and "No space left on device" in failures_logged[0].getMessage()
-    monkeypatch.setattr(apex.metrics, "_write_all", real_write_all)
+    monkeypatch.setattr(apex.learner.metrics, "_write_all", real_write_all)
     writer.write(row(6))
     writer.close()
     # Whole lines only: the half lines were cut off again.

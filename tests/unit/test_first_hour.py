@@ -11,7 +11,7 @@ import time
 import pytest
 
 from apex import config as config_module
-from apex.algos import exploration
+from apex.algos.apex_dqn import exploration
 from apex.bench.transport import free_base_port
 from apex.cli import build_parser, load_config
 from apex.transport import LearnerClient, LearnerEndpoint, TransportConfig
@@ -24,8 +24,9 @@ PATIENT = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)  #
 
 
 def test_shorthands_set_the_config_and_set_wins_over_them():
-    args = build_parser().parse_args(["run", "--env", "Acrobot-v1", "--algo", "impala", "--seed", "3",
-                                      "--num-envs", "4"])
+    args = build_parser().parse_args(
+        ["run", "--env", "Acrobot-v1", "--algo", "impala", "--seed", "3", "--num-envs", "4"]
+    )
     config = load_config(args)
     assert (config.env.id, config.algo, config.seed, config.actor.num_envs) == ("Acrobot-v1", "impala", 3, 4)
     args = build_parser().parse_args(["learner", "--env", "Acrobot-v1", "--set", "env.id=MountainCar-v0"])
@@ -62,8 +63,11 @@ class Endpoint:
     def __init__(self, port: int, options: TransportConfig = FAST) -> None:
         actor = config_module.ActorConfig(num_envs=4, eval_envs=1)
         self.endpoint = LearnerEndpoint(
-            "127.0.0.1", port,
-            lambda hello, index: {"epsilons": exploration.actor_epsilons(index, 4, actor)[0]}, options)
+            "127.0.0.1",
+            port,
+            lambda hello, index: {"epsilons": exploration.actor_epsilons(index, 4, actor)[0]},
+            options,
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -138,7 +142,7 @@ def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
 def test_an_actor_keeps_its_connection_alive_while_its_environments_are_made():
     """16 Atari environments take longer to make than the learner's heartbeat timeout: the
     actor ticks (heartbeats) between them, or the learner drops it and it joins twice."""
-    from apex.envs import VectorEnv
+    from apex.envs.make import VectorEnv
 
     ticks = []
     envs = VectorEnv(config_module.EnvConfig(), 3, seed=0, tick=lambda: ticks.append(time.monotonic()))

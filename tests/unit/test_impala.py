@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apex import config as config_module
-from apex.algos import impala, impala_actor
-from apex.envs import EnvSpec
+from apex.algos.impala import actor as impala_actor
+from apex.algos.impala import learner as impala
+from apex.envs.make import EnvSpec
 from apex.replay import UnrollQueue
 
 
@@ -52,8 +53,11 @@ def test_vtrace_matches_the_definition(T, B, rho_bar, c_bar, seed):
     discounts = 0.9 * (rng.random((T, B)) > 0.2)  # some 0: episodes ending inside the unroll
     values = rng.standard_normal((T, B))
     bootstrap = rng.standard_normal(B)
-    out = impala.vtrace(*(torch.tensor(x) for x in (behaviour, target, rewards, discounts, values, bootstrap)),
-                        rho_bar=rho_bar, c_bar=c_bar)
+    out = impala.vtrace(
+        *(torch.tensor(x) for x in (behaviour, target, rewards, discounts, values, bootstrap)),
+        rho_bar=rho_bar,
+        c_bar=c_bar,
+    )
     vs, pg = vtrace_by_definition(behaviour, target, rewards, discounts, values, bootstrap, rho_bar, c_bar)
     np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-9, atol=1e-9)
     np.testing.assert_allclose(out.pg_advantages.numpy(), pg, rtol=1e-9, atol=1e-9)
@@ -81,7 +85,9 @@ def test_on_policy_vtrace_is_the_bootstrapped_n_step_return():
 
 def test_vtrace_passes_no_gradient_into_its_targets():
     values = torch.zeros(3, 1, requires_grad=True)
-    out = impala.vtrace(torch.zeros(3, 1), torch.zeros(3, 1), torch.ones(3, 1), torch.full((3, 1), 0.9), values, torch.zeros(1))
+    out = impala.vtrace(
+        torch.zeros(3, 1), torch.zeros(3, 1), torch.ones(3, 1), torch.full((3, 1), 0.9), values, torch.zeros(1)
+    )
     assert not out.vs.requires_grad and not out.pg_advantages.requires_grad
 
 
@@ -95,8 +101,19 @@ def test_loss_lowers_on_a_fixed_batch():
     optimizer = torch.optim.SGD([logits, values], lr=0.5)
     first = None
     for _ in range(50):
-        out = impala.impala_loss(logits, values, actions, behaviour, torch.ones(T, B), torch.full((T, B), 0.9),
-                                 1.0, 1.0, 0.5, 0.0, EnvSpec((4,), np.dtype(np.float32), 1, A))
+        out = impala.impala_loss(
+            logits,
+            values,
+            actions,
+            behaviour,
+            torch.ones(T, B),
+            torch.full((T, B), 0.9),
+            1.0,
+            1.0,
+            0.5,
+            0.0,
+            EnvSpec((4,), np.dtype(np.float32), 1, A),
+        )
         first = first if first is not None else out.baseline_loss.item()
         optimizer.zero_grad()
         out.loss.backward()
@@ -145,8 +162,10 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
     (about T + stack of them, not (T + 1) * stack) and builds the stacks of a batch, time-
     major, exactly as the actor's network saw them, across episode resets."""
     T = 12
-    config = config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0",
-                                       f"impala.unroll_length={T}", "impala.batch_unrolls=4"])
+    config = config_module.load(
+        None,
+        ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0", f"impala.unroll_length={T}", "impala.batch_unrolls=4"],
+    )
     actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
     spec = actor.spec
     assert spec.stack == 4 and spec.frame_shape == (40, 40)
@@ -158,7 +177,7 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
         batch, _ = actor.act()
         if batch is not None:
             stacks.append(actor.stacker.obs.copy())  # the bootstrap step
-            seen.append(np.stack(stacks[-(T + 1):]))
+            seen.append(np.stack(stacks[-(T + 1) :]))
             stacks = stacks[:-1]  # the next unroll starts at this one's bootstrap step
             arrays, _ = learner.schema.validate(batch, learner.batch_limits(2))
             learner.insert(arrays)
@@ -172,8 +191,6 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
     assert all(T + spec.stack <= n <= (T + 1) * spec.stack for n in frames_per_unroll), frames_per_unroll
     built = learner._stacks(unrolls)
     np.testing.assert_array_equal(built, np.concatenate(seen, axis=1))
-
-
 
 
 def test_a_forged_stack_start_past_the_last_whole_stack_never_reaches_the_queue():

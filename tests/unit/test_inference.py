@@ -8,16 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from apex import inference
 from apex.config import ModelConfig
-from apex.envs import EnvSpec
+from apex.envs.make import EnvSpec
 from apex.errors import ProtocolError
-from apex.models import PolicyValueNetwork, QNetwork, log_probs, numpy_weights
+from apex.nets import numpy_nets as inference
+from apex.nets.torch_nets import PolicyValueNetwork, QNetwork, log_probs, numpy_weights
 
 
 def vector_spec(num_actions: int = 3, nvec: tuple[int, ...] | None = None, stack: int = 2) -> EnvSpec:
-    return EnvSpec(frame_shape=(5,), frame_dtype=np.dtype(np.float32), stack=stack, num_actions=num_actions,
-                   action_nvec=nvec)
+    return EnvSpec(
+        frame_shape=(5,), frame_dtype=np.dtype(np.float32), stack=stack, num_actions=num_actions, action_nvec=nvec
+    )
 
 
 def observations(spec: EnvSpec, batch: int = 7) -> np.ndarray:
@@ -82,8 +83,14 @@ def test_weights_that_do_not_fit_are_refused_and_the_old_ones_kept():
     not_float = dict(good, **{"advantage.bias": np.zeros(3, np.int64)})
     nan = dict(good, **{"torso.net.1.bias": np.full(16, np.nan, np.float32)})
     inf = dict(good, **{"value.weight": np.full((1, 8), np.inf, np.float32)})
-    for bad, words in ((wrong_shape, "advantage.weight"), (missing, "missing"), (extra, "unexpected"),
-                       (not_float, "advantage.bias"), (nan, "torso.net.1.bias hold NaN"), (inf, "value.weight hold NaN")):
+    for bad, words in (
+        (wrong_shape, "advantage.weight"),
+        (missing, "missing"),
+        (extra, "unexpected"),
+        (not_float, "advantage.bias"),
+        (nan, "torso.net.1.bias hold NaN"),
+        (inf, "value.weight hold NaN"),
+    ):
         with pytest.raises(ProtocolError, match=words):
             actor_net.load(bad)
     np.testing.assert_array_equal(actor_net(obs), before)

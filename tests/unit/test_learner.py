@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn import Learner as ApexLearner
+from apex.algos.apex_dqn.learner import Learner as ApexLearner
 from apex.config import Config
-from apex.envs import EnvSpec
-from apex.learner import pick_device
-from apex.pipeline import Wakeup
+from apex.envs.make import EnvSpec
+from apex.learner.runtime import pick_device
 from apex.replay import RateLimiter
+from apex.training.pipeline import Wakeup
 from tests.support.replays import bandit_chunk
 
 
@@ -83,7 +83,7 @@ def test_insert_many_merges_validated_batches():
 def test_lazily_decoded_batches_with_compressed_small_fields_go_in():
     """Large batches: actions and rewards compress too, not only frames (found with Acrobot)."""
     from apex.bench.batches import BATCH_FIELDS
-    from apex.protocol import decode, encode
+    from apex.wire.protocol import decode, encode
 
     config = Config()
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)

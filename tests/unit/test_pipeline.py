@@ -1,4 +1,4 @@
-"""apex.pipeline and the cores' three stages: what the pipelined learner trains on is what a
+"""apex.training.pipeline and the cores' three stages: what the pipelined learner trains on is what a
 step in a row would, priorities and counts come back, skips are decided alike on the host and
 on the device, and a bug in the prefetch thread is reported without stopping it."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex import optim
-from apex.algos.apex_dqn import PREFETCH_BYTES, prefetch_depth
-from apex.algos.apex_dqn import Learner as ApexLearner
-from apex.envs import EnvSpec
-from apex.pipeline import Pipeline, SectionTimes
+from apex.algos.apex_dqn.learner import PREFETCH_BYTES, prefetch_depth
+from apex.algos.apex_dqn.learner import Learner as ApexLearner
+from apex.envs.make import EnvSpec
 from apex.replay import StackedReplay
+from apex.training import optim
+from apex.training.pipeline import Pipeline, SectionTimes
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
 
@@ -26,15 +26,28 @@ def bandit_chunk(n: int, seed: int = 0) -> dict:
     """One state; action 0 pays 1, action 1 pays 0; episodes end at once."""
     action = np.random.default_rng(seed).integers(0, 2, n)
     return {
-        "frames": np.zeros((n + 1, 3), np.float32), "obs_frame": np.zeros(n, np.int32),
-        "next_obs_frame": np.ones(n, np.int32), "action": action, "reward": (action == 0).astype(np.float32),
-        "discount": np.zeros(n, np.float32), "priority": np.ones(n, np.float32),
+        "frames": np.zeros((n + 1, 3), np.float32),
+        "obs_frame": np.zeros(n, np.int32),
+        "next_obs_frame": np.ones(n, np.int32),
+        "action": action,
+        "reward": (action == 0).astype(np.float32),
+        "discount": np.zeros(n, np.float32),
+        "priority": np.ones(n, np.float32),
     }
 
 
 def learner(*overrides: str) -> ApexLearner:
-    config = config_module.load(None, ["learner.batch_size=32", "learner.lr=1e-2", "replay.min_size=64",
-                                       "replay.samples_per_insert=1e-9", "replay.rate_slack=1000000000", *overrides])
+    config = config_module.load(
+        None,
+        [
+            "learner.batch_size=32",
+            "learner.lr=1e-2",
+            "replay.min_size=64",
+            "replay.samples_per_insert=1e-9",
+            "replay.rate_slack=1000000000",
+            *overrides,
+        ],
+    )
     core = ApexLearner(config, SPEC, torch.device("cpu"))
     core.insert(bandit_chunk(1000))
     return core
@@ -115,7 +128,9 @@ def test_finishing_several_steps_together_equals_finishing_them_one_by_one(skipp
     metrics = [one_by_one.finish([p])[0] for p in pending[id(one_by_one)]]
     assert together.finish(pending[id(together)]) == metrics
     assert [m == {} for m in metrics] == [k == skipped for k in range(3)]
-    np.testing.assert_array_equal(one_by_one.replay.priorities(np.arange(1000)), together.replay.priorities(np.arange(1000)))
+    np.testing.assert_array_equal(
+        one_by_one.replay.priorities(np.arange(1000)), together.replay.priorities(np.arange(1000))
+    )
     counts = ("updates", "skipped_updates", "dropped_transitions")
     assert [getattr(together, c) for c in counts] == [getattr(one_by_one, c) for c in counts]
     assert together.updates == (3 if skipped is None else 2)

@@ -1,4 +1,4 @@
-"""apex.protocol: round trips, validation, and fuzzing that only ever raises ProtocolError."""
+"""apex.wire.protocol: round trips, validation, and fuzzing that only ever raises ProtocolError."""
 
 from __future__ import annotations
 
@@ -11,22 +11,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from apex import protocol
 from apex.errors import ProtocolError
-from apex.protocol import DTYPES, MESSAGE_TYPES, PROTOCOL, decode, encode, pack, unpack
+from apex.wire import protocol
+from apex.wire.protocol import DTYPES, MESSAGE_TYPES, PROTOCOL, decode, encode, pack, unpack
 
 FUZZ_EXAMPLES = 2500  # per fuzz test; five of them: 12,500 malformed inputs a run
 
 FIELDS = {
     "hello": {"actor_index": None, "num_envs": 16, "host": "node-3", "pid": 4242},
     "heartbeat": {"actor_index": 2},
-    "welcome": {"actor_index": 2, "setup": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]},
-                "session": b"s" * 16, "incarnation": b"i" * 8},
+    "welcome": {
+        "actor_index": 2,
+        "setup": {"env": {"id": "CartPole-v1"}, "eps": [0.4, 0.1]},
+        "session": b"s" * 16,
+        "incarnation": b"i" * 8,
+    },
     "reject": {"reason": "protocol mismatch", "retry": False},
     "stop": {"reason": "stop-return reached"},
     "heartbeat_ack": {"weights_version": 17},
-    "batch": {"actor_index": 1, "weights_version": 9, "info": {"episode_returns": [9.0, 21.0]},
-              "session": b"s" * 16, "seq": 3},
+    "batch": {
+        "actor_index": 1,
+        "weights_version": 9,
+        "info": {"episode_returns": [9.0, 21.0]},
+        "session": b"s" * 16,
+        "seq": 3,
+    },
     "weights": {"version": 12, "incarnation": b"i" * 8},
 }
 
@@ -80,7 +89,8 @@ def raw_region(frames):
 
 def test_large_compressible_arrays_go_lz4_and_small_ones_share_the_raw_frame():
     frames = encode(
-        "batch", FIELDS["batch"],
+        "batch",
+        FIELDS["batch"],
         {"frames": np.zeros((10, 84, 84), np.uint8), "a": np.arange(3, dtype=np.int16), "b": np.ones(5)},
     )
     assert [entry[3] for entry in layout_of(frames)] == ["lz4", "raw", "raw"]
@@ -186,20 +196,20 @@ def test_decode_rejects_malformed_headers(mutate, message):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda l: l[0].__setitem__(1, "|O"), "dtype"),
-        (lambda l: l[0].__setitem__(1, "<c8"), "dtype"),
-        (lambda l: l[0].__setitem__(3, "zstd"), "codec"),
-        (lambda l: l[0].__setitem__(2, [64, 84, 85]), "lz4 payload holds"),
-        (lambda l: l[1].__setitem__(2, [65]), "raw arrays take"),
-        (lambda l: l[0].__setitem__(2, [2**40, 2**40]), "exceeds the cap"),
-        (lambda l: l[0].__setitem__(2, [-1, 84, 84]), "non-negative"),
-        (lambda l: l[0].__setitem__(2, [1] * 9), "at most 8"),
-        (lambda l: l[1].__setitem__(0, "obs"), "appears twice"),
-        (lambda l: l.pop(), "raw arrays take"),
-        (lambda l: l.insert(0, ["c", "|u1", [2], "lz4"]), "layout needs 3 frames, message has 2"),
-        (lambda l: l.append(["c", "<f4", [2], "raw"]), "raw arrays take"),
-        (lambda l: l[0].pop(), "must be \\[name, dtype, shape, codec\\]"),
-        (lambda l: l[1].__setitem__(0, ""), "non-empty string"),
+        (lambda layout: layout[0].__setitem__(1, "|O"), "dtype"),
+        (lambda layout: layout[0].__setitem__(1, "<c8"), "dtype"),
+        (lambda layout: layout[0].__setitem__(3, "zstd"), "codec"),
+        (lambda layout: layout[0].__setitem__(2, [64, 84, 85]), "lz4 payload holds"),
+        (lambda layout: layout[1].__setitem__(2, [65]), "raw arrays take"),
+        (lambda layout: layout[0].__setitem__(2, [2**40, 2**40]), "exceeds the cap"),
+        (lambda layout: layout[0].__setitem__(2, [-1, 84, 84]), "non-negative"),
+        (lambda layout: layout[0].__setitem__(2, [1] * 9), "at most 8"),
+        (lambda layout: layout[1].__setitem__(0, "obs"), "appears twice"),
+        (lambda layout: layout.pop(), "raw arrays take"),
+        (lambda layout: layout.insert(0, ["c", "|u1", [2], "lz4"]), "layout needs 3 frames, message has 2"),
+        (lambda layout: layout.append(["c", "<f4", [2], "raw"]), "raw arrays take"),
+        (lambda layout: layout[0].pop(), "must be \\[name, dtype, shape, codec\\]"),
+        (lambda layout: layout[1].__setitem__(0, ""), "non-empty string"),
     ],
 )
 def test_decode_rejects_malformed_layouts(mutate, message):
@@ -284,7 +294,12 @@ def test_fuzz_truncated_and_flipped_frames(data):
 
 
 _json_like = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20) | st.binary(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )

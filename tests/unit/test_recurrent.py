@@ -8,20 +8,31 @@ import numpy as np
 import pytest
 import torch
 
-import tests.envs  # noqa: F401  (registers the apex-test/ ids)
+import tests.envs  # noqa: F401 - registers the test environments
 from apex import config as config_module
-from apex.algos import impala, impala_actor
+from apex.algos.impala import actor as impala_actor
+from apex.algos.impala import learner as impala
 from apex.config import ModelConfig
-from apex.envs import EnvSpec
+from apex.envs.make import EnvSpec
 from apex.errors import RejectedMessage
-from apex.models import PolicyValueNetwork, log_prob_and_entropy, numpy_weights
+from apex.nets.torch_nets import PolicyValueNetwork, log_prob_and_entropy, numpy_weights
 
 T = 10
 
 
 def recurrent_config(env_id: str, *more: str):
-    return config_module.load(None, ["algo=impala", f"env.id={env_id}", "model.recurrent=lstm", "model.lstm_size=16",
-                                     "model.hidden=[32]", f"impala.unroll_length={T}", *more])
+    return config_module.load(
+        None,
+        [
+            "algo=impala",
+            f"env.id={env_id}",
+            "model.recurrent=lstm",
+            "model.lstm_size=16",
+            "model.hidden=[32]",
+            f"impala.unroll_length={T}",
+            *more,
+        ],
+    )
 
 
 class Recording:
@@ -40,10 +51,13 @@ class Recording:
         return params, values, state
 
 
-@pytest.mark.parametrize("env_id, kwargs", [
-    ("tests.envs:apex-test/Recall-v0", "env.kwargs={delay: 3}"),  # the MLP torso, NumPy actor
-    ("tests.envs:apex-test/Catch-v0", "env.frame_stack=2"),  # the conv torso, torch actor
-])
+@pytest.mark.parametrize(
+    "env_id, kwargs",
+    [
+        ("tests.envs:apex-test/Recall-v0", "env.kwargs={delay: 3}"),  # the MLP torso, NumPy actor
+        ("tests.envs:apex-test/Catch-v0", "env.frame_stack=2"),  # the conv torso, torch actor
+    ],
+)
 def test_the_learners_unroll_scores_what_the_actor_did(env_id, kwargs):
     """Two unrolls per environment with episodes ending inside them (every 4 steps), the
     second starting from a carried state: the learner's unroll over the queued batch gives,
@@ -71,7 +85,9 @@ def test_the_learners_unroll_scores_what_the_actor_did(env_id, kwargs):
         logp, _ = log_prob_and_entropy(params[:-1], tensors["action"], actor.spec)
     acted = np.stack(actor.net.params)  # [2T, K, P]
     for b in range(2):  # the learner's batch: the first unrolls of the K environments, then the second ones
-        np.testing.assert_allclose(params[:T, b * K:(b + 1) * K].numpy(), acted[b * T:(b + 1) * T], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            params[:T, b * K : (b + 1) * K].numpy(), acted[b * T : (b + 1) * T], rtol=1e-4, atol=1e-5
+        )
     np.testing.assert_allclose(logp.numpy(), tensors["behaviour_logp"].numpy(), rtol=1e-4, atol=1e-5)
 
 
@@ -86,14 +102,14 @@ def test_the_core_starts_afresh_where_an_episode_ended_inside_an_unroll():
     state = (torch.randn(size, 6).tanh(), torch.randn(size, 6))
     with torch.no_grad():
         params, values = net.unroll(obs, done, state)
-        fresh, fresh_values = net.unroll(obs[k + 1:], done[k + 1:], net.initial_state(size))
+        fresh, fresh_values = net.unroll(obs[k + 1 :], done[k + 1 :], net.initial_state(size))
         stepped, carried = [], state
         for t in range(steps):  # the actor's way: one step at a time, its state carried
             out, _, carried = net(obs[t], carried)
             stepped.append(out)
-    torch.testing.assert_close(params[k + 1:, 0], fresh[:, 0])
-    torch.testing.assert_close(values[k + 1:, 0], fresh_values[:, 0])
-    assert not torch.allclose(params[k + 1:, 1], fresh[:, 1], atol=1e-4)  # no reset there: its past counts
+    torch.testing.assert_close(params[k + 1 :, 0], fresh[:, 0])
+    torch.testing.assert_close(values[k + 1 :, 0], fresh_values[:, 0])
+    assert not torch.allclose(params[k + 1 :, 1], fresh[:, 1], atol=1e-4)  # no reset there: its past counts
     torch.testing.assert_close(params[:, 1], torch.stack(stepped)[:, 1])
     torch.testing.assert_close(params[: k + 1, 0], torch.stack(stepped)[: k + 1, 0])
 
@@ -107,12 +123,15 @@ def recall_batch(config, K: int = 2) -> dict:
     return batch
 
 
-@pytest.mark.parametrize("name, value, reason", [
-    ("core_h", 1.5, "core_h"),  # an LSTM's h is tanh of something
-    ("core_c", np.inf, "core_c"),
-    ("core_c", np.nan, "core_c"),
-    ("done", 2, "done"),
-])
+@pytest.mark.parametrize(
+    "name, value, reason",
+    [
+        ("core_h", 1.5, "core_h"),  # an LSTM's h is tanh of something
+        ("core_c", np.inf, "core_c"),
+        ("core_c", np.nan, "core_c"),
+        ("done", 2, "done"),
+    ],
+)
 def test_a_forged_core_state_or_episode_end_is_refused(name, value, reason):
     config = recurrent_config("tests.envs:apex-test/Recall-v0")
     spec = impala_actor.Actor(config, {"num_envs": 1}, seed=0).spec

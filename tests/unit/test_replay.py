@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apex.replay import Field, PrioritizedReplay
+from apex.replay import Field, PrioritizedReplay, StackedReplay
 from tests.support.replays import assert_stacks_are_their_own, fill, new_like
 
 SPEC = {
@@ -150,7 +150,7 @@ def test_concurrent_add_and_sample():
                 batch, indices, _ = replay.sample(32, beta=0.4)
                 np.testing.assert_array_equal(batch["id"], indices)
                 replay.update_priorities(indices, np.ones(len(indices)))
-        except Exception as e:  # noqa: BLE001 - surfaced below
+        except Exception as e:
             errors.append(e)
 
     threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
@@ -210,8 +210,6 @@ def test_constructor_validation(kwargs, message):
 
 # --- StackedReplay: frames stored once, stacks rebuilt at sample time
 
-from apex.replay import StackedReplay  # noqa: E402
-
 
 def frame_chunk(first_value: int, transitions: int, stack: int, n: int = 1) -> dict:
     """A chunk whose frame i holds the value first_value + i everywhere."""
@@ -262,7 +260,7 @@ def test_atari_sized_replay_uses_a_seventh_of_naive_stacks():
 
 
 def test_stacked_replay_takes_compressed_frames_straight_into_its_ring():
-    from apex.protocol import decode, encode
+    from apex.wire.protocol import decode, encode
 
     def lazily(chunk):
         from apex.bench.batches import BATCH_FIELDS as fields

@@ -1,4 +1,4 @@
-"""apex.schema: the one check of a received batch, for both algorithms, on batches that the
+"""apex.wire.schema: the one check of a received batch, for both algorithms, on batches that the
 real actor cores produce (then made hostile one way at a time)."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ import pytest
 
 from apex import algos
 from apex import config as config_module
-from apex.algos import apex_dqn, impala
+from apex.algos.apex_dqn import learner as apex_dqn
+from apex.algos.impala import learner as impala
 from apex.bench.batches import BATCH_FIELDS
 from apex.config import Config
-from apex.envs import EnvSpec
+from apex.envs.make import EnvSpec
 from apex.errors import RejectedMessage
-from apex.protocol import Compressed, decode, encode
-from apex.schema import check_episodes
+from apex.wire.protocol import Compressed, decode, encode
+from apex.wire.schema import check_episodes
 
 ATARI = EnvSpec((84, 84), np.dtype(np.uint8), 4, 6)
 
@@ -74,10 +75,15 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("algo, change, reason, words", [
-    (algo, change, reason, words) for algo in ("apex_dqn", "impala")
-    for only, change, reason, words in HOSTILE if only in (None, algo)
-])
+@pytest.mark.parametrize(
+    "algo, change, reason, words",
+    [
+        (algo, change, reason, words)
+        for algo in ("apex_dqn", "impala")
+        for only, change, reason, words in HOSTILE
+        if only in (None, algo)
+    ],
+)
 def test_hostile_batches_are_rejected_with_a_reason(algo, change, reason, words):
     batch, spec, config = actor_batch(algo)
     batch = {k: np.array(v) for k, v in batch.items()}
@@ -116,9 +122,12 @@ def test_image_frames_stay_compressed_for_the_ring_and_float_frames_are_checked(
     n = 32
     chunk = {
         "frames": np.zeros((n + 4 + 3, 84, 84), np.uint8),
-        "obs_frame": np.arange(n, dtype=np.int32), "next_obs_frame": np.arange(n, dtype=np.int32) + 3,
-        "action": np.zeros(n, np.int64), "reward": np.ones(n, np.float32),
-        "discount": np.full(n, 0.97, np.float32), "priority": np.ones(n, np.float32),
+        "obs_frame": np.arange(n, dtype=np.int32),
+        "next_obs_frame": np.arange(n, dtype=np.int32) + 3,
+        "action": np.zeros(n, np.int64),
+        "reward": np.ones(n, np.float32),
+        "discount": np.full(n, 0.97, np.float32),
+        "priority": np.ones(n, np.float32),
     }
     arrays, sizes = schema.validate(decode(encode("batch", BATCH_FIELDS, chunk), lazy=True).arrays, limits)
     assert isinstance(arrays["frames"], Compressed) and sizes == {"frames": n + 7, "transitions": n}
@@ -140,8 +149,9 @@ def test_batch_limits_hold_every_batch_an_honest_actor_sends():
     """The limits are an upper bound of what the actor cores produce (or honest data is lost)."""
     for algo, num_envs in (("apex_dqn", 1), ("apex_dqn", 7), ("impala", 5)):
         # episodes end all the time (max_episode_steps 3): the most chunks and stacks
-        config = config_module.load(None, [f"algo={algo}", "actor.chunk_transitions=4", "impala.unroll_length=3",
-                                           "env.max_episode_steps=3"])
+        config = config_module.load(
+            None, [f"algo={algo}", "actor.chunk_transitions=4", "impala.unroll_length=3", "env.max_episode_steps=3"]
+        )
         module = apex_dqn if algo == "apex_dqn" else impala
         welcome = {"num_envs": num_envs, "epsilons": [1.0] * num_envs, "eval_envs": [False] * num_envs}
         actor = algos.get(algo).actor().Actor(config, welcome, seed=1)
@@ -153,7 +163,7 @@ def test_batch_limits_hold_every_batch_an_honest_actor_sends():
         actor.close()
 
 
-EPISODES = dict(max_episodes=10, step_limit=500, max_abs_reward=1.0, step_budget=1000)
+EPISODES = {"max_episodes": 10, "step_limit": 500, "max_abs_reward": 1.0, "step_budget": 1000}
 
 
 @pytest.mark.parametrize(
@@ -194,13 +204,20 @@ def test_observations_are_held_to_the_spaces_bounds_and_1e6_where_it_has_none(al
     def with_value(column: int, value: float, max_abs_obs: float | None = None):
         frames = np.array(batch["frames"])
         frames[-1, column] = value
-        cfg = config if max_abs_obs is None else config_module.load_dict(
-            config.to_dict(), [f"transport.max_abs_obs={max_abs_obs}"])
+        cfg = (
+            config
+            if max_abs_obs is None
+            else config_module.load_dict(config.to_dict(), [f"transport.max_abs_obs={max_abs_obs}"])
+        )
         return validate(algo, {**batch, "frames": frames}, spec, cfg)
 
     with_value(1, 9e5)  # fast, not poison
-    for column, value, reason in ((1, 1e30, "out_of_range"), (1, -2e6, "out_of_range"), (0, 5.0, "out_of_range"),
-                                  (3, np.nan, "nonfinite")):
+    for column, value, reason in (
+        (1, 1e30, "out_of_range"),
+        (1, -2e6, "out_of_range"),
+        (0, 5.0, "out_of_range"),
+        (3, np.nan, "nonfinite"),
+    ):
         with pytest.raises(RejectedMessage, match=f"frames component {column} holds") as caught:
             with_value(column, value)
         assert caught.value.reason == reason

@@ -1,4 +1,4 @@
-"""Observation and action spaces (apex.spaces): the adapters that turn any supported space
+"""Observation and action spaces (apex.envs.spaces): the adapters that turn any supported space
 into frames and 0-based actions, the specs, networks and batch schemas they lead to, and
 the refusals (real runs on the environments of tests/envs.py: tests/system/test_spaces.py)."""
 
@@ -10,14 +10,16 @@ import pytest
 import torch
 from gymnasium import spaces as gs
 
-import tests.envs  # noqa: F401  (registers the apex-test/ ids)
+import tests.envs  # noqa: F401 - registers the test environments
 from apex import config as config_module
-from apex import spaces
-from apex.algos import apex_dqn, impala, impala_actor
+from apex.algos.apex_dqn import learner as apex_dqn
+from apex.algos.impala import actor as impala_actor
+from apex.algos.impala import learner as impala
 from apex.config import Config, EnvConfig
-from apex.envs import EnvSpec, VectorEnv, env_spec, make_env
+from apex.envs import spaces
+from apex.envs.make import EnvSpec, VectorEnv, env_spec, make_env
 from apex.errors import ConfigError, RejectedMessage
-from apex.models import (
+from apex.nets.torch_nets import (
     ConvTorso,
     PolicyValueNetwork,
     QNetwork,
@@ -59,21 +61,38 @@ def test_a_float32_vector_passes_as_it_is_and_float64_becomes_float32():
 
 
 def test_dict_keys_flatten_in_sorted_order_each_part_recursively():
-    space = gs.Dict({
-        "position": gs.Discrete(3),
-        "goal": gs.Box(0, 1, (2,), np.float32),
-        "dials": gs.MultiDiscrete([2, 3]),
-        "flags": gs.MultiBinary(2),
-        "pair": gs.Tuple((gs.Discrete(2, start=1), gs.Box(-1, 1, (1,), np.float32))),
-    })
-    x = {"position": 2, "goal": np.array([0.25, 0.75], np.float32), "dials": np.array([1, 2]),
-         "flags": np.array([1, 0], np.int8), "pair": (2, np.array([-0.5], np.float32))}
+    space = gs.Dict(
+        {
+            "position": gs.Discrete(3),
+            "goal": gs.Box(0, 1, (2,), np.float32),
+            "dials": gs.MultiDiscrete([2, 3]),
+            "flags": gs.MultiBinary(2),
+            "pair": gs.Tuple((gs.Discrete(2, start=1), gs.Box(-1, 1, (1,), np.float32))),
+        }
+    )
+    x = {
+        "position": 2,
+        "goal": np.array([0.25, 0.75], np.float32),
+        "dials": np.array([1, 2]),
+        "flags": np.array([1, 0], np.int8),
+        "pair": (2, np.array([-0.5], np.float32)),
+    }
     expected = [
-        0, 1, 0, 0, 1,  # dials: one-hot per component (2, then 3)
-        1, 0,  # flags
-        0.25, 0.75,  # goal
-        0, 1, -0.5,  # pair: Discrete(2, start=1) at 2, then the Box
-        0, 0, 1,  # position
+        0,
+        1,
+        0,
+        0,
+        1,  # dials: one-hot per component (2, then 3)
+        1,
+        0,  # flags
+        0.25,
+        0.75,  # goal
+        0,
+        1,
+        -0.5,  # pair: Discrete(2, start=1) at 2, then the Box
+        0,
+        0,
+        1,  # position
     ]
     out = convert(space, x)
     np.testing.assert_array_equal(out, np.asarray(expected, np.float32))
@@ -89,11 +108,26 @@ def test_unflattenable_observations_are_refused_naming_a_wrapper():
 # -- observations: images
 
 
-@pytest.mark.parametrize("shape, layout", [
-    ((84, 84), "hw"), ((84, 84, 3), "hwc"), ((3, 84, 84), "chw"), ((84, 84, 1), "hwc"), ((1, 84, 84), "chw"),
-    ((10, 10, 4), "hwc"), ((10, 10, 10), "hwc"), ((10, 10, 7), "hwc"), ((4, 10, 10), "chw"), ((40, 60, 2), "hwc"),
-    ((5, 5), None), ((5, 5, 3), None), ((3, 5, 5), None), ((84,), None), ((2, 8, 8, 3), None),
-])
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((84, 84), "hw"),
+        ((84, 84, 3), "hwc"),
+        ((3, 84, 84), "chw"),
+        ((84, 84, 1), "hwc"),
+        ((1, 84, 84), "chw"),
+        ((10, 10, 4), "hwc"),
+        ((10, 10, 10), "hwc"),
+        ((10, 10, 7), "hwc"),
+        ((4, 10, 10), "chw"),
+        ((40, 60, 2), "hwc"),
+        ((5, 5), None),
+        ((5, 5, 3), None),
+        ((3, 5, 5), None),
+        ((84,), None),
+        ((2, 8, 8, 3), None),
+    ],
+)
 def test_image_layout_rule(shape, layout):
     assert spaces.image_layout(shape) == layout
 
@@ -137,8 +171,11 @@ def test_image_layout_wrapper_overrides_the_rule():
     assert spaces.observation_plan(space, "vector").frame_shape == (8 * 8 * 20,)
     with pytest.raises(ConfigError, match="ImageLayout 'hw' does not fit"):
         spaces.observation_plan(space, "hw")
-    config = EnvConfig(id="apex-test/Catch-v0", kwargs={"channels": 2, "layout": "chw"},
-                       wrappers=[{"type": "apex.spaces.ImageLayout", "kwargs": {"layout": "vector"}}])
+    config = EnvConfig(
+        id="apex-test/Catch-v0",
+        kwargs={"channels": 2, "layout": "chw"},
+        wrappers=[{"type": "apex.envs.spaces.ImageLayout", "kwargs": {"layout": "vector"}}],
+    )
     assert env_spec(config).frame_shape == (2 * 40 * 40,)
 
 
@@ -161,10 +198,13 @@ def test_action_adapters_shift_start_and_restore_shape():
     env.close()
 
 
-@pytest.mark.parametrize("space, words", [
-    (gs.Box(0, 3, (2,), np.int64), "integer Box actions.*MultiDiscrete"),
-    (gs.Tuple((gs.Discrete(2), gs.Discrete(3))), "Tuple.*ActionWrapper"),
-])
+@pytest.mark.parametrize(
+    "space, words",
+    [
+        (gs.Box(0, 3, (2,), np.int64), "integer Box actions.*MultiDiscrete"),
+        (gs.Tuple((gs.Discrete(2), gs.Discrete(3))), "Tuple.*ActionWrapper"),
+    ],
+)
 def test_unusable_actions_are_refused_naming_a_fix(space, words):
     with pytest.raises(ConfigError, match=words) as e:
         spaces.action_plan(space, "my:Env-v0")
@@ -183,7 +223,9 @@ def test_apex_dqn_refuses_multidiscrete_actions_before_anything_starts():
 
 
 def test_continuous_actions_are_impala_only_and_squash_needs_finite_bounds():
-    with pytest.raises(ConfigError, match="algo apex_dqn needs Discrete actions.*continuous.*--algo impala.*Discretize"):
+    with pytest.raises(
+        ConfigError, match="algo apex_dqn needs Discrete actions.*continuous.*--algo impala.*Discretize"
+    ):
         env_spec(EnvConfig(id="Pendulum-v1"), "apex_dqn")
     spec = env_spec(EnvConfig(id="Pendulum-v1"), "impala")
     assert spec.continuous and spec.num_actions == 1 and spec.action_shape == (1,) and spec.action_dtype == np.float32
@@ -214,12 +256,15 @@ def test_pendulum_runs_through_the_named_fix():
 # -- specs of the test environments, and Atari unchanged
 
 
-@pytest.mark.parametrize("kwargs, shape, dtype", [
-    ({}, (40, 40), np.uint8),
-    ({"channels": 2, "layout": "hwc", "dtype": "bool"}, (2, 40, 40), np.uint8),
-    ({"channels": 2, "layout": "chw", "dtype": "float32"}, (2, 40, 40), np.float32),
-    ({"rows": 10, "columns": 10, "cell": 1}, (10, 10), np.uint8),
-])
+@pytest.mark.parametrize(
+    "kwargs, shape, dtype",
+    [
+        ({}, (40, 40), np.uint8),
+        ({"channels": 2, "layout": "hwc", "dtype": "bool"}, (2, 40, 40), np.uint8),
+        ({"channels": 2, "layout": "chw", "dtype": "float32"}, (2, 40, 40), np.float32),
+        ({"rows": 10, "columns": 10, "cell": 1}, (10, 10), np.uint8),
+    ],
+)
 def test_catch_frames_are_stacked_images(kwargs, shape, dtype):
     config = EnvConfig(id="tests.envs:apex-test/Catch-v0", kwargs=kwargs, frame_stack=3)
     spec = env_spec(config)
@@ -231,8 +276,15 @@ def test_catch_frames_are_stacked_images(kwargs, shape, dtype):
     envs.close()
 
 
-@pytest.mark.parametrize("env_id, shape", [("apex-test/Corridor-v0", (8,)), ("apex-test/DictGoal-v0", (12,)),
-                                           ("FrozenLake-v1", (16,)), ("Blackjack-v1", (32 + 11 + 2,))])
+@pytest.mark.parametrize(
+    "env_id, shape",
+    [
+        ("apex-test/Corridor-v0", (8,)),
+        ("apex-test/DictGoal-v0", (12,)),
+        ("FrozenLake-v1", (16,)),
+        ("Blackjack-v1", (32 + 11 + 2,)),
+    ],
+)
 def test_vector_specs_are_never_stacked(env_id, shape):
     spec = env_spec(EnvConfig(id=env_id, frame_stack=4))
     assert spec.frame_shape == shape and spec.frame_dtype == np.float32 and spec.stack == 1
@@ -253,15 +305,28 @@ def test_atari_frames_are_as_before():
 def test_the_nature_cnn_keeps_its_atari_parameters():
     torso = make_torso(EnvSpec((84, 84), np.dtype(np.uint8), 4, 6), Config().model)
     shapes = {name: tuple(p.shape) for name, p in torso.state_dict().items()}
-    assert shapes == {"net.0.weight": (32, 4, 8, 8), "net.0.bias": (32,), "net.2.weight": (64, 32, 4, 4),
-                      "net.2.bias": (64,), "net.4.weight": (64, 64, 3, 3), "net.4.bias": (64,),
-                      "net.7.weight": (512, 3136), "net.7.bias": (512,)}
+    assert shapes == {
+        "net.0.weight": (32, 4, 8, 8),
+        "net.0.bias": (32,),
+        "net.2.weight": (64, 32, 4, 4),
+        "net.2.bias": (64,),
+        "net.4.weight": (64, 64, 3, 3),
+        "net.4.bias": (64,),
+        "net.7.weight": (512, 3136),
+        "net.7.bias": (512,),
+    }
 
 
-@pytest.mark.parametrize("frame_shape, dtype, stack", [
-    ((40, 40), np.uint8, 4), ((4, 10, 10), np.uint8, 4), ((2, 40, 60), np.float32, 2), ((3, 96, 96), np.uint8, 2),
-    ((10, 10), np.float32, 1),
-])
+@pytest.mark.parametrize(
+    "frame_shape, dtype, stack",
+    [
+        ((40, 40), np.uint8, 4),
+        ((4, 10, 10), np.uint8, 4),
+        ((2, 40, 60), np.float32, 2),
+        ((3, 96, 96), np.uint8, 2),
+        ((10, 10), np.float32, 1),
+    ],
+)
 def test_conv_torsos_fit_their_input(frame_shape, dtype, stack):
     spec = EnvSpec(frame_shape, np.dtype(dtype), stack, 3)
     net = QNetwork(spec, Config().model)
@@ -275,7 +340,9 @@ def test_uint8_images_reach_the_network_scaled_to_one_and_float_images_as_they_a
     pixels = make_torso(EnvSpec((40, 40), np.dtype(np.uint8), 1, 3), Config().model)
     floats = make_torso(EnvSpec((40, 40), np.dtype(np.float32), 1, 3), Config().model)
     floats.load_state_dict(pixels.state_dict())
-    torch.testing.assert_close(pixels(torch.full((1, 1, 40, 40), 255, dtype=torch.uint8)), floats(torch.ones(1, 1, 40, 40)))
+    torch.testing.assert_close(
+        pixels(torch.full((1, 1, 40, 40), 255, dtype=torch.uint8)), floats(torch.ones(1, 1, 40, 40))
+    )
 
 
 def test_factorised_policy_sums_component_log_probs_and_entropies():
@@ -283,13 +350,20 @@ def test_factorised_policy_sums_component_log_probs_and_entropies():
     nvec = (3, 4)
     logits = torch.randn(6, 2, 7)
     actions = torch.stack([torch.randint(0, 3, (6, 2)), torch.randint(0, 4, (6, 2))], dim=-1)
-    first, second = torch.distributions.Categorical(logits=logits[..., :3]), torch.distributions.Categorical(logits=logits[..., 3:])
+    first, second = (
+        torch.distributions.Categorical(logits=logits[..., :3]),
+        torch.distributions.Categorical(logits=logits[..., 3:]),
+    )
     lps = log_probs(logits, nvec)
-    torch.testing.assert_close(action_log_prob(lps, actions, nvec),
-                               first.log_prob(actions[..., 0]) + second.log_prob(actions[..., 1]))
+    torch.testing.assert_close(
+        action_log_prob(lps, actions, nvec), first.log_prob(actions[..., 0]) + second.log_prob(actions[..., 1])
+    )
     torch.testing.assert_close(entropy(lps), first.entropy() + second.entropy())
     net = PolicyValueNetwork(EnvSpec((5,), np.dtype(np.float32), 1, 7, None, nvec), Config().model)
-    assert net.greedy(logits[0]).tolist() == torch.stack([logits[0, :, :3].argmax(-1), logits[0, :, 3:].argmax(-1)], -1).tolist()
+    assert (
+        net.greedy(logits[0]).tolist()
+        == torch.stack([logits[0, :, :3].argmax(-1), logits[0, :, 3:].argmax(-1)], -1).tolist()
+    )
 
 
 def test_impala_loss_on_multidiscrete_is_the_product_policy():
@@ -299,10 +373,23 @@ def test_impala_loss_on_multidiscrete_is_the_product_policy():
     values = torch.randn(T + 1, B)
     actions = torch.stack([torch.randint(0, 2, (T, B)), torch.randint(0, 3, (T, B))], dim=-1)
     behaviour = torch.full((T, B), -2.0)
-    out = impala.impala_loss(logits, values, actions, behaviour, torch.ones(T, B), torch.full((T, B), 0.9),
-                             1.0, 1.0, 0.5, 0.01, EnvSpec((4,), np.dtype(np.float32), 1, 5, None, nvec))
-    ent = (torch.distributions.Categorical(logits=logits[:-1, :, :2]).entropy()
-           + torch.distributions.Categorical(logits=logits[:-1, :, 2:]).entropy()).mean()
+    out = impala.impala_loss(
+        logits,
+        values,
+        actions,
+        behaviour,
+        torch.ones(T, B),
+        torch.full((T, B), 0.9),
+        1.0,
+        1.0,
+        0.5,
+        0.01,
+        EnvSpec((4,), np.dtype(np.float32), 1, 5, None, nvec),
+    )
+    ent = (
+        torch.distributions.Categorical(logits=logits[:-1, :, :2]).entropy()
+        + torch.distributions.Categorical(logits=logits[:-1, :, 2:]).entropy()
+    ).mean()
     torch.testing.assert_close(out.entropy, ent)
 
 
@@ -310,8 +397,9 @@ def test_impala_loss_on_multidiscrete_is_the_product_policy():
 
 
 def dial_config() -> Config:
-    return config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/MultiDial-v0",
-                                     "impala.unroll_length=5"])
+    return config_module.load(
+        None, ["algo=impala", "env.id=tests.envs:apex-test/MultiDial-v0", "impala.unroll_length=5"]
+    )
 
 
 def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
@@ -345,8 +433,9 @@ def dial_batch() -> tuple[dict, EnvSpec, Config]:
     return batch, actor.spec, config
 
 
-@pytest.mark.parametrize("component, value, ok", [(0, 2, True), (0, 3, False), (1, 3, True), (1, 4, False),
-                                                  (0, -1, False), (1, -1, False)])
+@pytest.mark.parametrize(
+    "component, value, ok", [(0, 2, True), (0, 3, False), (1, 3, True), (1, 4, False), (0, -1, False), (1, -1, False)]
+)
 def test_multidiscrete_actions_are_checked_component_by_component(component, value, ok):
     batch, spec, config = dial_batch()
     batch["action"][1, 2, component] = value

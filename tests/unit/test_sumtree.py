@@ -273,8 +273,7 @@ def test_concurrent_updates_from_threads_stay_consistent():
     tree = SumTree(4096)
     rng = np.random.default_rng(0)
     batches = [
-        [(np.arange(t, 4096, 4), rng.integers(1, 10, 1024).astype(np.float64)) for _ in range(200)]
-        for t in range(4)
+        [(np.arange(t, 4096, 4), rng.integers(1, 10, 1024).astype(np.float64)) for _ in range(200)] for t in range(4)
     ]
 
     def worker(thread_batches):

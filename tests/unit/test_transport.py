@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import zmq
 
-from apex import protocol
 from apex.bench import transport as bench_transport
 from apex.bench.transport import free_base_port
 from apex.transport import (
@@ -22,6 +21,7 @@ from apex.transport import (
     TransportConfig,
     generate_keys,
 )
+from apex.wire import protocol
 from tests.support.endpoints import FAST, SPEC, Learner, welcome_all
 
 
@@ -100,9 +100,15 @@ def test_batches_arrive_decoded_with_the_actor_index(learner, port):
     try:
         client.handshake(timeout_s=5)
         for i in range(10):
-            assert client.send_batch({"obs": np.full((64, 4), i, np.float32)}, weights_version=i, info={"steps": 64}, timeout_s=5)
+            assert client.send_batch(
+                {"obs": np.full((64, 4), i, np.float32)}, weights_version=i, info={"steps": 64}, timeout_s=5
+            )
         received = []
-        assert wait_for(lambda: (m := learner.endpoint.receiver.recv(50)) is not None and received.append(m) or len(received) == 10)
+        assert wait_for(
+            lambda: (
+                ((m := learner.endpoint.receiver.recv(50)) is not None and received.append(m)) or len(received) == 10
+            )
+        )
         assert [m.fields["weights_version"] for m in received] == list(range(10))
         assert all(m.fields["actor_index"] == 0 and m.fields["info"] == {"steps": 64} for m in received)
         np.testing.assert_array_equal(received[3].arrays["obs"], np.full((64, 4), 3, np.float32))
@@ -126,8 +132,12 @@ def test_malformed_messages_are_counted_and_the_learner_keeps_serving(learner, p
         receiver = learner.endpoint.receiver
         valid = []
         rejected = learner.endpoint.rejected
-        assert wait_for(lambda: (m := receiver.recv(50)) is not None and valid.append(m)
-                        or rejected.by_reason() == {"malformed": 2, "unexpected_type": 1} and valid)
+        assert wait_for(
+            lambda: (
+                ((m := receiver.recv(50)) is not None and valid.append(m))
+                or (rejected.by_reason() == {"malformed": 2, "unexpected_type": 1} and valid)
+            )
+        )
         assert [m.arrays["x"].tolist() for m in valid] == [[0, 1, 2]]
         assert learner.endpoint.rejected_messages == 3
     finally:
@@ -169,7 +179,9 @@ def test_new_actor_gets_current_weights_at_once_and_only_the_newest(learner, por
 
 def test_slow_learner_makes_the_actor_wait_with_bounded_queues(learner, port):
     """Nobody reads the trajectory stream: sends block after a bounded number of batches."""
-    client = make_client(port, options=TransportConfig(trajectory_hwm=2, heartbeat_interval_s=0.05, heartbeat_timeout_s=5))
+    client = make_client(
+        port, options=TransportConfig(trajectory_hwm=2, heartbeat_interval_s=0.05, heartbeat_timeout_s=5)
+    )
     try:
         client.handshake(timeout_s=5)
         batch = {"obs": np.random.default_rng(0).integers(0, 255, (1 << 20,), dtype=np.uint8)}  # 1 MiB, incompressible
@@ -299,8 +311,12 @@ def group_learner(port: int, secret: bytes = b"g" * 32) -> Learner:
     """Rank 0's endpoint of a learner group of 2: rank 1 takes trajectories on port + 3."""
     from apex.transport.sessions import SessionSigner
 
-    return Learner(port, options=TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0),
-                   signer=SessionSigner(secret), routes=[None, {"host": None, "port": port + 3}])
+    return Learner(
+        port,
+        options=TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=1.0),
+        signer=SessionSigner(secret),
+        routes=[None, {"host": None, "port": port + 3}],
+    )
 
 
 def routed_rank(welcome, port: int) -> int:
@@ -312,8 +328,11 @@ def test_rank_0_chooses_ranks_not_hellos_and_a_silent_sessions_place_comes_back(
     the rank with the fewest live ones; a session gone silent (no heartbeats) gives back its
     index and its place on its rank to the next actor."""
     learner = group_learner(port)
-    first, asks_for_1, quiet = (make_client(port, options=PATIENT), make_client(port, actor_index=1, options=PATIENT),
-                                make_client(port, options=PATIENT))
+    first, asks_for_1, quiet = (
+        make_client(port, options=PATIENT),
+        make_client(port, actor_index=1, options=PATIENT),
+        make_client(port, options=PATIENT),
+    )
     try:
         assert routed_rank(first.handshake(timeout_s=5), port) == 0
         # index 1 would be rank 1 by index mod 2; rank 0 holds one session and rank 1 none
@@ -365,8 +384,12 @@ def test_a_batch_goes_in_on_its_own_rank_alone(port):
         assert own.send_batch({"x": np.arange(4)}, weights_version=0, timeout_s=5)
         received = []
         rejected = learner.endpoint.rejected
-        assert wait_for(lambda: (m := learner.endpoint.receiver.recv(50)) is not None and received.append(m)
-                        or rejected.by_reason() == {"wrong_rank": 1} and received)
+        assert wait_for(
+            lambda: (
+                ((m := learner.endpoint.receiver.recv(50)) is not None and received.append(m))
+                or (rejected.by_reason() == {"wrong_rank": 1} and received)
+            )
+        )
         assert [m.arrays["x"].tolist() for m in received] == [[0, 1, 2, 3]]  # the honest one's, on its rank
         # rank 0's own session's batch on rank 1, and a token for rank 2: refused by rank 1
         for token in (own._session, SessionSigner(secret).token(5, 1, 2)):

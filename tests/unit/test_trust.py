@@ -21,25 +21,36 @@ from apex.config.trust import (
 )
 from apex.errors import ConfigError
 
-HOSTILE = {"env": {"id": "evil.pkg:Evil-v0", "imports": ["os"],
-                   "wrappers": ["pydoc.pipepager", {"type": "gymnasium.wrappers:ClipReward", "kwargs": {}}]}}
+HOSTILE = {
+    "env": {
+        "id": "evil.pkg:Evil-v0",
+        "imports": ["os"],
+        "wrappers": ["pydoc.pipepager", {"type": "gymnasium.wrappers:ClipReward", "kwargs": {}}],
+    }
+}
 
 
 def test_named_modules_are_what_making_the_environment_would_import_in_order():
     env = config_module.from_dict(HOSTILE).env
-    assert named_modules(env) == [("env.imports[0]", "os"), ("env.id", "evil.pkg"),
-                                  ("env.wrappers[0] 'pydoc.pipepager'", "pydoc"),
-                                  ("env.wrappers[1] 'gymnasium.wrappers:ClipReward'", "gymnasium.wrappers")]
+    assert named_modules(env) == [
+        ("env.imports[0]", "os"),
+        ("env.id", "evil.pkg"),
+        ("env.wrappers[0] 'pydoc.pipepager'", "pydoc"),
+        ("env.wrappers[1] 'gymnasium.wrappers:ClipReward'", "gymnasium.wrappers"),
+    ]
     assert named_modules(config_module.EnvConfig(id="ALE/Pong-v5")) == []  # installed ids import nothing named
 
 
-@pytest.mark.parametrize("module, allowed, expected", [
-    ("pydoc", ["pydoc"], True),
-    ("gymnasium.wrappers", ["gymnasium"], True),  # a package allows its submodules
-    ("gymnasium", ["gymnasium.wrappers"], False),  # not its parents
-    ("pydocx", ["pydoc"], False),  # a name is not a prefix of another
-    ("evil.pkg", [], False),
-])
+@pytest.mark.parametrize(
+    "module, allowed, expected",
+    [
+        ("pydoc", ["pydoc"], True),
+        ("gymnasium.wrappers", ["gymnasium"], True),  # a package allows its submodules
+        ("gymnasium", ["gymnasium.wrappers"], False),  # not its parents
+        ("pydocx", ["pydoc"], False),  # a name is not a prefix of another
+        ("evil.pkg", [], False),
+    ],
+)
 def test_a_module_is_allowed_by_its_own_name_or_a_package_it_is_in(module, allowed, expected):
     assert is_allowed(module, allowed) is expected
 
@@ -71,8 +82,13 @@ def test_the_allowance_comes_from_flags_the_variable_and_the_local_config(monkey
     monkeypatch.setenv(ALLOW_IMPORTS_ENV, " tests.envs, ,pydoc ")
     local = config_module.load(None, ["env.allow_imports=[mypkg.envs]", "env.imports=[corridor]"]).env
     # the local config is this side's own: what it names itself is allowed too
-    assert allowed_imports(["gymnasium.wrappers", "pydoc"], local) == ("gymnasium.wrappers", "pydoc", "tests.envs",
-                                                                        "mypkg.envs", "corridor")
+    assert allowed_imports(["gymnasium.wrappers", "pydoc"], local) == (
+        "gymnasium.wrappers",
+        "pydoc",
+        "tests.envs",
+        "mypkg.envs",
+        "corridor",
+    )
     with pytest.raises(ConfigError, match=r"^--allow-import 'a b' is not a module name"):
         allowed_imports(["a b"])
     monkeypatch.setenv(ALLOW_IMPORTS_ENV, "os;rm")

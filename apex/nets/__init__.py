@@ -1,0 +1,2 @@
+"""Networks: torch modules for the learner, NumPy forward passes for the actors, and what both
+share."""

@@ -1,0 +1,1 @@
+"""Operations around runs: `apex run` (launch and supervise), `apex eval`, `apex plot`."""

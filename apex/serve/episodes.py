@@ -1,0 +1,486 @@
+"""External episodes: environments that apex does not step (a game, a robot, a simulator in
+another language) report observations and rewards, and ask for actions, one request at a
+time. ``ExternalEpisodes`` checks every request against the run's spaces before it changes
+anything, keeps the open episodes (each on a slot: a rung of the Ape-X ladder, a row of
+IMPALA unrolls), expires idle ones, and leaves the learning data to the algorithm's
+``EpisodeActor`` (``apex.algos.<algo>_actor``). No sockets here: ``apex.serve.server`` puts it behind
+HTTP and ZeroMQ and sends what it makes to the learner.
+
+A request for many episodes is checked whole first: an unknown id or a wrong observation
+anywhere in it refuses all of it, and no episode moves.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from apex.config import Config
+from apex.envs.make import EnvSpec
+from apex.errors import ApexError
+from apex.wire.schema import UNKNOWN_STEP_LIMIT
+
+if TYPE_CHECKING:
+    from apex.core import EpisodeActorCore, EpisodeRecord
+
+MAX_EPISODE_ID_CHARS = 64
+
+
+class RequestError(ApexError):
+    """A client's request refused: ``status`` is its HTTP status (400 malformed, 404 unknown
+    episode, 409 out of order, 429 too many episodes), ``reason`` a short key that metrics count."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass
+class Episode:
+    """One external episode as the server sees it; ``state`` is the algorithm's."""
+
+    id: str
+    slot: int | None  # taken at its first action (see ExternalEpisodes._seat)
+    last_seen: float
+    reward: float = 0.0  # reported for the step under way (since the last action)
+    episode_return: float = 0.0
+    length: int = 0  # steps with an outcome
+    acted: bool = False  # an action is out whose outcome (reward, next observation) is pending
+    logged: bool = False  # the client chose an action of this episode (not the policy)
+    state: Any = None
+    frames: deque[np.ndarray] = field(default_factory=deque)  # the last ``stack`` frames: the observation
+
+
+def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
+    """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
+
+    def bounds(values: np.ndarray) -> list[float | None] | float | None:
+        values = np.asarray(values, np.float64)
+        if not np.isfinite(values).any():
+            return None
+        if np.all(values == values.flat[0]):
+            return float(values.flat[0])
+        return [None if not math.isfinite(v) else float(v) for v in values.ravel()]
+
+    action: dict[str, Any]
+    if spec.action_nvec is None:
+        action = {"type": "Discrete", "n": spec.num_actions}
+    else:
+        action = {"type": "MultiDiscrete", "nvec": list(spec.action_nvec)}
+    return {
+        "observation": {
+            "shape": list(spec.frame_shape),
+            "dtype": np.dtype(spec.frame_dtype).name,
+            "low": bounds(low),
+            "high": bounds(high),
+        },
+        "action": action,
+        "frame_stack": spec.stack,
+    }
+
+
+class ExternalEpisodes:
+    """The open episodes of one `apex serve` and the data they make. Not thread-safe: its
+    owner serialises calls (``apex.serve.server`` holds a lock)."""
+
+    def __init__(
+        self,
+        config: Config,
+        spec: EnvSpec,
+        low: np.ndarray,
+        high: np.ndarray,
+        actor: EpisodeActorCore,
+        *,
+        max_episodes: int,
+        episode_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.actor = actor  # the algorithm's EpisodeActor
+        self.max_episodes = max_episodes
+        self.episode_timeout_s = episode_timeout_s
+        self.clock = clock
+        self.episodes: dict[str, Episode] = {}
+        # Ape-X: slots handed out in turn, so that over time every rung of the ladder (its
+        # evaluation rungs too) plays, however few episodes are open at once. IMPALA: the
+        # slot freed last first, so that unrolls fill with fresh steps (``reuse_freed_slots``).
+        self._free_slots = deque(range(max_episodes))
+        self.max_abs_reward = config.transport.max_abs_reward
+        self._low = np.broadcast_to(np.asarray(low, np.float64), spec.frame_shape)
+        self._high = np.broadcast_to(np.asarray(high, np.float64), spec.frame_shape)
+        self._bounded = bool(np.isfinite(self._low).any() or np.isfinite(self._high).any())
+        # What the learner's batch schema holds frames to (transport.max_abs_obs): a value the
+        # learner would refuse is refused here, before it is queued with honest episodes' steps.
+        self._max_abs = np.broadcast_to(spec.obs_bound(config.transport.max_abs_obs), spec.frame_shape)
+        self.spaces = describe_spaces(spec, low, high)
+        # The learner refuses a batch that reports an episode longer than this (the env's time
+        # limit): an episode is stopped at it, not allowed to spoil the batch it would end in.
+        self.step_limit = spec.max_episode_steps or UNKNOWN_STEP_LIMIT
+        self.started = 0
+        self.finished = 0
+        self.expired = 0
+        self.steps = 0
+
+    # -- requests
+
+    def start(self, count: int = 1) -> list[str]:
+        """Opens ``count`` episodes; returns their ids (unguessable: one client cannot act in
+        another's episodes by counting)."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise RequestError(400, "fields", f"count must be a positive integer, got {count!r}")
+        if len(self.episodes) + count > self.max_episodes:
+            self.expire()
+        if len(self.episodes) + count > self.max_episodes:
+            raise RequestError(
+                429,
+                "too_many_episodes",
+                f"{len(self.episodes)} episodes are open and at most {self.max_episodes} may be "
+                "(apex serve --max-episodes): end some, or let idle ones expire",
+            )
+        now = self.clock()
+        ids = []
+        for _ in range(count):
+            episode = Episode(secrets.token_hex(12), None, now)
+            self.episodes[episode.id] = episode
+            ids.append(episode.id)
+        self.started += count
+        return ids
+
+    def act(self, ids: list[str], observations: Any, rewards: Any = None, ended: Any = None) -> np.ndarray:
+        """The policy's actions for these episodes' current observations; ``rewards``, when
+        given, are added to each episode's step under way first (one request a step).
+        ``ended``: episodes that ended since the last request, as ``end`` takes them (a map of
+        its arguments: episode_ids, observations, terminated, truncated, rewards), ended
+        first, so that a vectorised simulator needs one round trip a step. The whole request
+        is checked before either part changes anything."""
+        closing = self._checked_end(**self._end_fields(ended)) if ended is not None else None
+        episodes = self._episodes(ids)
+        if closing is not None and not {id(e) for e in episodes}.isdisjoint(id(e) for e in closing[0]):
+            raise RequestError(400, "fields", "an episode id is both in end and asking for an action")
+        self._within_limit(episodes)
+        frames = self.frames(observations, len(episodes))
+        values = None if rewards is None else self._checked_rewards(episodes, rewards)
+        if closing is not None:
+            self._end_checked(*closing)
+        if values is not None:
+            self._apply_rewards(episodes, values)
+        self._seat(episodes)
+        actions = self.actor.act(episodes, self._next(episodes, frames), None)
+        self._after_step(episodes)
+        return actions
+
+    def log_action(self, ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
+        """The client chose these actions (its own policy, a human): recorded as if the
+        policy had taken them, where the algorithm can learn from them off-policy."""
+        episodes = self._episodes(ids)
+        if not self.actor.learns_logged_actions:
+            raise RequestError(
+                409,
+                "log_action",
+                f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
+                "probabilities; ask for actions (action), or run the learner with algo apex_dqn",
+            )
+        self._within_limit(episodes)
+        frames = self.frames(observations, len(episodes))
+        chosen = self.actions(actions, len(episodes))
+        if rewards is not None:
+            self._add_rewards(episodes, rewards)
+        self._seat(episodes)
+        self.actor.act(episodes, self._next(episodes, frames), chosen)
+        for episode in episodes:
+            episode.logged = True
+        self._after_step(episodes)
+
+    def add_rewards(self, ids: list[str], rewards: Any) -> None:
+        """Adds each reward to its episode's step under way (several calls a step add up)."""
+        self._add_rewards(self._episodes(ids), rewards)
+
+    def _add_rewards(self, episodes: list[Episode], rewards: Any) -> None:
+        self._apply_rewards(episodes, self._checked_rewards(episodes, rewards))
+
+    def _checked_rewards(self, episodes: list[Episode], rewards: Any) -> np.ndarray:
+        values = self._rewards(rewards, len(episodes))
+        for episode, reward in zip(episodes, values):
+            if not episode.acted and reward != 0:
+                raise RequestError(
+                    409,
+                    "order",
+                    f"episode {episode.id}: a reward before its first action; ask for (or log) an action first",
+                )
+            total = episode.reward + reward
+            if abs(total) > self.max_abs_reward:
+                raise RequestError(
+                    400,
+                    "reward",
+                    f"episode {episode.id}: this step's reward {total:g} exceeds "
+                    f"transport.max_abs_reward ({self.max_abs_reward:g})",
+                )
+        return values
+
+    def _apply_rewards(self, episodes: list[Episode], values: np.ndarray) -> None:
+        now = self.clock()
+        for episode, reward in zip(episodes, values):
+            episode.reward += reward
+            episode.last_seen = now
+
+    def end(self, ids: list[str], observations: Any, terminated: Any, truncated: Any, rewards: Any = None) -> None:
+        """Ends these episodes at their final observations: ``terminated`` (no future to
+        bootstrap) or ``truncated`` (a time limit: the future is the policy's own estimate)."""
+        self._end_checked(*self._checked_end(ids, observations, terminated, truncated, rewards))
+
+    def _checked_end(
+        self, ids: Any, observations: Any, terminated: Any, truncated: Any, rewards: Any = None
+    ) -> tuple[list[Episode], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        episodes = self._episodes(ids)
+        frames = self.frames(observations, len(episodes))
+        term = self._flags(terminated, len(episodes), "terminated")
+        trunc = self._flags(truncated, len(episodes), "truncated")
+        values = None if rewards is None else self._checked_rewards(episodes, rewards)
+        return episodes, frames, term, trunc, values
+
+    def _end_checked(
+        self,
+        episodes: list[Episode],
+        frames: np.ndarray,
+        term: np.ndarray,
+        trunc: np.ndarray,
+        rewards: np.ndarray | None,
+    ) -> None:
+        if rewards is not None:
+            self._apply_rewards(episodes, rewards)
+        acted = [i for i, e in enumerate(episodes) if e.acted]
+        if acted:
+            chosen = [episodes[i] for i in acted]
+            self.actor.end(chosen, self._next(chosen, frames[acted]), term[acted], trunc[acted])
+            self.steps += len(acted)
+        for episode in episodes:
+            self._close(episode)
+        self.finished += len(episodes)
+
+    @staticmethod
+    def _end_fields(ended: Any) -> dict[str, Any]:
+        """An act request's ``end`` map as ``end``'s arguments."""
+        known = {"episode_ids", "observations", "terminated", "truncated", "rewards"}
+        if not isinstance(ended, dict) or not {"episode_ids", "observations"} <= ended.keys() or ended.keys() - known:
+            raise RequestError(
+                400,
+                "fields",
+                "end must be a map of episode_ids and observations, with terminated, "
+                "truncated and rewards if given, as the end request takes them",
+            )
+        return {
+            "ids": ended["episode_ids"],
+            "observations": ended["observations"],
+            "terminated": ended.get("terminated", False),
+            "truncated": ended.get("truncated", False),
+            "rewards": ended.get("rewards"),
+        }
+
+    def expire(self) -> int:
+        """Closes the episodes idle for longer than the timeout; what they played up to their
+        last observation is kept (as if a time limit had cut them there)."""
+        cutoff = self.clock() - self.episode_timeout_s
+        idle = [e for e in self.episodes.values() if e.last_seen < cutoff]
+        for episode in idle:
+            self.actor.abandon(episode)
+            self._close(episode)
+        self.expired += len(idle)
+        return len(idle)
+
+    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]:
+        """Batches ready for the learner, each with the records of the episodes it ends;
+        ``flush``: what is held back for a fuller batch too."""
+        return self.actor.take(flush)
+
+    # -- checks (before any state changes)
+
+    def _within_limit(self, episodes: list[Episode]) -> None:
+        for episode in episodes:
+            if episode.acted and episode.length + 1 >= self.step_limit:
+                raise RequestError(
+                    409,
+                    "step_limit",
+                    f"episode {episode.id} has played {episode.length + 1} steps, "
+                    f"the run's time limit (env.max_episode_steps): end it with truncated true",
+                )
+
+    def _episodes(self, ids: Any) -> list[Episode]:
+        if isinstance(ids, str):
+            ids = [ids]
+        if not isinstance(ids, list | tuple) or not ids:
+            raise RequestError(400, "fields", "episode_ids must be a non-empty list of episode ids")
+        if len(ids) > self.max_episodes:
+            raise RequestError(400, "fields", f"{len(ids)} episode ids in one request; at most {self.max_episodes}")
+        episodes = []
+        for episode_id in ids:
+            episode = self.episodes.get(episode_id) if isinstance(episode_id, str) else None
+            if episode is None:
+                shown = repr(episode_id)[:MAX_EPISODE_ID_CHARS]
+                raise RequestError(
+                    404,
+                    "unknown_episode",
+                    f"no open episode {shown}: it ended, expired after "
+                    f"{self.episode_timeout_s:g} s idle, or was never started (POST /v1/episodes)",
+                )
+            episodes.append(episode)
+        if len({id(e) for e in episodes}) != len(episodes):
+            raise RequestError(400, "fields", "an episode id appears twice in one request")
+        return episodes
+
+    def frames(self, observations: Any, count: int) -> np.ndarray:
+        """``count`` observations as frames [count, *frame_shape], checked against the space:
+        shape, finite numbers, bounds (transport.max_abs_obs too), and whole numbers in range
+        for integer frames."""
+        shape = (count, *self.spec.frame_shape)
+        try:
+            values = np.asarray(observations)
+        except (ValueError, TypeError) as e:
+            raise RequestError(400, "observation", f"observations are not an array of numbers: {e}") from None
+        if values.shape == tuple(self.spec.frame_shape) and count == 1:
+            values = values[None]
+        if values.shape != shape:
+            raise RequestError(
+                400,
+                "observation",
+                f"observation shape {list(values.shape[1:]) if values.ndim else []} "
+                f"does not match the run's {list(self.spec.frame_shape)} (GET /v1/spaces)",
+            )
+        if values.dtype.kind not in "biuf":
+            raise RequestError(400, "observation", f"observations must be numbers, got {values.dtype}")
+        wide = values.astype(np.float64, copy=False)
+        if not np.isfinite(wide).all():
+            raise RequestError(400, "observation", "observations must be finite numbers (no NaN or infinity)")
+        target = np.dtype(self.spec.frame_dtype)
+        if target.kind == "f" and (np.abs(wide) > np.finfo(target).max).any():
+            # checked before the cast: a float64 1e300 is inf as float32, and the learner
+            # would refuse the whole batch, honest episodes' steps with it
+            raise RequestError(
+                400,
+                "observation",
+                f"observations of this run are {target.name}: at most {np.finfo(target).max:g} in size",
+            )
+        if target.kind in "iu" and not (wide == np.round(wide)).all():
+            raise RequestError(400, "observation", f"observations of this run are {target.name}: whole numbers")
+        if self._bounded and ((wide < self._low).any() or (wide > self._high).any()):
+            bad = np.argwhere((wide < self._low) | (wide > self._high))[0]
+            raise RequestError(
+                400,
+                "observation",
+                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is outside the "
+                f"observation space [{self._low[tuple(bad[1:])]:g}, {self._high[tuple(bad[1:])]:g}]",
+            )
+        if (over := np.abs(wide) > self._max_abs).any():
+            bad = np.argwhere(over)[0]
+            raise RequestError(
+                400,
+                "observation",
+                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is over "
+                f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
+                "bounds, 1e6 where it has none)",
+            )
+        frames: np.ndarray = wide.astype(target, copy=False) if values.dtype != target else values
+        return frames
+
+    def actions(self, actions: Any, count: int) -> np.ndarray:
+        spec = self.spec
+        try:
+            values = np.asarray(actions)
+        except (ValueError, TypeError) as e:
+            raise RequestError(400, "action", f"actions are not integers: {e}") from None
+        shape = (count, *spec.action_shape)
+        if values.shape == tuple(spec.action_shape) and count == 1:
+            values = values[None]
+        if values.shape != shape or (
+            values.dtype.kind not in "iu"
+            and not (values.dtype.kind == "f" and np.isfinite(values).all() and (values == np.round(values)).all())
+        ):
+            raise RequestError(
+                400,
+                "action",
+                f"actions must be integers of shape {list(shape[1:])} each "
+                f"(GET /v1/spaces), got {values.dtype} {list(values.shape)}",
+            )
+        values = values.astype(np.int64)
+        limit = np.asarray(spec.action_nvec if spec.action_nvec is not None else spec.num_actions)
+        if (values < 0).any() or (values >= limit).any():
+            raise RequestError(
+                400, "action", f"actions must be in 0..{limit - 1} (GET /v1/spaces), got {values.tolist()}"[:200]
+            )
+        return values
+
+    def _rewards(self, rewards: Any, count: int) -> np.ndarray:
+        try:
+            values = np.asarray(rewards, np.float64).reshape(-1)
+        except (ValueError, TypeError, OverflowError):  # OverflowError: JSON's 1e400 written as an integer
+            raise RequestError(400, "reward", f"rewards must be numbers, got {str(rewards)[:80]!r}") from None
+        if values.shape != (count,):
+            raise RequestError(400, "reward", f"{values.size} rewards for {count} episodes")
+        if not np.isfinite(values).all() or (np.abs(values) > self.max_abs_reward).any():
+            raise RequestError(
+                400,
+                "reward",
+                f"rewards must be finite numbers of at most transport.max_abs_reward ({self.max_abs_reward:g}) in size",
+            )
+        return values
+
+    @staticmethod
+    def _flags(flags: Any, count: int, name: str) -> np.ndarray:
+        values = [flags] * count if isinstance(flags, bool) else flags
+        if not isinstance(values, list | tuple) or len(values) != count or not all(isinstance(v, bool) for v in values):
+            raise RequestError(400, "fields", f"{name} must be true or false (or a list of {count} of them)")
+        return np.asarray(values, bool)
+
+    # -- state
+
+    def _next(self, episodes: list[Episode], frames: np.ndarray) -> np.ndarray:
+        """Each episode's observation once ``frames`` arrive: its last ``stack`` frames."""
+        stack = self.spec.stack
+        if stack == 1:  # vector observations: the frame is the observation
+            return frames[:, None]
+        out = np.empty((len(episodes), stack, *self.spec.frame_shape), self.spec.frame_dtype)
+        for i, (episode, frame) in enumerate(zip(episodes, frames)):
+            if not episode.frames:
+                episode.frames.extend([frame] * stack)
+            else:
+                episode.frames.append(frame)
+                if len(episode.frames) > stack:
+                    episode.frames.popleft()
+            out[i] = np.stack(episode.frames)
+        return out
+
+    def _after_step(self, episodes: list[Episode]) -> None:
+        now = self.clock()
+        for episode in episodes:
+            if episode.acted:
+                episode.length += 1
+                episode.episode_return += episode.reward
+                self.steps += 1
+            episode.acted = True
+            episode.reward = 0.0
+            episode.last_seen = now
+
+    def _seat(self, episodes: list[Episode]) -> None:
+        """Gives episodes about to act for the first time a slot. Not at their start: an
+        episode started ahead of need would hold an IMPALA row half full of old steps."""
+        for episode in episodes:
+            if episode.slot is None:
+                episode.slot = self._free_slots.popleft()
+                self.actor.begin(episode)
+
+    def _close(self, episode: Episode) -> None:
+        del self.episodes[episode.id]
+        if episode.slot is None:
+            return
+        if self.actor.reuse_freed_slots:  # next in line: its row is fresh, not left half full
+            self._free_slots.appendleft(episode.slot)
+        else:
+            self._free_slots.append(episode.slot)

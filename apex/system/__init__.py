@@ -1,0 +1,1 @@
+"""What apex asks of the operating system: files opened safely, logs, signals, the allocator."""
