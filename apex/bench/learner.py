@@ -181,7 +181,8 @@ def _rank_main(
 ) -> None:
     """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
     for ``steps`` steps after a warm-up; reports (steps, seconds, ms per step by section)."""
-    from apex.training.distributed import GradientAllReduce, Rank, init_group, leave_group
+    from apex.training.distributed import GradientAllReduce, init_group, leave_group
+    from apex.training.rank import Rank
 
     torch.set_num_threads(1)
     keep_large_blocks()

@@ -19,7 +19,7 @@ from apex.errors import ApexError
 if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
     from apex.checkpoint import Checkpoint
     from apex.config import Config, StopConditions, TransportConfig
-    from apex.training.distributed import Rank
+    from apex.training.rank import Rank
 
 
 def shorthand_overrides(args: argparse.Namespace) -> list[str]:
@@ -129,7 +129,7 @@ def run_logdir(args: argparse.Namespace, config: Config) -> Path:
 def group_rank(args: argparse.Namespace) -> Rank | None:
     """This process's place in a learner group (--rank/--world-size/--master, or torchrun's
     variables), or None."""
-    from apex.training.distributed import Rank
+    from apex.training.rank import Rank
 
     given = [args.rank is not None, args.world_size is not None, args.master is not None]
     if any(given) and not all(given):

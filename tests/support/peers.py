@@ -13,12 +13,15 @@ OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
 
 
 def honest_batch(client: LearnerClient) -> dict:
-    """The first batch an actor of this run would send (the run's own config and spec)."""
+    """The first batch an actor of this run would send (the run's own config and spec). The
+    peer's session is kept alive meanwhile, as an actor's is: on a loaded machine making the
+    environments took longer than the learner's heartbeat timeout, and the session was gone."""
     spec = client.welcome.fields["setup"]
     config = config_module.from_dict(spec["config"])
-    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"])
+    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"], tick=client.tick)
     batch = None
     while batch is None:
+        client.tick()
         batch, _ = core.act()
     core.close()
     return {name: np.array(a) for name, a in batch.items()}

@@ -13,8 +13,9 @@ from apex.algos.apex_dqn.learner import Learner as ApexLearner
 from apex.bench.transport import free_port
 from apex.envs.make import EnvSpec
 from apex.errors import ApexError
-from apex.training.distributed import GradientAllReduce, Rank, init_group, leave_group
+from apex.training.distributed import GradientAllReduce, init_group, leave_group
 from apex.training.pipeline import Staged
+from apex.training.rank import Rank
 from tests.support.sockets import listening_sockets, non_loopback_address
 
 SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
