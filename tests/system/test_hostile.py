@@ -125,6 +125,11 @@ class Run:
         )
 
     def stop(self, timeout: float = 30) -> int:
+        # The peers' sockets too, whatever the test did: a context left to the garbage
+        # collector with a socket open blocked CI's pytest in its finalizer for good.
+        for client in getattr(self, "peers", []):
+            if not client.context.closed:
+                client.close()
         for proc in [self.learner, *self.actors]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -139,6 +144,7 @@ class Run:
     def session(self, **kwargs) -> LearnerClient:
         """A hostile peer with a real session: it said hello like any actor."""
         client = LearnerClient("127.0.0.1", self.port, num_envs=4, options=OPTIONS, **kwargs)
+        self.peers = [*getattr(self, "peers", []), client]
         client.handshake(timeout_s=20)
         return client
 
