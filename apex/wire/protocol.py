@@ -32,11 +32,13 @@ and frames may be sent zero-copy without tearing.
 
 ZeroMQ's CONFLATE option keeps only the last frame of a multipart message, so the weights
 channel sends ``pack(frames)``: the same frames joined into one, split again by ``unpack``.
+
+``apex.wire.frames`` holds frame 0's bytes and the packed form, ``apex.wire.layout`` the
+layout blob; this module is the wire's public face and names what they define for its users.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,11 +49,47 @@ import numpy as np
 
 from apex.errors import ProtocolError
 from apex.wire.compression import Compressed
+from apex.wire.frames import (
+    MAGIC,
+    MALFORMED,
+    MAX_HEADER_BYTES,
+    PREFIX,
+    PREFIX_BYTES,
+    PROTOCOL,
+    buffer_of,
+    header_of,
+    pack,
+    peek_version,
+    split_head,
+    unpack,
+    with_header,
+)
+from apex.wire.layout import CODECS, DTYPES, MAX_ARRAYS, MAX_NDIM, align, cached_layout, raw_offsets, reject_ext
 
-# 2: sessions (token and sequence number on every batch), learner incarnations; 3: the
-# welcome's "setup"; 4: the header and the raw arrays share frame 0
-PROTOCOL = 4
-MAGIC = b"\xc1apx"  # 0xc1: the one byte msgpack never writes, so no header of protocol <= 3 starts so
+__all__ = [
+    "CODECS",
+    "DEFAULT_MAX_ARRAY_BYTES",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DTYPES",
+    "LZ4_MIN_BYTES",
+    "MAGIC",
+    "MAX_ARRAYS",
+    "MAX_HEADER_BYTES",
+    "MAX_NDIM",
+    "MESSAGE_TYPES",
+    "PREFIX_BYTES",
+    "PROTOCOL",
+    "Compressed",
+    "Message",
+    "decode",
+    "encode",
+    "header_of",
+    "pack",
+    "peek_version",
+    "split_head",
+    "unpack",
+    "with_header",
+]
 
 # Header fields of each message type: name -> accepted Python types. Every field is
 # required; a header may not carry fields its type does not list.
@@ -77,29 +115,6 @@ MESSAGE_TYPES: dict[str, dict[str, tuple[type, ...]]] = {
 }
 _ARRAYS_ALLOWED = {"batch", "weights"}
 
-# Little-endian (or byte-sized) dtypes only: what a decoder may be asked to allocate.
-DTYPES = frozenset(
-    np.dtype(t).str
-    for t in (
-        np.bool_,
-        np.uint8,
-        np.int8,
-        np.uint16,
-        np.int16,
-        np.uint32,
-        np.int32,
-        np.uint64,
-        np.int64,
-        np.float16,
-        np.float32,
-        np.float64,
-    )
-)
-CODECS = ("raw", "lz4")
-
-MAX_HEADER_BYTES = 64 * 1024
-MAX_ARRAYS = 256
-MAX_NDIM = 8
 DEFAULT_MAX_ARRAY_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 LZ4_MIN_BYTES = 4096  # smaller arrays go raw: compressing them costs more than it saves
@@ -155,11 +170,11 @@ def encode(
         raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
     # One copy of every raw array into a buffer of our own: later changes to the caller's
     # arrays cannot reach a frame that is still queued for sending.
-    raw_at = _align(_PREFIX.size + len(header))
-    offsets = _raw_offsets([a.nbytes for a in raw])
+    raw_at = align(PREFIX.size + len(header))
+    offsets = raw_offsets([a.nbytes for a in raw])
     head = bytearray(raw_at + offsets[-1])
-    _PREFIX.pack_into(head, 0, MAGIC, len(header))
-    head[_PREFIX.size : _PREFIX.size + len(header)] = header
+    PREFIX.pack_into(head, 0, MAGIC, len(header))
+    head[PREFIX.size : PREFIX.size + len(header)] = header
     if raw:
         target = np.frombuffer(head, np.uint8)
         for array, offset in zip(raw, offsets):
@@ -185,131 +200,15 @@ def decode(
         return _decode(list(frames), max_array_bytes, max_message_bytes, lazy)
     except ProtocolError:
         raise
-    except _MALFORMED as e:  # what a malformed message makes the parsers raise; anything else is our bug
+    except MALFORMED as e:  # what a malformed message makes the parsers raise; anything else is our bug
         raise ProtocolError(f"malformed message: {type(e).__name__}: {e}") from None
-
-
-def peek_version(frame: Any) -> int | None:
-    """The protocol version a header claims, or None: to reject a peer with a clear reason."""
-    try:
-        view = memoryview(_buffer(frame)).cast("B")
-        if len(view) >= _PREFIX.size and view[: len(MAGIC)] == MAGIC:
-            _, length = _PREFIX.unpack_from(view)
-            view = view[_PREFIX.size : _PREFIX.size + length]
-        header = msgpack.unpackb(view, raw=False)  # up to protocol 3 frame 0 was the header alone
-        version = header.get("v") if isinstance(header, dict) else None
-        return version if isinstance(version, int) else None
-    except _MALFORMED:
-        return None
-
-
-# msgpack raises ValueError subclasses (and UnpackException) for bad input, TypeError for an
-# unhashable map key; NumPy ValueError for a buffer of the wrong size.
-_MALFORMED = (ValueError, TypeError, OverflowError, msgpack.UnpackException, struct.error)
-
-_PREFIX = struct.Struct("<4sI")  # MAGIC, header length
-PREFIX_BYTES = _PREFIX.size  # where the header starts in frame 0
-_PACK_COUNT = struct.Struct("<I")
-_PACK_SIZE = struct.Struct("<Q")
-
-
-def pack(frames: Sequence[bytes | bytearray]) -> bytes:
-    """Joins frames into one (for CONFLATE sockets): count, sizes, then the frames."""
-    sizes = b"".join(_PACK_SIZE.pack(len(f)) for f in frames)
-    return b"".join([_PACK_COUNT.pack(len(frames)), sizes, *frames])
-
-
-def unpack(frame: Any) -> list[memoryview]:
-    """Splits a packed frame into zero-copy views of its frames; raises ProtocolError."""
-    view = memoryview(_buffer(frame)).cast("B")
-    if len(view) < _PACK_COUNT.size:
-        raise ProtocolError("packed message shorter than its frame count")
-    (count,) = _PACK_COUNT.unpack_from(view)
-    if count < 1 or count > MAX_ARRAYS + 2:
-        raise ProtocolError(f"packed message claims {count} frames (1..{MAX_ARRAYS + 2} allowed)")
-    offset = _PACK_COUNT.size + count * _PACK_SIZE.size
-    if len(view) < offset:
-        raise ProtocolError("packed message shorter than its frame table")
-    sizes = [_PACK_SIZE.unpack_from(view, _PACK_COUNT.size + i * _PACK_SIZE.size)[0] for i in range(count)]
-    if offset + sum(sizes) != len(view):
-        raise ProtocolError(f"packed frame sizes add up to {offset + sum(sizes)} bytes, message has {len(view)}")
-    frames = []
-    for size in sizes:
-        frames.append(view[offset : offset + size])
-        offset += size
-    return frames
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A validated layout: per array (name, dtype, shape, codec, nbytes, raw offset)."""
-
-    arrays: tuple[tuple[str, np.dtype, tuple[int, ...], str, int, int], ...]
-    raw_frame_bytes: int  # length of frame 0's raw region, padding included
-    lz4_frames: int
-    largest_array: int
-    total_bytes: int
-
-
-_LAYOUT_CACHE: dict[bytes, _Layout] = {}
-_LAYOUT_CACHE_SIZE = 256
-_ALIGN = 8
-
-
-def _align(offset: int) -> int:
-    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _raw_offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each raw array starts in the shared frame, then the frame's length."""
-    offsets, end = [], 0
-    for size in sizes:
-        start = _align(end)
-        offsets.append(start)
-        end = start + size
-    return [*offsets, end]
-
-
-def split_head(frame: Any) -> tuple[Any, Any]:
-    """Frame 0's header bytes and, after it, its raw arrays' region (zero-copy views);
-    raises ProtocolError."""
-    head = memoryview(_buffer(frame)).cast("B").toreadonly()
-    if len(head) < _PREFIX.size or head[: len(MAGIC)] != MAGIC:
-        version = peek_version(frame)
-        if version is not None and version != PROTOCOL:
-            raise ProtocolError(
-                f"protocol version {version!r}, expected {PROTOCOL}: run the same apex version on both sides"
-            )
-        raise ProtocolError("frame 0 does not start with an apex header")
-    _, length = _PREFIX.unpack_from(head)
-    if length > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {length} bytes exceeds {MAX_HEADER_BYTES}")
-    end = _PREFIX.size + length
-    if end > len(head):
-        raise ProtocolError(f"header claims {length} bytes, frame 0 holds {len(head) - _PREFIX.size}")
-    return head[_PREFIX.size : end], head[min(_align(end), len(head)) :]
-
-
-def header_of(frames: Sequence[Any]) -> dict[str, Any]:
-    """The header map of a message's frames (for tools that inspect or forge messages)."""
-    header, _ = split_head(frames[0])
-    fields: dict[str, Any] = msgpack.unpackb(header, raw=False)
-    return fields
-
-
-def with_header(frames: Sequence[Any], header: Mapping[str, Any]) -> list[bytes]:
-    """The same message with another header map (not checked): for tests and floods."""
-    _, raw = split_head(frames[0])
-    packed = msgpack.packb(dict(header), use_bin_type=True)
-    padding = bytes(_align(_PREFIX.size + len(packed)) - _PREFIX.size - len(packed)) if len(raw) else b""
-    return [_PREFIX.pack(MAGIC, len(packed)) + packed + padding + bytes(raw), *(bytes(_buffer(f)) for f in frames[1:])]
 
 
 def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, lazy: bool) -> Message:
     if not frames:
         raise ProtocolError("empty message: no header frame")
     header_bytes, raw_region = split_head(frames[0])
-    header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+    header = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, ext_hook=reject_ext)
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.pop("v", None)
@@ -324,12 +223,7 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
     _check_fields(msg_type, header)
     if not isinstance(blob, bytes):
         raise ProtocolError("header field 'layout' must be msgpack bytes")
-    layout = _LAYOUT_CACHE.get(blob)
-    if layout is None:
-        layout = _parse_layout(blob)
-        if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:
-            _LAYOUT_CACHE.clear()
-        _LAYOUT_CACHE[blob] = layout
+    layout = cached_layout(blob)
     if layout.arrays and msg_type not in _ARRAYS_ALLOWED:
         raise ProtocolError(f"a {msg_type!r} message carries no arrays")
     if layout.largest_array > max_array_bytes:
@@ -350,7 +244,7 @@ def _decode(frames: list[Any], max_array_bytes: int, max_message_bytes: int, laz
             # a view of the read-only frame: read-only itself
             arrays[name] = np.ndarray(shape, dtype, raw_region, offset) if nbytes else _empty(shape, dtype)
             continue
-        compressed = Compressed(name, dtype, shape, _buffer(frames[next_lz4]))
+        compressed = Compressed(name, dtype, shape, buffer_of(frames[next_lz4]))
         next_lz4 += 1
         if lazy:
             arrays[name] = compressed
@@ -365,45 +259,6 @@ def _empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     array = np.empty(shape, dtype)
     array.flags.writeable = False
     return array
-
-
-def _parse_layout(blob: bytes) -> _Layout:
-    entries = msgpack.unpackb(blob, raw=False, ext_hook=_reject_ext)
-    if not isinstance(entries, list):
-        raise ProtocolError("layout must be a list of [name, dtype, shape, codec]")
-    if len(entries) > MAX_ARRAYS:
-        raise ProtocolError(f"{len(entries)} arrays exceed the limit of {MAX_ARRAYS}")
-    parsed, names = [], set()
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, list) or len(entry) != 4:
-            raise ProtocolError(f"layout entry {i} must be [name, dtype, shape, codec]")
-        name, dtype, shape, codec = entry
-        if not isinstance(name, str) or not name or len(name) > 128:
-            raise ProtocolError(f"layout entry {i}: name must be a non-empty string of at most 128 characters")
-        if name in names:
-            raise ProtocolError(f"array name {name!r} appears twice")
-        names.add(name)
-        if dtype not in DTYPES:
-            raise ProtocolError(f"array {name!r}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
-        if codec not in CODECS:
-            raise ProtocolError(f"array {name!r}: codec {codec!r} is not one of {CODECS}")
-        if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(n) is int and n >= 0 for n in shape):
-            raise ProtocolError(f"array {name!r}: shape must be a list of at most {MAX_NDIM} non-negative integers")
-        dtype = np.dtype(dtype)
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n  # Python ints: no overflow; the caps are checked per message
-        parsed.append((name, dtype, tuple(shape), codec, nbytes))
-    raw_sizes = [p[4] for p in parsed if p[3] == "raw"]
-    offsets = iter(_raw_offsets(raw_sizes))
-    arrays = tuple((*p, next(offsets) if p[3] == "raw" else 0) for p in parsed)
-    return _Layout(
-        arrays=arrays,
-        raw_frame_bytes=_raw_offsets(raw_sizes)[-1],
-        lz4_frames=len(parsed) - len(raw_sizes),
-        largest_array=max((p[4] for p in parsed), default=0),
-        total_bytes=sum(p[4] for p in parsed),
-    )
 
 
 def _check_fields(msg_type: str, fields: Mapping[str, Any]) -> None:
@@ -421,12 +276,3 @@ def _check_fields(msg_type: str, fields: Mapping[str, Any]) -> None:
             raise ProtocolError(
                 f"{msg_type!r} header: field {name!r} must be {names}, got {type(fields[name]).__name__}"
             )
-
-
-def _buffer(frame: Any) -> Any:
-    """The bytes-like content of a frame: zmq.Frame exposes it as ``.buffer``."""
-    return frame.buffer if hasattr(frame, "buffer") else frame
-
-
-def _reject_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not allowed in a header")
