@@ -1,5 +1,8 @@
 """LearnerEndpoint: the learner's control channel (hello, welcome, heartbeats, stop) and
-weight publisher, with its trajectory receiver."""
+weight publisher, with its trajectory receiver; TrajectoryEndpoint: a follower rank's.
+
+What a hello is answered is decided in ``apex.transport.handshake``; the sockets are bound
+and closed by ``apex.transport.learner_sockets``."""
 
 from __future__ import annotations
 
@@ -8,37 +11,32 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
-import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from apex.config import MAX_ENVS_PER_ACTOR
-from apex.errors import ApexError, ProtocolError
+from apex.errors import ProtocolError
 from apex.system.logs import RateLimitedLog
-from apex.transport.keys import load_keypair
+from apex.transport.handshake import Handshake, Refusal
+from apex.transport.learner_sockets import bind_socket, close_sockets, start_curve
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import (
     HelloLimiter,
     RejectCounter,
-    Session,
     Sessions,
     SessionSigner,
     SignedSessions,
     peer_address,
 )
-from apex.transport.settings import MAX_HOST_CHARS, Ports, Rejected, TransportConfig
+from apex.transport.settings import Ports, TransportConfig
 from apex.wire import protocol
 from apex.wire.protocol import Message
 
 log = logging.getLogger("apex.transport")
 
 MAX_CONTROL_PER_POLL = 32  # control messages handled per loop iteration: the train loop goes on under a flood
-MAX_ACTOR_INDEX = 65_536
-TOKEN_BYTES = 16
 AUTO_ID_PREFIX = b"\x00"  # routing ids that a ROUTER makes up start with a zero byte
 CONTROL_HWM = 100  # control messages queued per peer before ZeroMQ stops reading its connection
 WEIGHTS_PORT_MAX_BYTES = 512  # a registration (a session token), or a CURVE handshake command
@@ -79,11 +77,13 @@ class LearnerEndpoint:
         self.signer = signer
         self.routes = list(routes) if routes else [None]
         self.options = options
-        self._setup_for = setup_for
         self.context = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self.sessions = Sessions()
         self.rejected = RejectCounter()
+        self._handshake = Handshake(
+            self.sessions, self.rejected, setup_for, options.heartbeat_timeout_s, signer, self.routes
+        )
         self.incarnation = os.urandom(8)  # tells actors that this is a new learner, whatever its versions
         self._stopping: str | None = None
         self._weights: tuple[int, list[bytes | bytearray], bytes] | None = None  # version, frames, packed
@@ -262,67 +262,28 @@ class LearnerEndpoint:
         if self._stopping is not None:
             self._send(identity, "stop", {"reason": self._stopping})
             return
-        fields = msg.fields
-        problem = _hello_problem(fields)
-        if problem is not None:
-            self.rejected.add("hello_fields")
-            self._send(identity, "reject", {"reason": problem, "retry": False})
+        answer = self._handshake.answer(identity, msg)
+        if isinstance(answer, Refusal):
+            self._send(identity, "reject", {"reason": answer.reason, "retry": answer.retry})
             return
-        previous = self.sessions.get(identity)
-        requested = fields["actor_index"]
-        if requested is None and previous is not None:
-            requested = previous.index
-        index = requested if requested is not None else self._free_index()
-        holder = self.sessions.holding(index)
-        if holder is not None and holder.identity != identity:
-            # A live actor keeps its index: a restarted one takes it back once the old one
-            # has gone silent (heartbeat timeout); a peer cannot take it over by saying hello.
-            self._send(
-                identity,
-                "reject",
-                {
-                    "retry": True,
-                    "reason": (
-                        f"actor index {index} is held by a live actor ({holder.host}, pid {holder.pid}); "
-                        f"retrying until it has been silent for {self.options.heartbeat_timeout_s:g}s"
-                    ),
-                },
-            )
-            return
-        try:
-            setup = dict(self._setup_for(msg, index))
-        except Rejected as e:
-            self._send(identity, "reject", {"reason": str(e), "retry": False})
-            log.info("rejected actor %s (pid %s): %s", fields["host"], fields["pid"], e)
-            return
-        if previous is not None and previous.index == index:
-            session = previous  # the same actor again (a retry): same session, same sequence, same rank
-            session.last_seen = time.monotonic()
-        else:
-            if previous is not None:
-                self.sessions.close(previous)
-            num_envs = setup.get("num_envs", fields["num_envs"])
-            rank = self._least_loaded_rank()
-            token = os.urandom(TOKEN_BYTES) if self.signer is None else self.signer.token(index, num_envs, rank)
-            session = Session(
-                index, identity, token, fields["host"], fields["pid"], num_envs, time.monotonic(), rank=rank
-            )
-            self.sessions.open(session)
-        route = self.routes[session.rank]
-        if route is not None:  # its batches go to another rank of the group
-            setup["trajectories"] = dict(route)
+        session = answer.session
         if not self._send(
             identity,
             "welcome",
-            {"actor_index": index, "setup": setup, "session": session.token, "incarnation": self.incarnation},
+            {
+                "actor_index": session.index,
+                "setup": answer.setup,
+                "session": session.token,
+                "incarnation": self.incarnation,
+            },
         ):
             self.sessions.close(session)
             return
         if self._weights is not None:
             with contextlib.suppress(zmq.Again):  # it is not reading: the weights port will do
                 self.control.send_multipart([identity, *self._weights[1]], copy=False, flags=zmq.NOBLOCK)
-        if previous is None or previous.index != index:
-            log.info("actor %d joined from %s (pid %d)", index, fields["host"], fields["pid"])
+        if answer.joined:
+            log.info("actor %d joined from %s (pid %d)", session.index, session.host, session.pid)
 
     def _read_registrations(self) -> None:
         """Actors register their session on the weights port; only live sessions are kept."""
@@ -344,19 +305,6 @@ class LearnerEndpoint:
             self._weights_socket.send_multipart([identity, packed], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:  # not reading (its queue holds a copy), or gone: heartbeats will tell
             pass
-
-    def _least_loaded_rank(self) -> int:
-        """The rank a new session's batches go to: the one with the fewest live sessions (a
-        silent one's place comes back when it expires)."""
-        counts = self.sessions.per_rank(len(self.routes))
-        return counts.index(min(counts))
-
-    def _free_index(self) -> int:
-        taken = {session.index for session in self.sessions}
-        index = 0
-        while index in taken:
-            index += 1
-        return index
 
     def _expire_silent_actors(self) -> None:
         deadline = time.monotonic() - self.options.heartbeat_timeout_s
@@ -383,88 +331,6 @@ class LearnerEndpoint:
         except zmq.Again:  # the actor's queue is full: it is not reading; heartbeats will tell
             return False
         return True
-
-
-def _hello_problem(fields: Mapping[str, Any]) -> str | None:
-    """What is wrong with a hello's fields, or None."""
-    index = fields["actor_index"]
-    if index is not None and not 0 <= index < MAX_ACTOR_INDEX:
-        return f"actor index must be in 0..{MAX_ACTOR_INDEX - 1}, got {index}"
-    if not 0 <= fields["num_envs"] <= MAX_ENVS_PER_ACTOR:
-        return (
-            f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR} (0: the learner's actor.num_envs), got {fields['num_envs']}"
-        )
-    if len(fields["host"]) > MAX_HOST_CHARS or not 0 <= fields["pid"] < 2**32:
-        return f"host must be at most {MAX_HOST_CHARS} characters and pid in 0..2**32-1"
-    return None
-
-
-def bind_socket(
-    context: zmq.Context[zmq.Socket[bytes]],
-    kind: int,
-    host: str,
-    port: int,
-    curve: tuple[bytes, bytes] | None,
-    ports: Ports,
-    *,
-    sndhwm: int = 0,
-    rcvhwm: int = 0,
-    buffer_bytes: int = 0,
-    max_message_bytes: int = 0,
-) -> zmq.Socket[bytes]:
-    """A learner socket bound at host:port with apex's limits (and CURVE's server keys)."""
-    sock = context.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    if buffer_bytes:
-        sock.setsockopt(zmq.RCVBUF, buffer_bytes)
-    if sndhwm:
-        sock.setsockopt(zmq.SNDHWM, sndhwm)
-    if rcvhwm:
-        sock.setsockopt(zmq.RCVHWM, rcvhwm)
-    if max_message_bytes:
-        # ZeroMQ drops a connection that sends a larger frame, before allocating it.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    if curve is not None:
-        sock.curve_publickey, sock.curve_secretkey = curve
-        sock.curve_server = True
-    address = f"tcp://{host}:{port}"
-    try:
-        sock.bind(address)
-    except zmq.ZMQError as e:
-        sock.close(linger=0)
-        raise ApexError(
-            f"cannot bind {address}: {e.strerror} (is another learner using ports {ports.control}-"
-            f"{ports.weights} or its ranks' ports? pick another with --port)"
-        ) from None
-    return sock
-
-
-def close_sockets(
-    context: zmq.Context[zmq.Socket[bytes]], sockets: list[zmq.Socket[bytes] | None], auth: ThreadAuthenticator | None
-) -> None:
-    """Closes an endpoint's sockets (those made so far) without lingering, its CURVE
-    authenticator, then its context."""
-    for sock in sockets:
-        if sock is not None:
-            sock.close(linger=0)
-    if auth is not None:
-        auth.stop()
-    context.term()
-
-
-def start_curve(
-    context: zmq.Context[zmq.Socket[bytes]], curve_dir: str
-) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
-    """The learner's CURVE key pair, and an authenticator that admits the authorised actors."""
-    directory = Path(curve_dir)
-    keypair = load_keypair(directory / "learner.key_secret")
-    authorized = directory / "authorized"
-    if not authorized.is_dir() or not any(authorized.glob("*.key")):
-        raise ApexError(f"no authorised actor keys in {authorized}: run `apex keygen {directory}`")
-    auth = ThreadAuthenticator(context)
-    auth.start()
-    auth.configure_curve(domain="*", location=str(authorized))
-    return auth, keypair
 
 
 class TrajectoryEndpoint:
