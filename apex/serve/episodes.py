@@ -1,10 +1,10 @@
 """External episodes: environments that apex does not step (a game, a robot, a simulator in
 another language) report observations and rewards, and ask for actions, one request at a
 time. ``ExternalEpisodes`` checks every request against the run's spaces before it changes
-anything, keeps the open episodes (each on a slot: a rung of the Ape-X ladder, a row of
-IMPALA unrolls), expires idle ones, and leaves the learning data to the algorithm's
-``EpisodeActor`` (``apex.algos.<algo>_actor``). No sockets here: ``apex.serve.server`` puts it behind
-HTTP and ZeroMQ and sends what it makes to the learner.
+anything (``apex.serve.request_checks``), keeps the open episodes (each on a slot: a rung of
+the Ape-X ladder, a row of IMPALA unrolls), expires idle ones, and leaves the learning data
+to the algorithm's ``EpisodeActor`` (``apex.algos.<algo>_actor``). No sockets here:
+``apex.serve.server`` puts it behind HTTP and ZeroMQ and sends what it makes to the learner.
 
 A request for many episodes is checked whole first: an unknown id or a wrong observation
 anywhere in it refuses all of it, and no episode moves.
@@ -12,7 +12,6 @@ anywhere in it refuses all of it, and no episode moves.
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections import deque
@@ -24,23 +23,17 @@ import numpy as np
 
 from apex.config import Config
 from apex.envs.make import EnvSpec
-from apex.errors import ApexError
+from apex.serve.request_checks import RequestError, SpaceChecks, describe_spaces
 from apex.wire.schema import UNKNOWN_STEP_LIMIT
 
 if TYPE_CHECKING:
     from apex.core import EpisodeActorCore, EpisodeRecord
 
+# RequestError and describe_spaces are defined beside the checks that raise and use them;
+# named here too, where the server, its frontends and its tests have always found them.
+__all__ = ["MAX_EPISODE_ID_CHARS", "Episode", "ExternalEpisodes", "RequestError", "describe_spaces"]
+
 MAX_EPISODE_ID_CHARS = 64
-
-
-class RequestError(ApexError):
-    """A client's request refused: ``status`` is its HTTP status (400 malformed, 404 unknown
-    episode, 409 out of order, 429 too many episodes), ``reason`` a short key that metrics count."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
 
 
 @dataclass
@@ -57,34 +50,6 @@ class Episode:
     logged: bool = False  # the client chose an action of this episode (not the policy)
     state: Any = None
     frames: deque[np.ndarray] = field(default_factory=deque)  # the last ``stack`` frames: the observation
-
-
-def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
-    """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
-
-    def bounds(values: np.ndarray) -> list[float | None] | float | None:
-        values = np.asarray(values, np.float64)
-        if not np.isfinite(values).any():
-            return None
-        if np.all(values == values.flat[0]):
-            return float(values.flat[0])
-        return [None if not math.isfinite(v) else float(v) for v in values.ravel()]
-
-    action: dict[str, Any]
-    if spec.action_nvec is None:
-        action = {"type": "Discrete", "n": spec.num_actions}
-    else:
-        action = {"type": "MultiDiscrete", "nvec": list(spec.action_nvec)}
-    return {
-        "observation": {
-            "shape": list(spec.frame_shape),
-            "dtype": np.dtype(spec.frame_dtype).name,
-            "low": bounds(low),
-            "high": bounds(high),
-        },
-        "action": action,
-        "frame_stack": spec.stack,
-    }
 
 
 class ExternalEpisodes:
@@ -115,12 +80,7 @@ class ExternalEpisodes:
         # slot freed last first, so that unrolls fill with fresh steps (``reuse_freed_slots``).
         self._free_slots = deque(range(max_episodes))
         self.max_abs_reward = config.transport.max_abs_reward
-        self._low = np.broadcast_to(np.asarray(low, np.float64), spec.frame_shape)
-        self._high = np.broadcast_to(np.asarray(high, np.float64), spec.frame_shape)
-        self._bounded = bool(np.isfinite(self._low).any() or np.isfinite(self._high).any())
-        # What the learner's batch schema holds frames to (transport.max_abs_obs): a value the
-        # learner would refuse is refused here, before it is queued with honest episodes' steps.
-        self._max_abs = np.broadcast_to(spec.obs_bound(config.transport.max_abs_obs), spec.frame_shape)
+        self.checks = SpaceChecks(spec, low, high, config.transport.max_abs_obs, self.max_abs_reward)
         self.spaces = describe_spaces(spec, low, high)
         # The learner refuses a batch that reports an episode longer than this (the env's time
         # limit): an episode is stopped at it, not allowed to spoil the batch it would end in.
@@ -208,7 +168,7 @@ class ExternalEpisodes:
         self._apply_rewards(episodes, self._checked_rewards(episodes, rewards))
 
     def _checked_rewards(self, episodes: list[Episode], rewards: Any) -> np.ndarray:
-        values = self._rewards(rewards, len(episodes))
+        values = self.checks.rewards(rewards, len(episodes))
         for episode, reward in zip(episodes, values):
             if not episode.acted and reward != 0:
                 raise RequestError(
@@ -242,8 +202,8 @@ class ExternalEpisodes:
     ) -> tuple[list[Episode], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         episodes = self._episodes(ids)
         frames = self.frames(observations, len(episodes))
-        term = self._flags(terminated, len(episodes), "terminated")
-        trunc = self._flags(truncated, len(episodes), "truncated")
+        term = self.checks.flags(terminated, len(episodes), "terminated")
+        trunc = self.checks.flags(truncated, len(episodes), "truncated")
         values = None if rewards is None else self._checked_rewards(episodes, rewards)
         return episodes, frames, term, trunc, values
 
@@ -337,107 +297,12 @@ class ExternalEpisodes:
         return episodes
 
     def frames(self, observations: Any, count: int) -> np.ndarray:
-        """``count`` observations as frames [count, *frame_shape], checked against the space:
-        shape, finite numbers, bounds (transport.max_abs_obs too), and whole numbers in range
-        for integer frames."""
-        shape = (count, *self.spec.frame_shape)
-        try:
-            values = np.asarray(observations)
-        except (ValueError, TypeError) as e:
-            raise RequestError(400, "observation", f"observations are not an array of numbers: {e}") from None
-        if values.shape == tuple(self.spec.frame_shape) and count == 1:
-            values = values[None]
-        if values.shape != shape:
-            raise RequestError(
-                400,
-                "observation",
-                f"observation shape {list(values.shape[1:]) if values.ndim else []} "
-                f"does not match the run's {list(self.spec.frame_shape)} (GET /v1/spaces)",
-            )
-        if values.dtype.kind not in "biuf":
-            raise RequestError(400, "observation", f"observations must be numbers, got {values.dtype}")
-        wide = values.astype(np.float64, copy=False)
-        if not np.isfinite(wide).all():
-            raise RequestError(400, "observation", "observations must be finite numbers (no NaN or infinity)")
-        target = np.dtype(self.spec.frame_dtype)
-        if target.kind == "f" and (np.abs(wide) > np.finfo(target).max).any():
-            # checked before the cast: a float64 1e300 is inf as float32, and the learner
-            # would refuse the whole batch, honest episodes' steps with it
-            raise RequestError(
-                400,
-                "observation",
-                f"observations of this run are {target.name}: at most {np.finfo(target).max:g} in size",
-            )
-        if target.kind in "iu" and not (wide == np.round(wide)).all():
-            raise RequestError(400, "observation", f"observations of this run are {target.name}: whole numbers")
-        if self._bounded and ((wide < self._low).any() or (wide > self._high).any()):
-            bad = np.argwhere((wide < self._low) | (wide > self._high))[0]
-            raise RequestError(
-                400,
-                "observation",
-                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is outside the "
-                f"observation space [{self._low[tuple(bad[1:])]:g}, {self._high[tuple(bad[1:])]:g}]",
-            )
-        if (over := np.abs(wide) > self._max_abs).any():
-            bad = np.argwhere(over)[0]
-            raise RequestError(
-                400,
-                "observation",
-                f"observation value {wide[tuple(bad)]:g} at {list(bad[1:])} is over "
-                f"{self._max_abs[tuple(bad[1:])]:g} in size (transport.max_abs_obs: the space's own "
-                "bounds, 1e6 where it has none)",
-            )
-        frames: np.ndarray = wide.astype(target, copy=False) if values.dtype != target else values
-        return frames
+        """``count`` observations as frames [count, *frame_shape], checked against the space."""
+        return self.checks.frames(observations, count)
 
     def actions(self, actions: Any, count: int) -> np.ndarray:
-        spec = self.spec
-        try:
-            values = np.asarray(actions)
-        except (ValueError, TypeError) as e:
-            raise RequestError(400, "action", f"actions are not integers: {e}") from None
-        shape = (count, *spec.action_shape)
-        if values.shape == tuple(spec.action_shape) and count == 1:
-            values = values[None]
-        if values.shape != shape or (
-            values.dtype.kind not in "iu"
-            and not (values.dtype.kind == "f" and np.isfinite(values).all() and (values == np.round(values)).all())
-        ):
-            raise RequestError(
-                400,
-                "action",
-                f"actions must be integers of shape {list(shape[1:])} each "
-                f"(GET /v1/spaces), got {values.dtype} {list(values.shape)}",
-            )
-        values = values.astype(np.int64)
-        limit = np.asarray(spec.action_nvec if spec.action_nvec is not None else spec.num_actions)
-        if (values < 0).any() or (values >= limit).any():
-            raise RequestError(
-                400, "action", f"actions must be in 0..{limit - 1} (GET /v1/spaces), got {values.tolist()}"[:200]
-            )
-        return values
-
-    def _rewards(self, rewards: Any, count: int) -> np.ndarray:
-        try:
-            values = np.asarray(rewards, np.float64).reshape(-1)
-        except (ValueError, TypeError, OverflowError):  # OverflowError: JSON's 1e400 written as an integer
-            raise RequestError(400, "reward", f"rewards must be numbers, got {str(rewards)[:80]!r}") from None
-        if values.shape != (count,):
-            raise RequestError(400, "reward", f"{values.size} rewards for {count} episodes")
-        if not np.isfinite(values).all() or (np.abs(values) > self.max_abs_reward).any():
-            raise RequestError(
-                400,
-                "reward",
-                f"rewards must be finite numbers of at most transport.max_abs_reward ({self.max_abs_reward:g}) in size",
-            )
-        return values
-
-    @staticmethod
-    def _flags(flags: Any, count: int, name: str) -> np.ndarray:
-        values = [flags] * count if isinstance(flags, bool) else flags
-        if not isinstance(values, list | tuple) or len(values) != count or not all(isinstance(v, bool) for v in values):
-            raise RequestError(400, "fields", f"{name} must be true or false (or a list of {count} of them)")
-        return np.asarray(values, bool)
+        """``count`` actions as integers [count, *action_shape], checked against the space."""
+        return self.checks.actions(actions, count)
 
     # -- state
 
