@@ -57,7 +57,7 @@ class RunResult:
 
 def load_config(path_or_name: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """A config from a YAML file or a shipped preset's name (None: the embedded default),
-    with ``overrides`` applied like --set: ``{"learner.lr": 1e-3, "env.id": "Acrobot-v1"}``."""
+    with ``overrides`` applied like --set: ``{"apex_dqn.lr": 1e-3, "env.id": "Acrobot-v1"}``."""
     return config_module.load(path_or_name, _set_flags(overrides))
 
 
@@ -66,7 +66,7 @@ def _set_flags(overrides: Mapping[str, Any] | None) -> list[str]:
         return []
     if not isinstance(overrides, Mapping):
         raise ApexError(
-            f"overrides must be a mapping of dotted keys to values, e.g. {{'learner.lr': 1e-3}}, "
+            f"overrides must be a mapping of dotted keys to values, e.g. {{'apex_dqn.lr': 1e-3}}, "
             f"got {type(overrides).__name__}"
         )
     # JSON is YAML: each value is read back as the value it is.

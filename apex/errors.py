@@ -1,7 +1,7 @@
 """The error types apex raises for problems a user can fix.
 
 Each message names the value, the rule it broke and what to do instead, e.g.
-``replay.capacity must be a positive integer, got -5``.
+``apex_dqn.replay.capacity must be a positive integer, got -5``.
 """
 
 import reprlib

@@ -33,12 +33,12 @@ def checkpoint(tmp_path) -> Path:
     """A CartPole Ape-X checkpoint file whose greedy policy always pushes left."""
     import torch
 
-    from apex.algos.apex_dqn.learner import Learner
+    from apex.algos.apex_dqn.learner import ApexDqnLearner
     from apex.config import Config
     from apex.envs.make import env_spec
 
     config = Config()
-    learner = Learner(config, env_spec(config.env), torch.device("cpu"))
+    learner = ApexDqnLearner(config, env_spec(config.env), torch.device("cpu"))
     # Push "left" (action 0) hard: the greedy policy must then always push left.
     with torch.no_grad():
         learner.online.advantage.bias.copy_(torch.tensor([10.0, -10.0]))

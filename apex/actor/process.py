@@ -1,7 +1,7 @@
 """The actor process: handshake, then the algorithm's actor core in a loop that takes the
 newest weights, sends batches and keeps the connection alive, until the learner says stop.
 
-The cores (``apex.algos.<algo>.Actor``) step K environments with one batched forward pass
+The cores (``apex.algos.<algo>.actor``) step K environments with one batched forward pass
 and know nothing of sockets. SIGTERM and SIGINT are honoured within a second in every state:
 waiting for the learner, stepping, or waiting to send.
 """
@@ -96,7 +96,7 @@ def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports
     config, side = welcome_setup(setup, allow_imports, source)
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = side.Actor(config, setup, setup["seed"], tick=client.tick)
+    core = side.core(config, setup, setup["seed"], tick=client.tick)
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)
@@ -110,7 +110,7 @@ def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports
                 last_tick = now
             # Newest weights every few steps, and after every send: a send may have waited
             # for the learner while it trained on.
-            if sent or core.steps % config.actor.weights_update_steps == 0:
+            if sent or core.steps % config.algo_config.weights_update_steps == 0:
                 if (weights := client.take_weights()) is not None:
                     try:
                         core.set_weights(weights)

@@ -1,6 +1,6 @@
-"""Algorithms behind one declared seam: each has a learner core (``Learner``, which imports
-torch), an actor core (``Actor``, NumPy only for vector observations), an episode actor for
-`apex serve` (``EpisodeActor``) and the policy that `apex eval` and ``apex.load_policy`` act
+"""Algorithms behind one declared seam: each has a learner core (``ApexDqnLearner``, which imports
+torch), an actor core (``ApexDqnActor``, NumPy only for vector observations), an episode actor for
+`apex serve` (``ApexDqnEpisodeActor``) and the policy that `apex eval` and ``apex.load_policy`` act
 with. The process shells (``apex.learner.process``, ``apex.actor.process``,
 ``apex.serve.server``, ``apex.run.evaluation``) call only what the protocols of ``apex.core``
 declare, and find each part through ``REGISTRY``, which imports a side only when it is asked
@@ -28,28 +28,28 @@ class Algorithm:
 def _apex_dqn_learner() -> LearnerSide:
     from apex.algos.apex_dqn import learner as apex_dqn
 
-    return LearnerSide(apex_dqn.Learner, apex_dqn.POLICY)
+    return LearnerSide(apex_dqn.ApexDqnLearner, apex_dqn.POLICY)
 
 
 @functools.cache
 def _apex_dqn_actor() -> ActorSide:
     from apex.algos.apex_dqn import actor as apex_dqn_actor
 
-    return ActorSide(apex_dqn_actor.Actor, apex_dqn_actor.EpisodeActor, apex_dqn_actor.setup_problem)
+    return ActorSide(apex_dqn_actor.ApexDqnActor, apex_dqn_actor.ApexDqnEpisodeActor, apex_dqn_actor.setup_problem)
 
 
 @functools.cache
 def _impala_learner() -> LearnerSide:
     from apex.algos.impala import learner as impala
 
-    return LearnerSide(impala.Learner, impala.POLICY)
+    return LearnerSide(impala.ImpalaLearner, impala.POLICY)
 
 
 @functools.cache
 def _impala_actor() -> ActorSide:
     from apex.algos.impala import actor as impala_actor
 
-    return ActorSide(impala_actor.Actor, impala_actor.EpisodeActor, impala_actor.setup_problem)
+    return ActorSide(impala_actor.ImpalaActor, impala_actor.ImpalaEpisodeActor, impala_actor.setup_problem)
 
 
 REGISTRY: dict[str, Algorithm] = {

@@ -60,7 +60,7 @@ METRICS_INTERVAL_S = 0.5
 # workload does not change as the agent learns: with the default ladder an unloaded run's
 # updates/s went from 110 to 175 and back to 140 within 100 s as CartPole's episodes grew
 # from ~20 to 500 steps (fewer resets) and shrank again, more than any flood moved them.
-OVERRIDES = (f"learner.metrics_interval_s={METRICS_INTERVAL_S}", "actor.eps_base=1.0", "actor.eval_envs=0")
+OVERRIDES = (f"learner.metrics_interval_s={METRICS_INTERVAL_S}", "apex_dqn.eps_base=1.0", "apex_dqn.eval_envs=0")
 
 PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("unloaded", ()),
@@ -119,7 +119,8 @@ def run(seconds: float = 15.0) -> dict[str, Any]:
         flooder: subprocess.Popen[bytes] | None = None
         try:
             # Measured from a full replay on: until then the learner's memory grows anyway.
-            _wait_for_replay(learner, logdir, learner_log, config_module.load(None, []).replay.capacity, timeout=180)
+            capacity = config_module.load(None, []).apex_dqn.replay.capacity
+            _wait_for_replay(learner, logdir, learner_log, capacity, timeout=180)
             for name, kinds in PHASES:
                 flooder = _start_flooder(port, kinds, flood_cpu, workdir) if kinds else None
                 before = _last_row(logdir)

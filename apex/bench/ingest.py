@@ -23,7 +23,7 @@ import numpy as np
 import zmq
 
 from apex import config as config_module
-from apex.algos.apex_dqn.learner import Learner as ApeXLearner
+from apex.algos.apex_dqn.learner import ApexDqnLearner
 from apex.bench import batches
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port, socket_options
@@ -40,20 +40,20 @@ APE_X_ACTOR_TRANSITIONS_PER_S = 139 / 4
 CASES: dict[str, tuple[list[str], Callable[[], dict[str, np.ndarray]], int]] = {
     # name: (config overrides, the batch, its transitions)
     "cartpole": (
-        ["env.id=CartPole-v1", "replay.capacity=1000000"],
+        ["env.id=CartPole-v1", "apex_dqn.replay.capacity=1000000"],
         batches.cartpole_chunk,
         batches.CARTPOLE_TRANSITIONS,
     ),
     "atari": (
-        ["env.id=ALE/Pong-v5", "replay.capacity=100000", "learner.batch_size=64"],
+        ["env.id=ALE/Pong-v5", "apex_dqn.replay.capacity=100000", "apex_dqn.batch_size=64"],
         lambda: batches.atari()[0],
         batches.ATARI_TRANSITIONS,
     ),
 }
 UNLIMITED = [
-    "replay.samples_per_insert=1e-9",
-    "replay.rate_slack=1000000000000",
-    "replay.min_size=1000",
+    "apex_dqn.replay.samples_per_insert=1e-9",
+    "apex_dqn.replay.rate_slack=1000000000000",
+    "apex_dqn.replay.min_size=1000",
     "learner.metrics_interval_s=5",
 ]
 
@@ -109,7 +109,7 @@ def _measure(
     with tempfile.TemporaryDirectory(prefix="apex-ingest-") as logdir:
         process = LearnerProcess(config, Path(logdir), "127.0.0.1", port, StopConditions())
         core = process.learner
-        if not isinstance(core, ApeXLearner):  # the default algo: its replay and rate limiter are measured
+        if not isinstance(core, ApexDqnLearner):  # the default algo: its replay and rate limiter are measured
             process.endpoint.close()
             raise TypeError(f"bench ingest measures Ape-X's learner, not {config.algo}'s")
         send_options, _ = socket_options("run")
@@ -124,7 +124,7 @@ def _measure(
             p.start()
         try:
             deadline = time.monotonic() + 60
-            while core.limiter.inserts < config.replay.min_size + 1 and time.monotonic() < deadline:
+            while core.limiter.inserts < config.apex_dqn.replay.min_size + 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
             end_warmup = time.monotonic() + WARMUP_S
             while time.monotonic() < end_warmup:

@@ -3,10 +3,10 @@
 For the MLP (CartPole) and the Nature CNN (Atari, 4x84x84 stacks), on the CPU and on CUDA
 where present, three ways over the same replay:
   pipelined    as the learner process runs (apex.training.pipeline): a prefetch thread keeps
-               learner.prefetch_batches batches staged, sampling half of them at a time and
+               apex_dqn.prefetch_batches batches staged, sampling half of them at a time and
                writing back the priorities of the steps trained since, while the main thread
                trains; with the time per section
-  sequential   sample, copy, train, write back, one after the other (``Learner.step``)
+  sequential   sample, copy, train, write back, one after the other (``ApexDqnLearner.step``)
   update only  the update alone on batches already on the device (16, in turn), its results
                read back: what the pipeline is measured against (``pipelined / update only``)
 Rates are steps over wall time (the CNN on one CPU core takes ~0.5 s a step: a few steps).
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn.learner import Learner
+from apex.algos.apex_dqn.learner import ApexDqnLearner
 from apex.bench import batches
 from apex.bench.timing import print_records
 from apex.bench.transport import free_port
@@ -55,19 +55,19 @@ def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _learner(spec: EnvSpec, make_chunk: MakeChunk, device: str) -> Learner:
+def _learner(spec: EnvSpec, make_chunk: MakeChunk, device: str) -> ApexDqnLearner:
     config = config_module.load(
         None,
         [
-            f"learner.batch_size={BATCH}",
-            "replay.capacity=20000",
-            "replay.min_size=1000",
-            "replay.samples_per_insert=1e-9",
-            "replay.rate_slack=1000000000000",
+            f"apex_dqn.batch_size={BATCH}",
+            "apex_dqn.replay.capacity=20000",
+            "apex_dqn.replay.min_size=1000",
+            "apex_dqn.replay.samples_per_insert=1e-9",
+            "apex_dqn.replay.rate_slack=1000000000000",
             f"learner.device={device}",
         ],
     )
-    learner = Learner(config, spec, torch.device(device))
+    learner = ApexDqnLearner(config, spec, torch.device(device))
     chunk = make_chunk()
     while len(learner.replay) < 10_000:
         learner.insert(chunk)
@@ -95,7 +95,7 @@ def _interleaved_rates(modes: dict[str, Callable[[], Steps]], seconds: float, ro
     return {name: steps[name] / elapsed[name] for name in modes}
 
 
-def _update_only(learner: Learner) -> Steps:
+def _update_only(learner: ApexDqnLearner) -> Steps:
     """The update alone: batches already on the device (UPDATE_ONLY_BATCHES of them, taken in
     turn: one batch over and over would stay in the caches as no real batch does), results read."""
     staged = itertools.cycle(learner.sample(UPDATE_ONLY_BATCHES))
@@ -107,7 +107,7 @@ def _update_only(learner: Learner) -> Steps:
     return run
 
 
-def _sequential(learner: Learner) -> Steps:
+def _sequential(learner: ApexDqnLearner) -> Steps:
     def run(n: int) -> None:
         for _ in range(n):
             learner.step()
@@ -119,7 +119,7 @@ class _Pipelined:
     """The learner process's loop without sockets (apex.training.pipeline.Pipeline): the prefetch
     thread stages batches and writes results back, the main thread trains."""
 
-    def __init__(self, learner: Learner, times: SectionTimes) -> None:
+    def __init__(self, learner: ApexDqnLearner, times: SectionTimes) -> None:
         self.learner = learner
         self.times = times
         self.pipeline = Pipeline(learner, times)

@@ -411,7 +411,7 @@ def run(seconds: float = 5.0, seeds: int = 3) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="apex-bench-serve-") as tmp:
         port, front = free_base_port(), free_base_port()
         log = Path(tmp) / "serve.log"
-        never = "1000000"  # the learner ingests and does not train (replay.min_size = capacity)
+        never = "1000000"  # the learner ingests and does not train (apex_dqn.replay.min_size = capacity)
         learner = subprocess.Popen(
             [
                 sys.executable,
@@ -423,9 +423,9 @@ def run(seconds: float = 5.0, seeds: int = 3) -> dict[str, Any]:
                 "--logdir",
                 str(Path(tmp) / "run"),
                 "--set",
-                f"replay.capacity={never}",
+                f"apex_dqn.replay.capacity={never}",
                 "--set",
-                f"replay.min_size={never}",
+                f"apex_dqn.replay.min_size={never}",
             ],
             stdout=subprocess.DEVNULL,
             stderr=open(Path(tmp) / "learner.log", "w"),  # noqa: SIM115 - the child writes it all its life

@@ -126,7 +126,7 @@ def run(
             log.close()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
 
-    capacity = config.replay.capacity
+    capacity = config.apex_dqn.replay.capacity
     full_at = next((s["t"] for s in samples if s["replay_size"] >= capacity), None)
     after = [s["rss_mb"] for s in samples if full_at is not None and s["t"] >= full_at]
     variation = 100 * (max(after) - min(after)) / (sum(after) / len(after)) if after else None

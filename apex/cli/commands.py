@@ -382,7 +382,17 @@ def config_command(args: argparse.Namespace) -> int:
         for name, preset in config.presets().items():
             print(f"{name:20s} {config.describe_preset(preset)}")
         return 0
-    print(config.annotated_yaml(config.load(args.name, args.overrides)), end="")
+    loaded = config.load(args.name, args.overrides)
+    if args.name is not None:
+        tuned = config.tuned_settings(loaded)
+        print(
+            f"# {args.name} sets these apart from what --algo {loaded.algo} --env {loaded.env.id} alone gives:\n"
+            + "".join(f"#   {key}: {value}\n" for key, value in tuned.items())
+            if tuned
+            else f"# {args.name}: what --algo {loaded.algo} --env {loaded.env.id} alone gives\n",
+            end="",
+        )
+    print(config.annotated_yaml(loaded), end="")
     return 0
 
 

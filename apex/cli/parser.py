@@ -15,8 +15,8 @@ from apex.config import ALGOS, DEFAULT_PORT
 # What an unknown flag's error adds, by subcommand: most unknown flags of run and learner
 # are config values (`--lr 1e-3`), and every config value has a --set.
 UNKNOWN_FLAG_HINTS = {
-    "run": "any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); `apex config show` lists them",
-    "learner": "any config value is set with --set KEY=VALUE (e.g. --set learner.lr=1e-3); "
+    "run": "any config value is set with --set KEY=VALUE (e.g. --set apex_dqn.lr=1e-3); `apex config show` lists them",
+    "learner": "any config value is set with --set KEY=VALUE (e.g. --set apex_dqn.lr=1e-3); "
     "`apex config show` lists them",
     "actor": "the environment, model and algorithm come from the learner (set them there); an actor takes "
     "--set transport.KEY=VALUE",
@@ -63,7 +63,7 @@ def _add_config_flags(p: argparse.ArgumentParser, actor: bool = False) -> None:
             "YAML config, or a shipped preset by name (`apex config list`; default: the embedded CartPole Ape-X run)"
         )
         set_help = (
-            "override one config value, e.g. --set learner.lr=1e-3 (value parsed as YAML; repeatable; "
+            "override one config value, e.g. --set apex_dqn.lr=1e-3 (value parsed as YAML; repeatable; "
             "`apex config show` lists every key)"
         )
     p.add_argument(
@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a learner config value, e.g. --set replay.capacity=50000",
+        help="override a learner config value, e.g. --set apex_dqn.replay.capacity=50000",
     )
     learn = bench.add_argument_group("learn options (not part of all; --plot draws the curves)")
     learn.add_argument(

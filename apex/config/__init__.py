@@ -6,22 +6,28 @@ The defaults are the embedded CartPole Ape-X run (``apex run`` with no ``--confi
 ConfigError that lists them all.
 """
 
-from apex.config.loading import RETIRED_KEYS, from_dict, load, load_dict, read_yaml
+from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig, ReplayConfig
+from apex.config.loading import (
+    MOVED_KEYS,
+    MOVED_SECTIONS,
+    RETIRED_KEYS,
+    from_dict,
+    load,
+    load_dict,
+    read_yaml,
+    tuned_settings,
+)
+from apex.config.network import DEFAULT_PORT, ServeConfig, TransportConfig, port_problem
 from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs
 from apex.config.sections import (
     ATARI_PREFIX,
-    DEFAULT_PORT,
     MAX_ENVS_PER_ACTOR,
     ActorConfig,
     Config,
     EnvConfig,
-    ImpalaConfig,
     LearnerConfig,
     ModelConfig,
-    ReplayConfig,
     StopConditions,
-    TransportConfig,
-    port_problem,
     wrapper_problem,
 )
 from apex.core import ALGOS
@@ -32,8 +38,12 @@ __all__ = [
     "ATARI_PREFIX",
     "DEFAULT_PORT",
     "MAX_ENVS_PER_ACTOR",
+    "MOVED_KEYS",
+    "MOVED_SECTIONS",
     "RETIRED_KEYS",
     "ActorConfig",
+    "AlgoConfig",
+    "ApexDqnConfig",
     "Config",
     "ConfigError",
     "EnvConfig",
@@ -41,6 +51,7 @@ __all__ = [
     "LearnerConfig",
     "ModelConfig",
     "ReplayConfig",
+    "ServeConfig",
     "StopConditions",
     "TransportConfig",
     "annotated_yaml",
@@ -52,5 +63,6 @@ __all__ = [
     "presets",
     "read_yaml",
     "setting_docs",
+    "tuned_settings",
     "wrapper_problem",
 ]

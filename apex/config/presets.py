@@ -42,14 +42,15 @@ def describe_preset(preset: Traversable) -> str:
 
 
 def setting_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the docstring written under that field in apex.config.sections."""
+    """(class name, field) -> the docstring written under that field in the config's modules."""
     import ast
     import inspect
 
-    from apex.config import sections
+    from apex.config import algorithms, network, sections
 
     docs = {}
-    for node in ast.parse(inspect.getsource(sections)).body:
+    nodes = [node for module in (sections, algorithms, network) for node in ast.parse(inspect.getsource(module)).body]
+    for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body

@@ -118,14 +118,14 @@ class Policy(Generic[NetworkT]):
 
 @dataclass(frozen=True)
 class LearnerSide:
-    Learner: type[LearnerCore]
+    core: type[LearnerCore]
     policy: Policy[Any]  # each algorithm's network type: its greedy takes what its network makes
 
 
 @dataclass(frozen=True)
 class ActorSide:
-    Actor: type[ActorCore]
-    EpisodeActor: type[EpisodeActorCore]
+    core: type[ActorCore]
+    episode_core: type[EpisodeActorCore]
     # What is wrong with the algorithm's part of a welcome's setup (its common part checked
     # first: a dict with num_envs in range), or None: a welcome may be forged.
     setup_problem: Callable[[dict[str, Any]], str | None]

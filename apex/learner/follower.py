@@ -23,22 +23,19 @@ from typing import Any
 import msgpack
 import torch
 
-from apex import algos
 from apex.checkpoint import Checkpoint, CorruptCheckpoint, IncompatibleCheckpoint
 from apex.checkpoint.manifest import read_manifest
 from apex.checkpoint.writer import write_shard
 from apex.config import Config
-from apex.learner.ingest import Ingest, RunCounters
+from apex.learner.ingest import RunCounters
 from apex.learner.metrics import EpisodeStats
-from apex.learner.runtime import IDLE_WAIT_S, learner_runtime
-from apex.system.logs import RateLimitedLog
+from apex.learner.pace import GroupPace
+from apex.learner.runtime import IDLE_WAIT_S, TrainingRuntime, learner_runtime
 from apex.system.signals import StopSignals
-from apex.training.distributed import GradientAllReduce, GroupBroken, LearnerGroup, train_steps
-from apex.training.pipeline import Pipeline, SectionTimes, Wakeup
+from apex.training.distributed import GroupBroken, LearnerGroup
 from apex.transport import Ports
 from apex.transport.learner_side import TrajectoryEndpoint
 from apex.transport.sessions import RejectCounter, SessionSigner, SignedSessions
-from apex.wire.schema import UNKNOWN_STEP_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -104,38 +101,13 @@ class FollowerProcess:
         own_port = group.addresses[group.rank.rank][1]
         self.endpoint = TrajectoryEndpoint(bind_host, own_port, Ports.from_base(base), config.transport, self.sessions)
         try:
-            self.learner = algos.get(config.algo).learner().Learner(config, self.spec, self.device)
-        except BaseException:
-            self.endpoint.close()
-            raise
-        self.learner.all_reduce = GradientAllReduce(group.world_size)
-        self.endpoint.receiver.lazy = True
-        self.counters = RunCounters()
-        self.counts = RankCounts(self.counters, self.endpoint.rejected)  # its stats keep episodes for rank 0
-        self._version = 0  # rank 0's published weights, as of the last sync
-        self.steps_without_batch = 0  # the group's steps this rank took without a batch of its own
-        self.ingest = Ingest(
-            self.endpoint.receiver,
-            self.learner,
-            config,
-            self.spec.max_episode_steps or UNKNOWN_STEP_LIMIT,
-            self.counters,
-            lambda: self._version,
-        )
-        self.times = SectionTimes()
-        self._wakeup = Wakeup()
-        self._bug_log = RateLimitedLog(log, interval_s=10.0)
-        self.pipeline = Pipeline(
-            self.learner,
-            self.times,
-            on_ready=self._wakeup.notify,
-            on_error=lambda e: self._bug_log.exception(
-                "sampling a batch failed (a bug in apex, please report it); continuing"
-            ),
-        )
-        self._signals = StopSignals()
-        self.checkpoint_dir = self.logdir / "checkpoints"
-        try:
+            self.runtime = TrainingRuntime(config, self.spec, self.device, self.endpoint.receiver, group.world_size)
+            self.learner = self.runtime.learner
+            # its stats keep episodes for rank 0
+            self.counts = RankCounts(self.runtime.counters, self.endpoint.rejected)
+            self.pace = GroupPace(group, self.runtime.pipeline, self.learner, self._sync, asks_sync=False)
+            self._signals = StopSignals()
+            self.checkpoint_dir = self.logdir / "checkpoints"
             self._start_as_rank_0()
         except BaseException:
             self.endpoint.close()
@@ -152,29 +124,27 @@ class FollowerProcess:
             self.device,
         )
         with self._signals:
-            self.ingest.start()
-            self.pipeline.start()
+            self.runtime.start()
             code, stopped_together = 0, False
             try:
                 while True:
-                    agreed = self.group.agree(self.pipeline.staged(), stop=self._signals.received)
-                    if agreed.sync:
-                        self._sync()
+                    agreed = self.pace.agree(
+                        self.runtime.pipeline.staged(), stop=self._signals.received, checkpoint=False
+                    )
                     if agreed.stop:
                         stopped_together = True
                         break
-                    self.steps_without_batch += train_steps(self.pipeline, self.learner, agreed.steps)
-                    self.pipeline.results()
+                    self.pace.train(agreed.steps)
+                    self.runtime.pipeline.results()
                     if agreed.checkpoint:  # where rank 0 writes its part: after the steps
                         self._checkpoint()
                     if not agreed.steps:
-                        self._wait_for_work()
+                        self.runtime.wait_for_work(lambda wake_fd: select.select([wake_fd], [], [], IDLE_WAIT_S))
             except GroupBroken as e:
                 log.error("%s; rank %d stops", e, rank)
                 code = 1
             finally:
-                self.pipeline.stop()
-                self.ingest.stop()
+                self.runtime.stop()
                 if stopped_together:  # rank 0 writes the last checkpoint: this rank's shard with it
                     try:
                         self._checkpoint()
@@ -182,13 +152,13 @@ class FollowerProcess:
                         log.error("%s; the last checkpoint is rank 0's alone", e)
                         code = 1
                 self.endpoint.close()
-                self._wakeup.close()
+                self.runtime.close()
                 self.group.close()
         log.info(
             "rank %d stopped: %d updates, %d env steps of its actors",
             rank,
             self.learner.updates,
-            self.counters.env_steps,
+            self.runtime.counters.env_steps,
         )
         return code
 
@@ -245,19 +215,10 @@ class FollowerProcess:
             self.counts.take(
                 {
                     "replay_size": self.learner.metrics().get("replay_size", 0),
-                    "steps_without_batch": self.steps_without_batch,
+                    "steps_without_batch": self.pace.steps_without_batch,
                 }
             )
         )
         news = msgpack.unpackb(self.group.broadcast(None))
-        self._version = news["version"]
+        self.runtime.version = news["version"]
         self.sessions.close_tokens(news["closed"])
-
-    def _wait_for_work(self) -> None:
-        self._wakeup.waiting = True
-        try:
-            if not self.pipeline.staged():
-                select.select([self._wakeup.fileno()], [], [], IDLE_WAIT_S)
-        finally:
-            self._wakeup.waiting = False
-            self._wakeup.drain()

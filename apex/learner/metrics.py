@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from apex.checkpoint import RunCheckpoints, best_and_newest
 from apex.errors import ApexError
 from apex.system.files import open_append, refuse_link, remove_stale_temps, write_atomic
 from apex.system.logs import RateLimitedLog
@@ -343,6 +344,23 @@ def closing_line(summary: dict[str, Any], checkpoints: Any, resume_command: str)
         f"{summary['learner_updates']:,} updates; eval return {ret(summary['return_mean_100'])} "
         f"(best seen {ret(summary.get('best_return_mean_100'))}); {where}; resume with: {resume_command}"
     )
+
+
+def say_goodbye(logdir: Path, summary: dict[str, Any], resume_command: str) -> None:
+    """Logs the closing line: why the run stopped, its returns, its checkpoints, how to go on."""
+    try:
+        checkpoints = best_and_newest(logdir)
+    except OSError:
+        checkpoints = RunCheckpoints(None, None, None)
+    logging.getLogger("apex.learner.process").info("%s", closing_line(summary, checkpoints, resume_command))
+
+
+def write_summary(logdir: Path, summary: dict[str, Any]) -> None:
+    """LOGDIR/summary.json; a full disk is logged, and the run's end all the same."""
+    try:
+        write_json_atomic(logdir / "summary.json", summary)
+    except OSError as e:
+        log.error("could not write %s: %s", logdir / "summary.json", e)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

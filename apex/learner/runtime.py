@@ -1,18 +1,30 @@
-"""What every learner process sets up and shares, rank 0 and a group's other ranks alike: the
-device and threads, the seeds it hands actors, its memory figures, the loop's timings."""
+"""What every learner process sets up and runs, rank 0 and a group's other ranks alike: the
+device and threads, the algorithm's core fed by the ingest thread and the prefetch pipeline
+(``TrainingRuntime``), the seeds it hands actors, its memory figures, the loop's timings."""
 
 from __future__ import annotations
 
+import logging
 import resource
+from collections.abc import Callable
 
 import numpy as np
 import psutil
 import torch
 
+from apex import algos
 from apex.config import Config
 from apex.envs.make import EnvSpec, env_spec
 from apex.errors import ApexError
+from apex.learner.ingest import Ingest, RunCounters
+from apex.system.logs import RateLimitedLog
 from apex.system.malloc import keep_large_blocks
+from apex.training.distributed import GradientAllReduce
+from apex.training.pipeline import Pipeline, SectionTimes, Wakeup
+from apex.transport import TrajectoryReceiver
+from apex.wire.schema import UNKNOWN_STEP_LIMIT
+
+log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 STOP_LINGER_S = 0.5  # heartbeats answered with stop after the run ends, so that every actor hears it
@@ -59,3 +71,70 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ApexError(f"learner.device={name} but CUDA is not available: use learner.device=auto or cpu")
     return device
+
+
+class TrainingRuntime:
+    """The algorithm's learner core (``apex.algos.<algo>``), the ingest thread that feeds it
+    from a trajectory receiver, the prefetch pipeline that stages its batches, the run's
+    counters and the wake-up the loop sleeps on: what rank 0 (``LearnerProcess``) and a
+    group's other ranks (``FollowerProcess``) both build and run."""
+
+    def __init__(
+        self,
+        config: Config,
+        spec: EnvSpec,
+        device: torch.device,
+        receiver: TrajectoryReceiver,
+        world_size: int | None = None,
+    ) -> None:
+        """``world_size``: the core's gradients are all-reduced over a group of that many ranks."""
+        self.learner = algos.get(config.algo).learner().core(config, spec, device)
+        if world_size is not None:
+            self.learner.all_reduce = GradientAllReduce(world_size)
+        receiver.lazy = True  # the cores decompress frames themselves, straight into their storage
+        self.counters = RunCounters()
+        self.version = 0  # of the weights last published (on a group's other ranks: as of the last sync)
+        self.ingest = Ingest(
+            receiver,
+            self.learner,
+            config,
+            spec.max_episode_steps or UNKNOWN_STEP_LIMIT,
+            self.counters,
+            lambda: self.version,
+        )
+        self.times = SectionTimes()
+        self.wakeup = Wakeup()
+        self.prefetch_errors = 0  # our own bugs met while sampling: logged with a traceback
+        self._bug_log = RateLimitedLog(log, interval_s=10.0)
+        self.pipeline = Pipeline(self.learner, self.times, on_ready=self.wakeup.notify, on_error=self._prefetch_failed)
+
+    def start(self) -> None:
+        self.ingest.start()
+        self.pipeline.start()
+
+    def stop(self) -> list[dict[str, float]]:
+        """Stops the threads; the metrics of the steps whose results came in meanwhile."""
+        self.pipeline.stop()
+        results = list(self.pipeline.results())
+        self.ingest.stop()
+        return results
+
+    def close(self) -> None:
+        self.wakeup.close()
+
+    def wait_for_work(self, wait: Callable[[int], object]) -> None:
+        """Sleeps until a batch is staged (the prefetch thread's wake-up) or ``wait`` returns:
+        ``wait(wake_fd)`` blocks on that file descriptor and whatever else its caller waits
+        for (rank 0: control messages), at most IDLE_WAIT_S."""
+        self.wakeup.waiting = True
+        try:
+            if not self.pipeline.staged():  # staged before `waiting` was set
+                wait(self.wakeup.fileno())
+        finally:
+            self.wakeup.waiting = False
+            self.wakeup.drain()
+
+    def _prefetch_failed(self, error: BaseException) -> None:
+        """Called by the prefetch thread inside its ``except``: our own bug, loud and counted."""
+        self.prefetch_errors += 1
+        self._bug_log.exception("sampling a batch failed (a bug in apex, please report it); continuing")

@@ -138,7 +138,7 @@ class PriorityRing:
         if n > self.capacity:
             raise ValueError(
                 f"cannot add {n} items to a replay of capacity {self.capacity}: "
-                "add smaller batches or raise replay.capacity"
+                "add smaller batches or raise apex_dqn.replay.capacity"
             )
         arrays = {}
         for name, field in self.fields.items():

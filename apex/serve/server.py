@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apex.actor.process import welcome_setup
-from apex.config.sections import ServeConfig
+from apex.config import ServeConfig
 from apex.errors import ApexError, ProtocolError
 from apex.serve.episodes import ExternalEpisodes, RequestError
 from apex.system.logs import RateLimitedLog
@@ -110,7 +110,7 @@ class Server:
         from apex.envs.make import env_spaces
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
-        actor = side.EpisodeActor(self.config, setup, spec, setup["seed"])
+        actor = side.episode_core(self.config, setup, spec, setup["seed"])
         self.episodes = ExternalEpisodes(
             self.config,
             spec,

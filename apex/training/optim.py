@@ -161,7 +161,7 @@ def check_state(optimizer: torch.optim.Optimizer, saved: object) -> None:
 def load_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
     """Restores a checkpoint's per-parameter state (Adam's moments and step counts), which
     ``check_state`` passed (call it first: torch checks nothing), and keeps ``optimizer``'s own
-    hyper-parameters: this run's config (a resume with another learner.lr takes it; a
+    hyper-parameters: this run's config (a resume with another apex_dqn.lr takes it; a
     checkpoint's lr, NaN or a string, is never used)."""
     _run_wrapped_methods_eagerly()
     optimizer.load_state_dict({"state": saved["state"], "param_groups": optimizer.state_dict()["param_groups"]})

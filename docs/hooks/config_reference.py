@@ -52,16 +52,25 @@ def reference() -> str:
     docs = setting_docs()
     default = Config()
     top = [f for f in dataclasses.fields(default) if not dataclasses.is_dataclass(getattr(default, f.name))]
-    sections = [f for f in dataclasses.fields(default) if dataclasses.is_dataclass(getattr(default, f.name))]
     out = ["### Top level", "", *table(default, "", top, docs)]
-    for f in sections:
-        value = getattr(default, f.name)
-        out += ["", f"### `{f.name}`", ""]
-        intro = class_doc(type(value))
-        if intro:
-            out += [intro, ""]
-        out += table(value, f"{f.name}.", dataclasses.fields(value), docs)
+    for f in dataclasses.fields(default):
+        if dataclasses.is_dataclass(value := getattr(default, f.name)):
+            out += section(value, f.name, docs)
     return "\n".join(out)
+
+
+def section(value: Any, name: str, docs: dict[tuple[str, str], str]) -> list[str]:
+    """A section's table, then those of the sections inside it (``apex_dqn.replay``)."""
+    out = ["", f"### `{name}`", ""]
+    intro = class_doc(type(value))
+    if intro:
+        out += [intro, ""]
+    fields = dataclasses.fields(value)
+    out += table(value, f"{name}.", [f for f in fields if not dataclasses.is_dataclass(getattr(value, f.name))], docs)
+    for f in fields:
+        if dataclasses.is_dataclass(inner := getattr(value, f.name)):
+            out += section(inner, f"{name}.{f.name}", docs)
+    return out
 
 
 def table(obj: Any, prefix: str, fields: Any, docs: dict[tuple[str, str], str]) -> list[str]:

@@ -18,7 +18,7 @@ def honest_batch(client: LearnerClient) -> dict:
     environments took longer than the learner's heartbeat timeout, and the session was gone."""
     spec = client.welcome.fields["setup"]
     config = config_module.from_dict(spec["config"])
-    core = algos.get(config.algo).actor().Actor(config, spec, spec["seed"], tick=client.tick)
+    core = algos.get(config.algo).actor().core(config, spec, spec["seed"], tick=client.tick)
     batch = None
     while batch is None:
         client.tick()

@@ -30,13 +30,13 @@ from tests.support.processes import wait_for
 def learner_run(logdir: pathlib.Path) -> list[pathlib.Path]:
     """A run directory with two checkpoints of a real CartPole Ape-X learner, as
     LearnerProcess.save_checkpoint writes them; their state files, oldest first."""
-    from apex.algos.apex_dqn.learner import Learner
+    from apex.algos.apex_dqn.learner import ApexDqnLearner
     from apex.config import Config
     from apex.envs.make import env_spec
     from apex.learner.ingest import RunCounters
 
     config = Config()
-    learner = Learner(config, env_spec(config.env), torch.device("cpu"))
+    learner = ApexDqnLearner(config, env_spec(config.env), torch.device("cpu"))
     writer = CheckpointWriter(logdir / "checkpoints", keep=5)
     for n in (1, 2):
         saved = {**learner.state_dict(), **RunCounters().state_dict(), "time": float(n), "config": config.to_dict()}

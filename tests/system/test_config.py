@@ -3,6 +3,9 @@ integer and an infinite rate, each one line from a real apex process."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import subprocess
 import sys
 import time
@@ -10,8 +13,10 @@ import time
 import pytest
 
 from apex import config
+from apex.bench.transport import free_base_port
 from apex.errors import ConfigError
 from tests.support.configs import HUGE
+from tests.support.paths import ROOT
 
 
 def alias_bomb(levels: int = 9) -> str:
@@ -75,17 +80,69 @@ def test_an_alias_bomb_is_refused_in_one_line_within_seconds(tmp_path):
 
 def test_config_show_says_a_huge_integer_and_an_infinite_rate_in_one_line_each(tmp_path):
     for args, message in (
-        (["--set", f"learner.batch_size={HUGE}"], "learner.batch_size must be within"),
-        (["--set", "learner.lr=.inf"], "learner.lr must be a finite number, got inf"),
+        (["--set", f"apex_dqn.batch_size={HUGE}"], "apex_dqn.batch_size must be within"),
+        (["--set", "apex_dqn.lr=.inf"], "apex_dqn.lr must be a finite number, got inf"),
     ):
         out = config_show(*args)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         [line] = out.stderr.strip().splitlines()
         assert line.startswith(f"apex config: error: invalid configuration: {message}") and len(line) < 200, line
     path = tmp_path / "c.yaml"
-    path.write_text(f"learner:\n  batch_size: {HUGE}\n")
+    path.write_text(f"apex_dqn:\n  batch_size: {HUGE}\n")
     out = config_show(str(path))
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
-        "apex config: error: invalid configuration: learner.batch_size must be within -2**53..2**53, got an integer "
+        "apex config: error: invalid configuration: apex_dqn.batch_size must be within -2**53..2**53, got an integer "
         "of 5000 digits"
     ], out.stderr[-2000:]
+
+
+# -- Each algorithm's settings in its own section: what was written before still runs
+
+OLD_RUNS = ROOT / "tests" / "data" / "runs_before_config_sections"
+APEX_LEARNER = [sys.executable, "-m", "apex", "learner"]
+
+
+@pytest.mark.parametrize(
+    "algo, moved",
+    [
+        ("apex_dqn", {"lr": 0.001, "gamma": 0.98, "batch_size": 32, "replay.capacity": 2000}),
+        ("impala", {"lr": 0.0007, "gamma": 0.97, "grad_clip": 33.0, "batch_unrolls": 4}),
+    ],
+)
+def test_a_run_written_before_the_settings_moved_evaluates_and_resumes_with_its_values(tmp_path, algo, moved):
+    """Checkpoints of c3d5b45 hold learner.lr, replay.* and the like: they evaluate, and a
+    resume reads each value under its new name (learner.lr is IMPALA's own lr in an IMPALA
+    run), says so in one warning, keeps Ape-X's replay and writes the new names."""
+    run = tmp_path / algo
+    shutil.copytree(OLD_RUNS / algo, run)
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "apex", "eval", "--checkpoint", str(run), "--episodes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    before = json.loads(next((run / "checkpoints").glob("ckpt-*.json")).read_text())
+    resumed = subprocess.run(
+        [*APEX_LEARNER, "--resume", str(run), "--port", str(free_base_port()), "--stop-seconds", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert re.search(r"resumed from ckpt-\d+", output), output[-3000:]
+    warnings = [line for line in output.splitlines() if "settings under their older names" in line]
+    assert len(warnings) == 1, output[-3000:]
+    assert f"learner.lr -> {algo}.lr" in warnings[0] and f"learner.gamma -> {algo}.gamma" in warnings[0]
+    newest = max((run / "checkpoints").glob("ckpt-*.json"), key=lambda p: p.stat().st_mtime_ns)
+    after = json.loads(newest.read_text())
+    saved = after["config"]
+    assert "replay" not in saved and "lr" not in saved["learner"], saved
+    for key, value in moved.items():
+        node = saved[algo]
+        for part in key.split("."):
+            node = node[part]
+        assert node == value, (key, node)
+    if algo == "apex_dqn":  # the replay came back: the new checkpoint holds what the old one did
+        assert after["replay_header"]["items"] == before["replay_header"]["items"], (before, after)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn.learner import Learner as ApexLearner
+from apex.algos.apex_dqn.learner import ApexDqnLearner
 from apex.bench.transport import free_port
 from apex.envs.make import EnvSpec
 from apex.errors import ApexError
@@ -22,12 +22,18 @@ SPEC = EnvSpec((3,), np.dtype(np.float32), 1, 2)
 BATCH = 64
 
 
-def bandit_learner(grad_clip: float) -> ApexLearner:
+def bandit_learner(grad_clip: float) -> ApexDqnLearner:
     config = config_module.load(
         None,
-        ["learner.batch_size=64", "learner.lr=1e-2", f"learner.grad_clip={grad_clip}", "learner.device=cpu", "seed=7"],
+        [
+            "apex_dqn.batch_size=64",
+            "apex_dqn.lr=1e-2",
+            f"apex_dqn.grad_clip={grad_clip}",
+            "learner.device=cpu",
+            "seed=7",
+        ],
     )
-    core = ApexLearner(config, SPEC, torch.device("cpu"))
+    core = ApexDqnLearner(config, SPEC, torch.device("cpu"))
     rng = np.random.default_rng(0)
     n = 500
     action = rng.integers(0, 2, n)
@@ -45,14 +51,14 @@ def bandit_learner(grad_clip: float) -> ApexLearner:
     return core
 
 
-def one_step(core: ApexLearner, batch: dict[str, np.ndarray]) -> dict:
+def one_step(core: ApexDqnLearner, batch: dict[str, np.ndarray]) -> dict:
     metrics = core.finish(
         [core.train(Staged({k: torch.from_numpy(v) for k, v in batch.items()}, np.arange(len(batch["action"]))))]
     )[0]
     return metrics
 
 
-def grads(core: ApexLearner) -> dict[str, np.ndarray]:
+def grads(core: ApexDqnLearner) -> dict[str, np.ndarray]:
     return {name: p.grad.numpy().copy() for name, p in core.online.named_parameters()}
 
 

@@ -168,7 +168,7 @@ def test_processes_by_hand_survive_a_killed_actor_and_a_bad_sender(tmp_path):
             ["--set", "env.id=CartPole-v9"],
             "env.id 'CartPole-v9' is not a registered Gymnasium environment; did you mean CartPole-v1?",
         ),
-        (["--set", "replay.capacty=5"], "unknown key replay.capacty; did you mean replay.capacity?"),
+        (["--set", "replay.capacty=5"], "unknown key apex_dqn.replay.capacty; did you mean apex_dqn.replay.capacity?"),
         (["--config", "no/such.yaml"], "config no/such.yaml not found"),
     ],
 )

@@ -105,11 +105,11 @@ def test_config_list_names_every_preset_and_each_loads_by_name():
 
 
 def test_config_show_explains_every_setting_and_reads_back(tmp_path):
-    code, out, _ = run_cli("config", "show", "cartpole_impala", "--set", "learner.lr=0.0005")
+    code, out, _ = run_cli("config", "show", "cartpole_impala", "--set", "impala.lr=0.0005")
     assert code == 0
     shown = tmp_path / "shown.yaml"
     shown.write_text(out)
-    assert config_module.load(shown) == config_module.load("cartpole_impala", ["learner.lr=0.0005"])
+    assert config_module.load(shown) == config_module.load("cartpole_impala", ["impala.lr=0.0005"])
     # every setting line is preceded by its docstring
     lines = out.splitlines()
     settings = [i for i, line in enumerate(lines) if not line.lstrip().startswith("#") and not line.endswith(":")]

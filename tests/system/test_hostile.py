@@ -42,13 +42,13 @@ from tests.support.runs import FAST, metrics
 # Small batches, and ingest that the sample-to-insert ratio does not hold back on a loaded machine.
 QUICK_START = [
     "--set",
-    "replay.min_size=500",
+    "apex_dqn.replay.min_size=500",
     "--set",
-    "learner.batch_size=64",
+    "apex_dqn.batch_size=64",
     "--set",
     "impala.batch_unrolls=8",
     "--set",
-    "replay.samples_per_insert=0.5",
+    "apex_dqn.replay.samples_per_insert=0.5",
 ]
 
 
@@ -398,7 +398,7 @@ while True:
 def test_forged_episodes_and_env_steps_do_not_stop_the_run(tmp_path, algo):
     # A learning rate too small to learn: CartPole's presets reach 450 in about 15 s of honest
     # training, so only the forged episodes could make this run stop on its return.
-    run = Run(tmp_path, algo, "--stop-return", "450", "--stop-env-steps", "100000000", "--set", "learner.lr=1e-9")
+    run = Run(tmp_path, algo, "--stop-return", "450", "--stop-env-steps", "100000000", "--set", f"{algo}.lr=1e-9")
     try:
         peer = run.session()
         batch = honest_batch(peer)

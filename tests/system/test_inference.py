@@ -16,7 +16,7 @@ def test_a_cartpole_actor_core_never_imports_torch(algo):
         "from apex.config import Config\n"
         f"config = Config(algo={algo!r})\n"
         "welcome = {'num_envs': 2, 'epsilons': [0.5, 0.01], 'eval_envs': [False, True]}\n"
-        f"actor = algos.get({algo!r}).actor().Actor(config, welcome, seed=0)\n"
+        f"actor = algos.get({algo!r}).actor().core(config, welcome, seed=0)\n"
         "for _ in range(50):\n"
         "    actor.act()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -16,7 +16,7 @@ from apex.learner.metrics import MetricsWriter, status_line
 from tests.support.processes import apex, kill_leftovers, processes_mentioning, wait_for
 from tests.support.runs import FAST, metrics
 
-CHECKPOINT_OFTEN = ["--set", "learner.checkpoint_interval_s=1", "--set", "replay.capacity=20000"]
+CHECKPOINT_OFTEN = ["--set", "learner.checkpoint_interval_s=1", "--set", "apex_dqn.replay.capacity=20000"]
 
 
 def newest_manifest(logdir) -> dict | None:
@@ -211,7 +211,7 @@ def test_a_stopped_run_resumed_goes_on_from_its_counters(tmp_path, algo):
         "--set",
         f"algo={algo}",
         "--set",
-        "replay.min_size=1000",
+        "apex_dqn.replay.min_size=1000",
         *FAST,
     )
     _, err = first.communicate(timeout=120)
@@ -236,7 +236,7 @@ def test_soak_with_churning_actors_keeps_the_learner_flat_and_leaves_nothing(tmp
         actors=2,
         churn_s=3,
         checkpoint_s=5,
-        overrides=("replay.capacity=20000", "actor.num_envs=4"),
+        overrides=("apex_dqn.replay.capacity=20000", "actor.num_envs=4"),
         logdir=str(tmp_path / "soak"),
     )
     assert result["passed"], result["problems"]

@@ -357,7 +357,7 @@ def test_a_silent_session_routed_to_rank_1_does_not_stop_the_group(tmp_path):
             "the second actor to be sent to rank 1",
         )
 
-        def rank_1_trains() -> bool:  # its replay past replay.min_size: it samples
+        def rank_1_trains() -> bool:  # its replay past apex_dqn.replay.min_size: it samples
             row = last_row(logdir)
             return row.get("group_replay_size", 0) - row.get("replay_size", 0) > 3000
 

@@ -51,11 +51,11 @@ APEX_SMALL = [
     "--set",
     "actor.num_envs=4",
     "--set",
-    "replay.capacity=20000",
+    "apex_dqn.replay.capacity=20000",
     "--set",
-    "replay.min_size=500",
+    "apex_dqn.replay.min_size=500",
     "--set",
-    "learner.batch_size=64",
+    "apex_dqn.batch_size=64",
 ]
 # CartPole's preset scales rewards by 0.1 against its returns near 500; these tasks pay at most 1,
 # so they keep their rewards as they are (at 0.1 the entropy bonus outweighed the Corridor's goal).
@@ -143,17 +143,17 @@ def test_apex_dqn_learns_catch_from_pixels_storing_each_frame_once(tmp_path):
         "--set",
         "actor.num_envs=8",
         "--set",
-        "replay.capacity=20000",
+        "apex_dqn.replay.capacity=20000",
         "--set",
-        "replay.min_size=1000",
+        "apex_dqn.replay.min_size=1000",
         "--set",
-        "learner.batch_size=64",
+        "apex_dqn.batch_size=64",
         "--set",
-        "learner.target_update_interval=100",
+        "apex_dqn.target_update_interval=100",
         "--set",
-        "learner.lr=5e-4",
+        "apex_dqn.lr=5e-4",
         "--set",
-        "replay.samples_per_insert=2",
+        "apex_dqn.replay.samples_per_insert=2",
     )
     assert_reached(summary, 0.9)
     per_transition = rows[-1]["replay_bytes_per_transition"]

@@ -15,11 +15,11 @@ def test_the_api_is_there_and_light():
 
 
 def test_load_config_takes_a_preset_and_overrides_as_set_does():
-    config = apex.load_config("pong_apex", {"learner.lr": 1e-3, "env.kwargs": {"repeat_action_probability": 0.0}})
-    assert (config.env.id, config.learner.lr, config.env.kwargs) == (
+    config = apex.load_config("pong_apex", {"apex_dqn.lr": 1e-3, "env.kwargs": {"repeat_action_probability": 0.0}})
+    assert (config.env.id, config.apex_dqn.lr, config.env.kwargs) == (
         "ALE/Pong-v5",
         1e-3,
         {"repeat_action_probability": 0.0},
     )
-    with pytest.raises(ApexError, match="did you mean learner.lr"):
-        apex.load_config(None, {"learner.lrr": 1})
+    with pytest.raises(ApexError, match="did you mean apex_dqn.lr"):
+        apex.load_config(None, {"apex_dqn.lrr": 1})

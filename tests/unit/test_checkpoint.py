@@ -301,15 +301,17 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
     """What LearnerProcess.save_checkpoint writes: state_dicts of networks and Adam (with
     its moments after some updates), counters, -inf, the full config."""
     from apex import config as config_module
-    from apex.algos.apex_dqn.learner import Learner as ApexLearner
+    from apex.algos.apex_dqn.learner import ApexDqnLearner
     from apex.algos.impala import learner as impala
     from apex.envs.make import EnvSpec
     from apex.learner.metrics import EpisodeStats
 
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
     for algo in ("apex_dqn", "impala"):
-        config = config_module.load(None, [f"algo={algo}", "replay.capacity=1000", "replay.min_size=100"])
-        learner = (ApexLearner if algo == "apex_dqn" else impala.Learner)(config, spec, torch.device("cpu"))
+        config = config_module.load(
+            None, [f"algo={algo}", "apex_dqn.replay.capacity=1000", "apex_dqn.replay.min_size=100"]
+        )
+        learner = (ApexDqnLearner if algo == "apex_dqn" else impala.ImpalaLearner)(config, spec, torch.device("cpu"))
         if algo == "apex_dqn":
             learner.insert(bandit_chunk(500))
             for _ in range(3):
@@ -326,7 +328,7 @@ def test_a_learners_real_state_loads_without_running_code(tmp_path):
         assert CheckpointWriter(directory, keep=3).save("ckpt-000000003", saved)
         loaded = find_latest(directory).load_state()
         assert loaded["episode_stats"]["best"] == -math.inf and loaded["config"] == config.to_dict()
-        fresh = (ApexLearner if algo == "apex_dqn" else impala.Learner)(config, spec, torch.device("cpu"))
+        fresh = (ApexDqnLearner if algo == "apex_dqn" else impala.ImpalaLearner)(config, spec, torch.device("cpu"))
         fresh.load_state_dict(loaded)
         assert fresh.updates == learner.updates
 
@@ -480,15 +482,17 @@ def test_a_stale_temporary_link_is_removed_not_followed(tmp_path):
 
 def _trained_apex_learner(config_overrides: tuple[str, ...] = ()):
     from apex import config as config_module
-    from apex.algos.apex_dqn.learner import Learner as ApexLearner
+    from apex.algos.apex_dqn.learner import ApexDqnLearner
     from apex.envs.make import EnvSpec
 
-    config = config_module.load(None, ["replay.capacity=1000", "replay.min_size=100", *config_overrides])
-    learner = ApexLearner(config, EnvSpec((3,), np.dtype(np.float32), 1, 2), torch.device("cpu"))
+    config = config_module.load(
+        None, ["apex_dqn.replay.capacity=1000", "apex_dqn.replay.min_size=100", *config_overrides]
+    )
+    learner = ApexDqnLearner(config, EnvSpec((3,), np.dtype(np.float32), 1, 2), torch.device("cpu"))
     learner.insert(bandit_chunk(500))
     for _ in range(3):
         learner.step()
-    return learner, lambda: ApexLearner(config, learner.spec, torch.device("cpu"))
+    return learner, lambda: ApexDqnLearner(config, learner.spec, torch.device("cpu"))
 
 
 def test_an_optimizer_state_that_does_not_fit_its_networks_is_refused_before_anything_changes():
@@ -524,7 +528,7 @@ def test_a_resumed_learner_keeps_its_configs_hyper_parameters_and_the_checkpoint
     learner, _ = _trained_apex_learner()
     saved = learner.state_dict()
     saved["optimizer"]["param_groups"][0]["lr"] = "fast"  # a forged or older run's: never used
-    _, fresh = _trained_apex_learner(("learner.lr=0.0005",))
+    _, fresh = _trained_apex_learner(("apex_dqn.lr=0.0005",))
     resumed = fresh()
     resumed.insert(bandit_chunk(500))
     resumed.load_state_dict(saved)

@@ -118,9 +118,9 @@ def pendulum_config(*more: str):
 def test_the_learner_scores_the_samples_the_actor_drew(bounds):
     K = 4
     config = pendulum_config(f"env.action_bounds={bounds}", f"impala.batch_unrolls={K}")
-    actor = impala_actor.Actor(config, {"num_envs": K}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": K}, seed=0)
     spec = actor.spec
-    learner = impala.Learner(config, spec, torch.device("cpu"))
+    learner = impala.ImpalaLearner(config, spec, torch.device("cpu"))
     with torch.no_grad():
         learner.net.log_std.fill_(-0.5)
     actor.net.load(numpy_weights(learner.net))
@@ -142,7 +142,7 @@ def test_the_learner_scores_the_samples_the_actor_drew(bounds):
 
 
 def continuous_batch(config, K: int = 2) -> tuple[dict, EnvSpec]:
-    actor = impala_actor.Actor(config, {"num_envs": K}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": K}, seed=0)
     batch = None
     while batch is None:
         batch, _ = actor.act()
@@ -178,10 +178,10 @@ def test_integer_actions_for_a_continuous_run_are_refused():
 
 def test_apex_serve_refuses_continuous_and_recurrent_policies_in_one_line():
     config = pendulum_config()
-    spec = impala_actor.Actor(config, {"num_envs": 1}, seed=0).spec
+    spec = impala_actor.ImpalaActor(config, {"num_envs": 1}, seed=0).spec
     with pytest.raises(ConfigError, match="apex serve runs feed-forward IMPALA policies.*continuous actions"):
-        impala_actor.EpisodeActor(config, {"num_envs": 4}, spec, 0)
+        impala_actor.ImpalaEpisodeActor(config, {"num_envs": 4}, spec, 0)
     recurrent = config_module.load(None, ["algo=impala", "model.recurrent=lstm"])
-    cartpole = impala_actor.Actor(recurrent, {"num_envs": 1}, seed=0).spec
+    cartpole = impala_actor.ImpalaActor(recurrent, {"num_envs": 1}, seed=0).spec
     with pytest.raises(ConfigError, match="model.recurrent lstm"):
-        impala_actor.EpisodeActor(recurrent, {"num_envs": 4}, cartpole, 0)
+        impala_actor.ImpalaEpisodeActor(recurrent, {"num_envs": 4}, cartpole, 0)

@@ -1,5 +1,5 @@
 """Where Ape-X explores: the epsilon ladder over the actors that join, and epsilon-greedy with
-and without ez-greedy's held random actions (actor.eps_repeat_mu)."""
+and without ez-greedy's held random actions (apex_dqn.eps_repeat_mu)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from apex import config as config_module
 from apex.algos.apex_dqn import exploration
-from apex.algos.apex_dqn.actor import Actor
-from apex.config import ActorConfig
+from apex.algos.apex_dqn.actor import ApexDqnActor
+from apex.config import ApexDqnConfig
 from apex.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def test_epsilon_ladder_matches_the_paper():
 
 
 def test_actor_epsilons_cover_the_ladder_across_actors():
-    config = ActorConfig(num_envs=4, eval_envs=1, eval_epsilon=0.01)
+    config = ApexDqnConfig(eval_envs=1, eval_epsilon=0.01)
     eps0, eval0 = exploration.actor_epsilons(0, 4, config)
     eps1, eval1 = exploration.actor_epsilons(1, 4, config)
     # two actors of 3 exploring envs: the rungs u = 0, 1/6, ..., 5/6 of the ladder, each once
@@ -41,7 +41,7 @@ def test_actor_epsilons_cover_the_ladder_across_actors():
 @pytest.mark.parametrize("actors", [3, 5, 8, 13])
 def test_the_ladder_follows_the_actors_that_join(actors):
     """However many actors join, every exploring environment has its own epsilon."""
-    config = ActorConfig(num_envs=6, eval_envs=1)
+    config = ApexDqnConfig(eval_envs=1)
     epsilons = [exploration.actor_epsilons(i, 6, config)[0][:5] for i in range(actors)]
     flat = [e for eps in epsilons for e in eps]
     assert len(set(flat)) == len(flat) == actors * 5
@@ -107,14 +107,14 @@ def test_ez_greedy_leaves_evaluation_rows_plain_and_drops_a_hold_at_episode_end(
 def test_the_actor_plays_ez_greedy_where_the_config_says_so():
     overrides = [
         "actor.num_envs=4",
-        "actor.eval_envs=1",
-        "actor.eps_base=1.0",
-        "actor.eps_alpha=0",
-        "actor.eps_repeat_mu=1.5",
+        "apex_dqn.eval_envs=1",
+        "apex_dqn.eps_base=1.0",
+        "apex_dqn.eps_alpha=0",
+        "apex_dqn.eps_repeat_mu=1.5",
     ]
     config = config_module.load(None, overrides)
     welcome = {"epsilons": [1.0, 1.0, 1.0, 0.0], "eval_envs": [False, False, False, True]}
-    actor = Actor(config, welcome, seed=0)
+    actor = ApexDqnActor(config, welcome, seed=0)
     try:
         holds = 0
         for _ in range(200):
@@ -129,6 +129,6 @@ def test_the_actor_plays_ez_greedy_where_the_config_says_so():
 @pytest.mark.parametrize("value", ["1.0", "0.5", "inf", "nan"])
 def test_eps_repeat_mu_must_be_a_zeta_exponent(value):
     # inf is refused as no float key takes one (a finite number), the others by the key's own rule
-    with pytest.raises(ConfigError, match="actor.eps_repeat_mu must be (> 1|a finite number)"):
-        config_module.load(None, [f"actor.eps_repeat_mu={value}"])
-    assert config_module.load(None, ["actor.eps_repeat_mu=null"]).actor.eps_repeat_mu is None
+    with pytest.raises(ConfigError, match="apex_dqn.eps_repeat_mu must be (> 1|a finite number)"):
+        config_module.load(None, [f"apex_dqn.eps_repeat_mu={value}"])
+    assert config_module.load(None, ["apex_dqn.eps_repeat_mu=null"]).apex_dqn.eps_repeat_mu is None

@@ -9,10 +9,10 @@ import pytest
 
 from apex import config as config_module
 from apex.algos.apex_dqn import learner as apex_dqn
-from apex.algos.apex_dqn.actor import EpisodeActor as ApexEpisodeActor
+from apex.algos.apex_dqn.actor import ApexDqnEpisodeActor
 from apex.algos.apex_dqn.exploration import actor_epsilons
 from apex.algos.impala import learner as impala
-from apex.algos.impala.actor import EpisodeActor as ImpalaEpisodeActor
+from apex.algos.impala.actor import ImpalaEpisodeActor
 from apex.envs.make import env_spaces
 from apex.serve.episodes import ExternalEpisodes, RequestError
 
@@ -30,9 +30,9 @@ class Clock:
 def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisodes:
     overrides = [
         f"algo={algo}",
-        "learner.gamma=0.9",
-        "learner.n_step=3",
-        "actor.chunk_transitions=4",
+        f"{algo}.gamma=0.9",
+        "apex_dqn.n_step=3",
+        "apex_dqn.chunk_transitions=4",
         "impala.unroll_length=4",
         f"actor.num_envs={K}",
         *(f"{k}={v}" for k, v in sets.items()),
@@ -40,8 +40,8 @@ def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisod
     config = config_module.load(None, overrides)
     spec, low, high = env_spaces(config.env, algo)
     if algo == "apex_dqn":
-        epsilons, eval_mask = actor_epsilons(0, K, config.actor)
-        actor = ApexEpisodeActor(config, {"epsilons": epsilons, "eval_envs": eval_mask}, spec, 0)
+        epsilons, eval_mask = actor_epsilons(0, K, config.apex_dqn)
+        actor = ApexDqnEpisodeActor(config, {"epsilons": epsilons, "eval_envs": eval_mask}, spec, 0)
     else:
         actor = ImpalaEpisodeActor(config, {"num_envs": K}, spec, 0)
     return ExternalEpisodes(
@@ -95,7 +95,7 @@ def test_apex_episode_makes_the_n_step_transitions_a_local_actor_would():
 
 
 def test_apex_learns_from_logged_actions_and_keeps_them_out_of_evaluation():
-    episodes = make("apex_dqn", **{"actor.eval_envs": K})  # every rung an evaluation one
+    episodes = make("apex_dqn", **{"apex_dqn.eval_envs": K})  # every rung an evaluation one
     (episode_id,) = episodes.start()
     episodes.log_action([episode_id], [obs(0)], [1])
     episodes.log_action([episode_id], [obs(1)], [0], [1.0])
@@ -303,11 +303,12 @@ def test_an_episode_is_stopped_at_the_envs_time_limit_so_that_the_learner_takes_
 
 
 def test_apex_external_episodes_hold_ez_greedy_actions_each_on_its_own():
-    """With actor.eps_repeat_mu, each external episode holds its own random action: two
+    """With apex_dqn.eps_repeat_mu, each external episode holds its own random action: two
     episodes acting in one request do not share a hold, and an episode's hold survives
     between requests."""
     episodes = make(
-        "apex_dqn", **{"actor.eps_base": 1.0, "actor.eps_alpha": 0, "actor.eval_envs": 0, "actor.eps_repeat_mu": 1.1}
+        "apex_dqn",
+        **{"apex_dqn.eps_base": 1.0, "apex_dqn.eps_alpha": 0, "apex_dqn.eval_envs": 0, "apex_dqn.eps_repeat_mu": 1.1},
     )
     ids = episodes.start(2)
     episodes.act(ids, [obs(0), obs(0)])

@@ -61,7 +61,7 @@ class Endpoint:
     """A LearnerEndpoint polled in a thread, welcoming with the Ape-X ladder."""
 
     def __init__(self, port: int, options: TransportConfig = FAST) -> None:
-        actor = config_module.ActorConfig(num_envs=4, eval_envs=1)
+        actor = config_module.ApexDqnConfig(eval_envs=1)
         self.endpoint = LearnerEndpoint(
             "127.0.0.1",
             port,

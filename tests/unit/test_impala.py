@@ -136,7 +136,7 @@ def test_unroll_queue_blocks_or_drops():
 
 def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_resets():
     config = config_module.load(None, ["algo=impala", "impala.unroll_length=7"])
-    actor = impala_actor.Actor(config, {"num_envs": 3}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 3}, seed=0)
     frames_seen = []  # what the network saw, step by step, per env
     batches = []
     for _ in range(40):
@@ -153,7 +153,7 @@ def test_actor_unrolls_overlap_by_the_bootstrap_step_and_restart_stacks_at_reset
         obs = batch["frames"][batch["obs_frame"][..., None] + np.arange(spec.stack)]  # [K, T+1, stack, 4]
         for t in range(8):
             np.testing.assert_array_equal(obs[:, t], frames_seen[7 * n + t])
-    assert (batches[0]["discount"] <= config.learner.gamma).all()
+    assert (batches[0]["discount"] <= config.impala.gamma).all()
     actor.close()
 
 
@@ -166,10 +166,10 @@ def test_the_queue_keeps_each_frame_once_and_a_batch_gets_the_stacks_the_actor_s
         None,
         ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0", f"impala.unroll_length={T}", "impala.batch_unrolls=4"],
     )
-    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 2}, seed=0)
     spec = actor.spec
     assert spec.stack == 4 and spec.frame_shape == (40, 40)
-    learner = impala.Learner(config, spec, torch.device("cpu"))
+    learner = impala.ImpalaLearner(config, spec, torch.device("cpu"))
     seen = []  # [T+1, K, stack, 40, 40] per unroll batch
     stacks = []
     while len(seen) < 2:  # two batches of 2 unrolls: one learner batch of 4
@@ -200,8 +200,8 @@ def test_a_forged_stack_start_past_the_last_whole_stack_never_reaches_the_queue(
     from apex.errors import RejectedMessage
 
     config = config_module.load(None, ["algo=impala", "env.id=tests.envs:apex-test/Catch-v0", "impala.unroll_length=6"])
-    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
-    learner = impala.Learner(config, actor.spec, torch.device("cpu"))
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 2}, seed=0)
+    learner = impala.ImpalaLearner(config, actor.spec, torch.device("cpu"))
     batch = None
     while batch is None:
         batch, _ = actor.act()
@@ -221,7 +221,7 @@ def test_a_forged_stack_start_past_the_last_whole_stack_never_reaches_the_queue(
 
 def test_actor_scales_training_rewards_but_reports_returns_as_they_are():
     config = config_module.load(None, ["algo=impala", "env.reward_scale=0.01", "impala.unroll_length=5"])
-    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 2}, seed=0)
     batch, episodes = None, []
     while batch is None:
         batch, finished = actor.act()

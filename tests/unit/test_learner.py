@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn.learner import Learner as ApexLearner
+from apex.algos.apex_dqn.learner import ApexDqnLearner
 from apex.config import Config
 from apex.envs.make import EnvSpec
 from apex.learner.runtime import pick_device
@@ -39,9 +39,9 @@ def test_rate_limiter_holds_the_ratio_within_the_slack():
 
 
 def test_updates_learn_the_better_action_and_lower_priorities():
-    config = config_module.load(None, ["learner.batch_size=64", "learner.lr=1e-2"])
+    config = config_module.load(None, ["apex_dqn.batch_size=64", "apex_dqn.lr=1e-2"])
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
-    learner = ApexLearner(config, spec, torch.device("cpu"))
+    learner = ApexDqnLearner(config, spec, torch.device("cpu"))
     assert learner.insert(bandit_chunk(500)) == 500
     first = learner.step()
     for _ in range(200):
@@ -70,7 +70,7 @@ def validated(learner, arrays: dict, num_envs: int = 16) -> dict:
 def test_insert_many_merges_validated_batches():
     config = Config()
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
-    learner = ApexLearner(config, spec, torch.device("cpu"))
+    learner = ApexDqnLearner(config, spec, torch.device("cpu"))
     errors = learner.insert_many([validated(learner, bandit_chunk(10)) for _ in range(3)])
     assert errors == [None, None, None]
     assert len(learner.replay) == 30 and learner.replay.frames.added == 33
@@ -87,7 +87,7 @@ def test_lazily_decoded_batches_with_compressed_small_fields_go_in():
 
     config = Config()
     spec = EnvSpec((3,), np.dtype(np.float32), 1, 2)
-    learner = ApexLearner(config, spec, torch.device("cpu"))
+    learner = ApexDqnLearner(config, spec, torch.device("cpu"))
     big = bandit_chunk(2048)
     big["action"] = np.zeros(2048, np.int64)  # 16 kB of zeros: lz4
     lazy = decode(encode("batch", BATCH_FIELDS, big), lazy=True).arrays

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from apex import config as config_module
-from apex.algos.apex_dqn.learner import PREFETCH_BYTES, prefetch_depth
-from apex.algos.apex_dqn.learner import Learner as ApexLearner
+from apex.algos.apex_dqn.learner import PREFETCH_BYTES, ApexDqnLearner, prefetch_depth
 from apex.envs.make import EnvSpec
 from apex.replay import StackedReplay
 from apex.training import optim
@@ -36,19 +35,19 @@ def bandit_chunk(n: int, seed: int = 0) -> dict:
     }
 
 
-def learner(*overrides: str) -> ApexLearner:
+def learner(*overrides: str) -> ApexDqnLearner:
     config = config_module.load(
         None,
         [
-            "learner.batch_size=32",
-            "learner.lr=1e-2",
-            "replay.min_size=64",
-            "replay.samples_per_insert=1e-9",
-            "replay.rate_slack=1000000000",
+            "apex_dqn.batch_size=32",
+            "apex_dqn.lr=1e-2",
+            "apex_dqn.replay.min_size=64",
+            "apex_dqn.replay.samples_per_insert=1e-9",
+            "apex_dqn.replay.rate_slack=1000000000",
             *overrides,
         ],
     )
-    core = ApexLearner(config, SPEC, torch.device("cpu"))
+    core = ApexDqnLearner(config, SPEC, torch.device("cpu"))
     core.insert(bandit_chunk(1000))
     return core
 
@@ -75,7 +74,7 @@ def run_pipeline(core, steps: int) -> tuple[list[dict], SectionTimes]:
 
 
 def test_the_pipeline_trains_every_staged_batch_and_writes_every_priority_back():
-    core = learner("learner.prefetch_batches=4")
+    core = learner("apex_dqn.prefetch_batches=4")
     metrics, times = run_pipeline(core, 60)
     assert len(metrics) == 60 and all(m["loss"] >= 0 for m in metrics)  # each step's metrics, none lost
     assert core.updates == core.steps == 60 and core.skipped_updates == 0
@@ -89,7 +88,7 @@ def test_the_pipeline_trains_every_staged_batch_and_writes_every_priority_back()
 
 
 def test_the_default_depth_is_sized_by_the_staged_batches_memory():
-    """learner.prefetch_batches null: as many batches as 256 MiB hold, 2 to 64."""
+    """apex_dqn.prefetch_batches null: as many batches as 256 MiB hold, 2 to 64."""
     cartpole = EnvSpec((4,), np.dtype(np.float32), 1, 2)
     atari = EnvSpec((84, 84), np.dtype(np.uint8), 4, 6)
     assert prefetch_depth(cartpole, 512) == 64 and prefetch_depth(atari, 512) == 9
@@ -98,9 +97,9 @@ def test_the_default_depth_is_sized_by_the_staged_batches_memory():
         depth = prefetch_depth(spec, size)
         assert depth == 64 or depth * size * 2 * spec.stack * np.prod(spec.frame_shape) <= PREFETCH_BYTES
     assert learner().prefetch_batches == prefetch_depth(learner().spec, 32)
-    assert learner("learner.prefetch_batches=4").prefetch_batches == 4
+    assert learner("apex_dqn.prefetch_batches=4").prefetch_batches == 4
     with pytest.raises(config_module.ConfigError, match="prefetch_batches must be in 1..64 or null"):
-        config_module.load(None, ["learner.prefetch_batches=0"])
+        config_module.load(None, ["apex_dqn.prefetch_batches=0"])
 
 
 def test_batches_drawn_together_each_span_the_whole_replay():

@@ -64,8 +64,8 @@ def test_the_learners_unroll_scores_what_the_actor_did(env_id, kwargs):
     step by step, the policy the actor acted on, and the behaviour log-probabilities."""
     K = 3
     config = recurrent_config(env_id, kwargs, f"impala.batch_unrolls={2 * K}")
-    actor = impala_actor.Actor(config, {"num_envs": K}, seed=0)
-    learner = impala.Learner(config, actor.spec, torch.device("cpu"))
+    actor = impala_actor.ImpalaActor(config, {"num_envs": K}, seed=0)
+    learner = impala.ImpalaLearner(config, actor.spec, torch.device("cpu"))
     actor.net.load(numpy_weights(learner.net))
     actor.net = Recording(actor.net, K)
     batches = 0
@@ -115,7 +115,7 @@ def test_the_core_starts_afresh_where_an_episode_ended_inside_an_unroll():
 
 
 def recall_batch(config, K: int = 2) -> dict:
-    actor = impala_actor.Actor(config, {"num_envs": K}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": K}, seed=0)
     batch = None
     while batch is None:
         batch, _ = actor.act()
@@ -134,7 +134,7 @@ def recall_batch(config, K: int = 2) -> dict:
 )
 def test_a_forged_core_state_or_episode_end_is_refused(name, value, reason):
     config = recurrent_config("tests.envs:apex-test/Recall-v0")
-    spec = impala_actor.Actor(config, {"num_envs": 1}, seed=0).spec
+    spec = impala_actor.ImpalaActor(config, {"num_envs": 1}, seed=0).spec
     batch = recall_batch(config)
     batch[name] = batch[name].copy()
     batch[name].flat[0] = value
@@ -145,7 +145,7 @@ def test_a_forged_core_state_or_episode_end_is_refused(name, value, reason):
 def test_a_recurrent_learner_refuses_unrolls_without_their_state():
     config = recurrent_config("tests.envs:apex-test/Recall-v0")
     batch = recall_batch(config)
-    spec = impala_actor.Actor(config, {"num_envs": 1}, seed=0).spec
+    spec = impala_actor.ImpalaActor(config, {"num_envs": 1}, seed=0).spec
     del batch["core_h"]
     with pytest.raises(RejectedMessage):
         impala.batch_schema(spec, config).validate(batch, impala.batch_limits(2, spec, config))

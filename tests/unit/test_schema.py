@@ -22,9 +22,9 @@ ATARI = EnvSpec((84, 84), np.dtype(np.uint8), 4, 6)
 
 def actor_batch(algo: str, num_envs: int = 3) -> tuple[dict, EnvSpec, Config]:
     """A batch exactly as an actor of ``algo`` sends it on CartPole."""
-    config = config_module.load(None, [f"algo={algo}", "impala.unroll_length=5", "actor.chunk_transitions=8"])
+    config = config_module.load(None, [f"algo={algo}", "impala.unroll_length=5", "apex_dqn.chunk_transitions=8"])
     welcome = {"num_envs": num_envs, "epsilons": [0.5] * num_envs, "eval_envs": [False] * num_envs}
-    actor = algos.get(algo).actor().Actor(config, welcome, seed=0)
+    actor = algos.get(algo).actor().core(config, welcome, seed=0)
     batch = None
     while batch is None:
         batch, _ = actor.act()
@@ -150,11 +150,11 @@ def test_batch_limits_hold_every_batch_an_honest_actor_sends():
     for algo, num_envs in (("apex_dqn", 1), ("apex_dqn", 7), ("impala", 5)):
         # episodes end all the time (max_episode_steps 3): the most chunks and stacks
         config = config_module.load(
-            None, [f"algo={algo}", "actor.chunk_transitions=4", "impala.unroll_length=3", "env.max_episode_steps=3"]
+            None, [f"algo={algo}", "apex_dqn.chunk_transitions=4", "impala.unroll_length=3", "env.max_episode_steps=3"]
         )
         module = apex_dqn if algo == "apex_dqn" else impala
         welcome = {"num_envs": num_envs, "epsilons": [1.0] * num_envs, "eval_envs": [False] * num_envs}
-        actor = algos.get(algo).actor().Actor(config, welcome, seed=1)
+        actor = algos.get(algo).actor().core(config, welcome, seed=1)
         schema, limits = module.batch_schema(actor.spec, config), module.batch_limits(num_envs, actor.spec, config)
         for _ in range(100):
             batch, _ = actor.act()

@@ -219,7 +219,7 @@ def test_apex_dqn_refuses_multidiscrete_actions_before_anything_starts():
     spec = env_spec(config, "impala")
     assert spec.action_nvec == (3, 4) and spec.num_actions == 7 and spec.frame_shape == (7,)
     with pytest.raises(ConfigError, match="--algo impala"):  # the learner's own backstop
-        apex_dqn.Learner(Config(env=config), spec, torch.device("cpu"))
+        apex_dqn.ApexDqnLearner(Config(env=config), spec, torch.device("cpu"))
 
 
 def test_continuous_actions_are_impala_only_and_squash_needs_finite_bounds():
@@ -404,7 +404,7 @@ def dial_config() -> Config:
 
 def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
     config = dial_config()
-    actor = impala_actor.Actor(config, {"num_envs": 3}, seed=0)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 3}, seed=0)
     net = PolicyValueNetwork(actor.spec, config.model)  # the learner's network, its weights sent to the actor
     actor.net.load(numpy_weights(net))
     obs = actor.stacker.obs.copy()
@@ -425,7 +425,7 @@ def test_impala_actor_samples_each_component_and_logs_their_joint_probability():
 
 def dial_batch() -> tuple[dict, EnvSpec, Config]:
     config = dial_config()
-    actor = impala_actor.Actor(config, {"num_envs": 2}, seed=1)
+    actor = impala_actor.ImpalaActor(config, {"num_envs": 2}, seed=1)
     batch = None
     while batch is None:
         batch, _ = actor.act()

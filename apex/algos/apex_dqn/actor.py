@@ -128,9 +128,9 @@ def make_chunker(config: Config, stack: int) -> NStepChunker:
     """One environment's (or external episode's) chunker, as the run's config says."""
     return NStepChunker(
         stack,
-        config.learner.n_step,
-        config.learner.gamma,
-        config.actor.chunk_transitions,
+        config.apex_dqn.n_step,
+        config.apex_dqn.gamma,
+        config.apex_dqn.chunk_transitions,
         clip_rewards=config.env.is_atari and config.env.clip_rewards,
         reward_scale=config.env.reward_scale,
     )
@@ -162,7 +162,7 @@ def setup_problem(setup: dict[str, Any]) -> str | None:
     return None
 
 
-class Actor:
+class ApexDqnActor:
     """K environments on the Ape-X ladder; ``act()`` is one step of all of them."""
 
     def __init__(
@@ -181,7 +181,7 @@ class Actor:
             self.epsilons,
             self.spec.num_actions,
             np.random.default_rng(seed),
-            config.actor.eps_repeat_mu,
+            config.apex_dqn.eps_repeat_mu,
             plain=self.eval_mask,
         )
         self.steps = 0  # vector steps taken
@@ -233,7 +233,7 @@ class Actor:
                 self.explorer.reset(i)
             else:
                 self.stacker.push(i, frames[i])
-        if sum(len(c["action"]) for c in self._pending) < self.config.actor.chunk_transitions:
+        if sum(len(c["action"]) for c in self._pending) < self.config.apex_dqn.chunk_transitions:
             return None, episodes
         batch, self._pending = merge_chunks(self._pending), []
         return batch, episodes
@@ -247,10 +247,10 @@ class _ExternalEpisode:
 
     def __init__(self, chunker: NStepChunker, epsilon: float, is_eval: bool) -> None:
         self.chunker, self.epsilon, self.is_eval = chunker, epsilon, is_eval
-        self.held, self.left = 0, 0  # ez-greedy's hold (actor.eps_repeat_mu)
+        self.held, self.left = 0, 0  # ez-greedy's hold (apex_dqn.eps_repeat_mu)
 
 
-class EpisodeActor:
+class ApexDqnEpisodeActor:
     """Ape-X for episodes stepped elsewhere (``apex.serve.episodes``): each episode plays on a rung
     of the ladder the learner gave (its slot's), builds its own n-step chunks, and may take
     actions the client chose (``log_action``): Q-learning learns from them off-policy.
@@ -305,7 +305,7 @@ class EpisodeActor:
     def _explore(self, episodes: list[Episode], greedy: np.ndarray) -> np.ndarray:
         states: list[_ExternalEpisode] = [e.state for e in episodes]
         epsilons = np.fromiter((s.epsilon for s in states), np.float64, len(states))
-        repeat_mu = self.config.actor.eps_repeat_mu
+        repeat_mu = self.config.apex_dqn.eps_repeat_mu
         if repeat_mu is None:
             return choose_actions(self.rng, greedy, epsilons, self.spec.num_actions)
         held = np.fromiter((s.held for s in states), np.int64, len(states))
@@ -348,7 +348,7 @@ class EpisodeActor:
                 chunks.append(chunk)
                 count += len(chunk["action"])
             records += ended
-            if count >= self.config.actor.chunk_transitions:
+            if count >= self.config.apex_dqn.chunk_transitions:
                 batches.append((merge_chunks(chunks), records))
                 chunks, records, count = [], [], 0
         if flush and chunks:

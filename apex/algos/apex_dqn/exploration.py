@@ -1,6 +1,6 @@
 """Where Ape-X's actors explore: the epsilon ladder (Horgan et al. 2018, Sec. 4.1) spread over
 the actors that join, and the choice of each step's actions on it, epsilon-greedy or with
-``actor.eps_repeat_mu`` temporally extended (ez-greedy, Dabney, Ostrovski & Barreto 2021:
+``apex_dqn.eps_repeat_mu`` temporally extended (ez-greedy, Dabney, Ostrovski & Barreto 2021:
 a random action is held for n ~ zeta(mu) steps, so that random play covers ground where
 one-step dithering stays put, as in MinAtar Freeway).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from apex.config import ActorConfig
+from apex.config import ApexDqnConfig
 
 MAX_REPEAT = 100
 """ez-greedy's longest hold: zeta(2) has no finite mean, and a hold longer than this only
@@ -42,7 +42,7 @@ def actor_offset(actor_index: int) -> float:
     return offset
 
 
-def actor_epsilons(actor_index: int, num_envs: int, config: ActorConfig) -> tuple[list[float], list[bool]]:
+def actor_epsilons(actor_index: int, num_envs: int, config: ApexDqnConfig) -> tuple[list[float], list[bool]]:
     """Per-environment epsilons for one actor, and which of its environments evaluate.
 
     The ladder follows the actors actually in the run, however many join: the K exploring

@@ -7,7 +7,7 @@ weighted by importance-sampling weights; it returns new priorities |td|.
 
 Where defaults differ from the paper (see configs/): a smaller replay and batch, a much
 shorter target-network period and a higher learning rate for CartPole on two cores; the
-actors' envs also include ``actor.eval_envs`` near-greedy ones that report
+actors' envs also include ``apex_dqn.eval_envs`` near-greedy ones that report
 return_mean_100.
 """
 
@@ -43,7 +43,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     """What an Ape-X batch holds: frames, then per transition where its observation and
     bootstrap stacks start in them, its action, n-step return, discount and priority."""
     stack_starts = below("frames", 1 - spec.stack)
-    max_return = config.transport.max_abs_reward * config.learner.n_step
+    max_return = config.transport.max_abs_reward * config.apex_dqn.n_step
     transitions = ("transitions",)
     return BatchSchema(
         (
@@ -59,7 +59,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     )
 
 
-# How far over the learner's largest |td| an actor's initial priority may go (see Learner).
+# How far over the learner's largest |td| an actor's initial priority may go (see ApexDqnLearner).
 PRIORITY_SLACK = 2.0
 
 
@@ -68,12 +68,12 @@ def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]
     can hold: it sends once it holds chunk_transitions (C) or more, and one step adds at
     most two chunks per environment (a full one and an episode's end, each up to C + n
     transitions, with the n + stack frames around them)."""
-    chunk, n = config.actor.chunk_transitions, config.learner.n_step
+    chunk, n = config.apex_dqn.chunk_transitions, config.apex_dqn.n_step
     chunks = chunk + 2 * num_envs
     transitions = chunk + num_envs * (2 * chunk + n)
     return {
-        "transitions": min(transitions, config.replay.capacity),
-        "frames": min(transitions + chunks * (n + spec.stack), config.frame_capacity),
+        "transitions": min(transitions, config.apex_dqn.replay.capacity),
+        "frames": min(transitions + chunks * (n + spec.stack), config.apex_dqn.frame_capacity),
     }
 
 
@@ -109,7 +109,7 @@ def dqn_loss(
 # The learner core: owns the networks, the replay and its rate limiter.
 
 
-class Learner:
+class ApexDqnLearner:
     """Double dueling DQN over a prioritized replay of frame-deduplicated n-step transitions.
 
     The generic learner process calls ``insert`` from its ingest thread, ``prepare`` from its
@@ -133,21 +133,22 @@ class Learner:
         self.target = copy.deepcopy(self.online).requires_grad_(False)
         # fused: one kernel for all parameters (measured: 2.3 -> 2.0 ms a CartPole update on CPU)
         self.optimizer = optim.make(
-            "adam", self.online.parameters(), config.learner.lr, config.learner.adam_eps, fused=True
+            "adam", self.online.parameters(), config.apex_dqn.lr, config.apex_dqn.adam_eps, fused=True
         )
         self.replay = StackedReplay(
             spec.frame_shape,
             spec.frame_dtype,
             spec.stack,
-            config.replay.capacity,
-            config.frame_capacity,
-            alpha=config.replay.alpha,
-            eps=config.replay.eps,
+            config.apex_dqn.replay.capacity,
+            config.apex_dqn.frame_capacity,
+            alpha=config.apex_dqn.replay.alpha,
+            eps=config.apex_dqn.replay.eps,
             seed=config.seed,
         )
-        self.limiter = RateLimiter(config.replay.samples_per_insert, config.replay.min_size, config.replay.rate_slack)
+        replay = config.apex_dqn.replay
+        self.limiter = RateLimiter(replay.samples_per_insert, replay.min_size, replay.rate_slack)
         self.stager = DeviceStager(device)
-        self.prefetch_batches = config.learner.prefetch_batches or prefetch_depth(spec, config.learner.batch_size)
+        self.prefetch_batches = config.apex_dqn.prefetch_batches or prefetch_depth(spec, config.apex_dqn.batch_size)
         self.all_reduce: GradientAllReduce | None = (
             None  # set by a data-parallel group (apex.training.distributed): averages gradients over ranks
         )
@@ -161,7 +162,7 @@ class Learner:
         # near 0 (the loss read 0.0 for every update while the counts looked healthy).
         self.largest_td = 0.0
         self.capped_priorities = 0  # initial priorities an actor sent above that cap
-        self.samples_per_update = config.learner.batch_size
+        self.samples_per_update = config.apex_dqn.batch_size
         self.schema = batch_schema(spec, config)
 
     def batch_limits(self, num_envs: int) -> dict[str, int]:
@@ -173,7 +174,7 @@ class Learner:
         return sizes["transitions"]
 
     def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]:
-        epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.actor)
+        epsilons, eval_mask = actor_epsilons(actor_index, num_envs, self.config.apex_dqn)
         return {"epsilons": epsilons, "eval_envs": eval_mask}
 
     def wait_to_insert(self, timeout: float) -> bool:
@@ -224,7 +225,7 @@ class Learner:
         """The prefetch stage: once the sample-to-insert limit allows a batch (within
         ``timeout``), as many batches as it allows up to ``most``, drawn together and staged
         on the device; else []."""
-        size = self.config.learner.batch_size
+        size = self.config.apex_dqn.batch_size
         if not self.limiter.wait_to_sample(size, timeout):
             return []
         if not self.replay.sampleable:  # every transition dropped as poison: wait for more
@@ -239,9 +240,9 @@ class Learner:
         """``count`` prioritized batches drawn together, staged on the device (counted by the
         rate limiter, not held to it)."""
         cfg = self.config
-        size = cfg.learner.batch_size
+        size = cfg.apex_dqn.batch_size
         start = time.perf_counter()
-        batch, indices, weights = self.replay.sample(size, cfg.replay.beta, batches=count)
+        batch, indices, weights = self.replay.sample(size, cfg.apex_dqn.replay.beta, batches=count)
         self.limiter.sampled(count * size)
         batch["weights"] = weights
         seconds = (time.perf_counter() - start) / count
@@ -268,7 +269,7 @@ class Learner:
             self.optimizer,
             out.loss,
             self.online.parameters(),
-            self.config.learner.grad_clip,
+            self.config.apex_dqn.grad_clip,
             [out.loss, out.q_mean, out.td_abs_mean, out.priorities.sum()],
             self.all_reduce,
         )
@@ -281,14 +282,14 @@ class Learner:
         if self.all_reduce is None:
             raise RuntimeError("a step without a batch is a learner group's: all_reduce is not set")
         results = step_without_batch(
-            self.optimizer, self.online.parameters(), self.config.learner.grad_clip, 4, self.all_reduce
+            self.optimizer, self.online.parameters(), self.config.apex_dqn.grad_clip, 4, self.all_reduce
         )
         self._stepped()
-        return fetch([results, results.new_zeros(self.config.learner.batch_size)], NO_BATCH)
+        return fetch([results, results.new_zeros(self.config.apex_dqn.batch_size)], NO_BATCH)
 
     def _stepped(self) -> None:
         self.steps += 1
-        if self.steps % self.config.learner.target_update_interval == 0:
+        if self.steps % self.config.apex_dqn.target_update_interval == 0:
             self.target.load_state_dict(self.online.state_dict())
 
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
@@ -342,7 +343,7 @@ class Learner:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Networks, optimizer and counters of a checkpoint. Call after the replay was
         restored (if it was): the sample-to-insert limit then goes on where it was instead of
-        waiting for replay.min_size new transitions."""
+        waiting for apex_dqn.replay.min_size new transitions."""
         self.check_state(state)
         self.online.load_state_dict(state["online"])
         self.target.load_state_dict(state["target"])
@@ -367,8 +368,8 @@ class Learner:
 
     @property
     def checkpoint_replay(self) -> StackedReplay | None:
-        """The replay that checkpoints hold, or None when learner.checkpoint_replay is off."""
-        return self.replay if self.config.learner.checkpoint_replay else None
+        """The replay that checkpoints hold, or None when apex_dqn.checkpoint_replay is off."""
+        return self.replay if self.config.apex_dqn.checkpoint_replay else None
 
     @property
     def memory_nbytes(self) -> int:
@@ -396,7 +397,7 @@ def _greedy(net: QNetwork, obs: torch.Tensor, state: None = None) -> tuple[torch
 # `apex eval` and apex.load_policy act with the online network, epsilon-greedy (0 by default).
 POLICY = Policy("online", "the online Q network", QNetwork, _greedy)
 
-PREFETCH_BYTES = 256 << 20  # staged batches at most, when learner.prefetch_batches is null
+PREFETCH_BYTES = 256 << 20  # staged batches at most, when apex_dqn.prefetch_batches is null
 
 
 def prefetch_depth(spec: EnvSpec, batch_size: int) -> int:

@@ -59,7 +59,7 @@ def setup_problem(setup: dict[str, Any]) -> str | None:
     return None
 
 
-class Actor:
+class ImpalaActor:
     def __init__(
         self, config: Config, setup: dict[str, Any], seed: int, tick: Callable[[], None] = lambda: None
     ) -> None:
@@ -70,7 +70,7 @@ class Actor:
         self.net = policy_value_network(self.spec, config.model)
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.rng = np.random.default_rng(seed)
-        self.gamma = config.learner.gamma
+        self.gamma = config.impala.gamma
         T, K = config.impala.unroll_length, self.num_envs
         self.action = np.zeros((K, T, *self.spec.action_shape), self.spec.action_dtype)
         self.reward = np.zeros((K, T), np.float32)
@@ -188,7 +188,7 @@ def _slot(episode: Episode) -> int:
     return episode.slot
 
 
-class EpisodeActor:
+class ImpalaEpisodeActor:
     """IMPALA for episodes stepped elsewhere (``apex.serve.episodes``): actions sampled from the
     policy, and the unrolls built per slot, an episode that ends handing its row over to the
     next one on that slot (as a local environment resets within an unroll). Client-chosen
@@ -211,7 +211,7 @@ class EpisodeActor:
         self.spec = spec
         self.net = policy_value_network(spec, config.model)
         self.rng = np.random.default_rng(seed)
-        self.gamma = config.learner.gamma
+        self.gamma = config.impala.gamma
         self.T = config.impala.unroll_length
         self.max_unrolls = setup["num_envs"]  # per batch: the learner's limit for this session
         self.weights_version = -1

@@ -129,7 +129,7 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
     also carry the core's state at their first observation (``core_h`` in [-1, 1], ``core_c``)
     and ``done`` (step t ended its episode: the core starts afresh at observation t + 1)."""
     T = config.impala.unroll_length
-    gamma = config.learner.gamma
+    gamma = config.impala.gamma
     horizon = 1 + (min(MAX_RETURN_HORIZON, gamma / (1 - gamma)) if gamma < 1 else MAX_RETURN_HORIZON)
     max_reward = config.transport.max_abs_reward * horizon
     steps = ("unrolls", T)
@@ -175,7 +175,7 @@ def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]
 # The learner core: a bounded queue of unrolls and V-trace updates.
 
 
-class Learner:
+class ImpalaLearner:
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
         torch.manual_seed(config.seed)
         self.config = config
@@ -187,8 +187,8 @@ class Learner:
         self.optimizer = optim.make(
             im.optimizer,
             self.net.parameters(),
-            config.learner.lr,
-            config.learner.adam_eps if adam else im.rmsprop_eps,
+            config.impala.lr,
+            config.impala.adam_eps if adam else im.rmsprop_eps,
             alpha=im.rmsprop_alpha,
             fused=adam,
         )
@@ -313,7 +313,7 @@ class Learner:
             self.optimizer,
             out.loss,
             self.net.parameters(),
-            self.config.learner.grad_clip,
+            self.config.impala.grad_clip,
             [out.loss, out.pg_loss, out.baseline_loss, out.entropy],
             self.all_reduce,
         )
@@ -325,7 +325,7 @@ class Learner:
         if self.all_reduce is None:
             raise RuntimeError("a step without a batch is a learner group's: all_reduce is not set")
         results = step_without_batch(
-            self.optimizer, self.net.parameters(), self.config.learner.grad_clip, 4, self.all_reduce
+            self.optimizer, self.net.parameters(), self.config.impala.grad_clip, 4, self.all_reduce
         )
         return fetch([results], NO_BATCH)
 

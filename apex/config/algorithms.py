@@ -1,0 +1,259 @@
+"""Each algorithm's own settings, one section each (``apex_dqn``, ``impala``): its
+hyperparameters with defaults that stand on their own, so that ``--algo X --env Y`` alone
+gets X's sensible values. The run's other sections (``learner``, ``actor``, ...) hold what
+every algorithm shares."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_CHUNK_TRANSITIONS = 100_000
+MAX_UNROLL_LENGTH = 10_000
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    capacity: int = 100_000
+    """Transitions kept; the oldest are evicted first."""
+    alpha: float = 0.6
+    """Priority exponent: 0 samples uniformly."""
+    beta: float = 0.4
+    """Importance-sampling exponent (fixed, as in Ape-X)."""
+    eps: float = 1e-6
+    """Added to every priority so that no transition becomes unsampleable."""
+    min_size: int = 2_000
+    """Transitions stored before training starts."""
+    samples_per_insert: float = 4.0
+    """Target ratio of sampled to inserted transitions (Reverb's SampleToInsertRatio)."""
+    rate_slack: int = 20_000
+    """How far, in samples, either side may run ahead of that ratio before it waits."""
+    frame_capacity: int | None = None
+    """Frames kept for stacked observations (None: capacity + an eighth + 4096)."""
+
+    def problems(self, batch_size: int) -> list[str]:
+        r = "apex_dqn.replay"
+        return [
+            message
+            for ok, message in (
+                (self.capacity >= 1, f"{r}.capacity must be a positive integer, got {self.capacity}"),
+                (self.alpha >= 0, f"{r}.alpha must be >= 0, got {self.alpha}"),
+                (self.beta >= 0, f"{r}.beta must be >= 0, got {self.beta}"),
+                (self.eps > 0, f"{r}.eps must be > 0, got {self.eps}"),
+                (
+                    1 <= self.min_size <= self.capacity,
+                    f"{r}.min_size must be in 1..{r}.capacity ({self.capacity}), got {self.min_size}",
+                ),
+                (self.samples_per_insert > 0, f"{r}.samples_per_insert must be > 0, got {self.samples_per_insert}"),
+                (
+                    self.rate_slack >= batch_size,
+                    f"{r}.rate_slack must be >= apex_dqn.batch_size ({batch_size}), got {self.rate_slack}",
+                ),
+                (
+                    self.frame_capacity is None or self.frame_capacity >= 1024,
+                    f"{r}.frame_capacity must be >= 1024 or null, got {self.frame_capacity}",
+                ),
+            )
+            if not ok
+        ]
+
+
+@dataclass(frozen=True)
+class ApexDqnConfig:
+    """Ape-X DQN (Horgan et al. 2018): double dueling DQN on n-step returns from a prioritized
+    replay, filled by actors exploring on a ladder of epsilons."""
+
+    batch_size: int = 256
+    """Transitions per update."""
+    lr: float = 2e-3
+    """Adam learning rate."""
+    adam_eps: float = 1.5e-4
+    """Adam epsilon."""
+    gamma: float = 0.99
+    """Discount factor."""
+    n_step: int = 20
+    """Steps in the n-step return (the Ape-X paper: 3; 20 here for CartPole, whose only signal is
+    the episode's end; the presets for other tasks set their own)."""
+    target_update_interval: int = 200
+    """Updates between copies of the online network into the target network."""
+    grad_clip: float = 10.0
+    """Maximum gradient norm."""
+    publish_interval: int = 10
+    """Updates between weight broadcasts to the actors."""
+    weights_update_steps: int = 50
+    """Vector steps of an actor between looks for newer weights (never blocks)."""
+    prefetch_batches: int | None = None
+    """Batches the prefetch thread keeps staged ahead of training; once half are used it
+    samples the missing ones together (one stratified draw, each batch spread over the whole
+    replay) and writes back the priorities of the steps trained since, together. More: less of
+    that thread's work per step, paid in GIL hand-overs to the training thread (on 2 cores,
+    MLP at batch 512: 0.87-0.90 of the update-alone rate with 8, 0.92 with 16, 0.94 with 32,
+    0.95-0.96 with 64), and batches drawn with priorities up to this many steps old. None: as
+    many as 256 MiB of staged batches hold, 2 to 64 (64 for CartPole's batches of 512, 9 for
+    Atari's, 29 MiB each)."""
+    checkpoint_replay: bool = True
+    """Save the replay contents with their priorities in every checkpoint, so that a resumed
+    run does not start from an empty replay."""
+    eps_base: float = 0.4
+    """Exploration ladder: eps = eps_base ** (1 + eps_alpha * u), u in [0, 1] spread over every
+    exploring environment of the actors that join (however many; see docs/running.md,
+    "Exploration")."""
+    eps_alpha: float = 7.0
+    """Exploration ladder exponent."""
+    eps_repeat_mu: float | None = None
+    """Temporally extended exploration (ez-greedy, Dabney et al. 2021): where an exploring
+    environment takes a random action, it repeats it for n ~ zeta(mu) steps (at most 100),
+    so that random play travels instead of dithering (hard exploration such as MinAtar
+    Freeway). null: plain epsilon-greedy (n = 1); 2.0 is the paper's choice. Evaluation
+    environments always play plain epsilon-greedy."""
+    eval_envs: int = 2
+    """Environments per actor set aside to play near-greedily for return_mean_100."""
+    eval_epsilon: float = 0.01
+    """Epsilon of the evaluation environments (at most 0.01)."""
+    chunk_transitions: int = 64
+    """Transitions an environment collects before they are sent (less at episode ends)."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+
+    @property
+    def frame_capacity(self) -> int:
+        """Frames the replay keeps for stacked observations."""
+        if self.replay.frame_capacity is not None:
+            return self.replay.frame_capacity
+        return self.replay.capacity + self.replay.capacity // 8 + 4096
+
+    def problems(self, num_envs: int) -> list[str]:
+        """Every value out of range (``num_envs``: the actor section's, which eval_envs
+        is a part of)."""
+        s = "apex_dqn"
+        eval_hint = (
+            f": with {num_envs} environments per actor also set {s}.eval_envs (e.g. --set {s}.eval_envs=0)"
+            if self.eval_envs > num_envs
+            else ""
+        )
+        checks = (
+            (self.batch_size >= 1, f"{s}.batch_size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"{s}.lr must be > 0, got {self.lr}"),
+            (self.adam_eps > 0, f"{s}.adam_eps must be > 0, got {self.adam_eps}"),
+            (0 <= self.gamma <= 1, f"{s}.gamma must be in [0, 1], got {self.gamma}"),
+            (self.n_step >= 1, f"{s}.n_step must be >= 1, got {self.n_step}"),
+            (
+                self.target_update_interval >= 1,
+                f"{s}.target_update_interval must be >= 1, got {self.target_update_interval}",
+            ),
+            (self.grad_clip > 0, f"{s}.grad_clip must be > 0, got {self.grad_clip}"),
+            (self.publish_interval >= 1, f"{s}.publish_interval must be >= 1, got {self.publish_interval}"),
+            (
+                self.weights_update_steps >= 1,
+                f"{s}.weights_update_steps must be >= 1, got {self.weights_update_steps}",
+            ),
+            (
+                self.prefetch_batches is None or 1 <= self.prefetch_batches <= 64,
+                f"{s}.prefetch_batches must be in 1..64 or null (sized by memory), got {self.prefetch_batches}",
+            ),
+            (0 < self.eps_base <= 1, f"{s}.eps_base must be in (0, 1], got {self.eps_base}"),
+            (self.eps_alpha >= 0, f"{s}.eps_alpha must be >= 0, got {self.eps_alpha}"),
+            (
+                self.eps_repeat_mu is None or 1 < self.eps_repeat_mu < math.inf,
+                f"{s}.eps_repeat_mu must be > 1 (a zeta exponent; 2.0 is the paper's) or null, "
+                f"got {self.eps_repeat_mu}",
+            ),
+            (
+                0 <= self.eval_envs <= num_envs,
+                f"{s}.eval_envs must be in 0..actor.num_envs ({num_envs}), got {self.eval_envs}{eval_hint}",
+            ),
+            (0 <= self.eval_epsilon <= 0.01, f"{s}.eval_epsilon must be in [0, 0.01], got {self.eval_epsilon}"),
+            (
+                1 <= self.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
+                f"{s}.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {self.chunk_transitions}",
+            ),
+        )
+        return [message for ok, message in checks if not ok] + self.replay.problems(self.batch_size)
+
+
+@dataclass(frozen=True)
+class ImpalaConfig:
+    """IMPALA (Espeholt et al. 2018): an actor-critic trained on the actors' unrolls as they
+    come, V-trace correcting for the policy lag. The defaults are those of the small-task
+    presets (a CartPole, a memory task, Acrobot), not the paper's Atari values."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    adam_eps: float = 1.5e-4
+    """Adam epsilon (optimizer: adam)."""
+    gamma: float = 0.99
+    """Discount factor."""
+    grad_clip: float = 40.0
+    """Maximum gradient norm (the paper's 40)."""
+    publish_interval: int = 1
+    """Updates between weight broadcasts to the actors (every update: the fresher the
+    behaviour policy, the less V-trace has to correct)."""
+    weights_update_steps: int = 10
+    """Vector steps of an actor between looks for newer weights (never blocks)."""
+    unroll_length: int = 20
+    """Steps per unroll (T); consecutive unrolls share their bootstrap step."""
+    batch_unrolls: int = 32
+    """Unrolls per update (B)."""
+    queue_size: int = 128
+    """Unrolls the learner holds waiting to be trained on."""
+    queue_policy: str = "block"
+    """When the queue is full: ``block`` (actors wait) or ``drop_oldest`` (counted)."""
+    rho_bar: float = 1.0
+    """V-trace truncation of the importance weights in the value targets and advantages."""
+    c_bar: float = 1.0
+    """V-trace truncation of the traces."""
+    baseline_cost: float = 0.5
+    """Weight of the baseline loss (vs - V)^2 / 2."""
+    entropy_cost: float = 0.01
+    """Weight of the entropy bonus."""
+    optimizer: str = "adam"
+    """``adam`` (what the small-task presets use) or ``rmsprop`` (as in the paper, and the
+    Pong preset)."""
+    rmsprop_alpha: float = 0.99
+    """RMSProp decay."""
+    rmsprop_eps: float = 0.01
+    """RMSProp epsilon (the paper's 0.01)."""
+
+    def problems(self) -> list[str]:
+        """Every value out of range."""
+        s = "impala"
+        checks = (
+            (self.lr > 0, f"{s}.lr must be > 0, got {self.lr}"),
+            (self.adam_eps > 0, f"{s}.adam_eps must be > 0, got {self.adam_eps}"),
+            (0 <= self.gamma <= 1, f"{s}.gamma must be in [0, 1], got {self.gamma}"),
+            (self.grad_clip > 0, f"{s}.grad_clip must be > 0, got {self.grad_clip}"),
+            (self.publish_interval >= 1, f"{s}.publish_interval must be >= 1, got {self.publish_interval}"),
+            (
+                self.weights_update_steps >= 1,
+                f"{s}.weights_update_steps must be >= 1, got {self.weights_update_steps}",
+            ),
+            (
+                1 <= self.unroll_length <= MAX_UNROLL_LENGTH,
+                f"{s}.unroll_length must be in 1..{MAX_UNROLL_LENGTH}, got {self.unroll_length}",
+            ),
+            (self.batch_unrolls >= 1, f"{s}.batch_unrolls must be >= 1, got {self.batch_unrolls}"),
+            (
+                self.queue_size >= self.batch_unrolls,
+                f"{s}.queue_size must be >= {s}.batch_unrolls ({self.batch_unrolls}), got {self.queue_size}",
+            ),
+            (
+                self.queue_policy in ("block", "drop_oldest"),
+                f"{s}.queue_policy must be block or drop_oldest, got {self.queue_policy!r}",
+            ),
+            (
+                self.rho_bar > 0 and self.c_bar > 0,
+                f"{s}.rho_bar and {s}.c_bar must be > 0, got {self.rho_bar}, {self.c_bar}",
+            ),
+            (
+                self.baseline_cost >= 0 and self.entropy_cost >= 0,
+                f"{s}.baseline_cost and {s}.entropy_cost must be >= 0",
+            ),
+            (
+                self.optimizer in ("rmsprop", "adam"),
+                f"{s}.optimizer must be adam or rmsprop, got {self.optimizer!r}",
+            ),
+        )
+        return [message for ok, message in checks if not ok]
+
+
+# Every algorithm's section has lr, gamma, grad_clip, publish_interval and weights_update_steps.
+AlgoConfig = ApexDqnConfig | ImpalaConfig
