@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
-import shlex
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from apex.cli.environment import ENV
-from apex.config import DEFAULT_PORT, port_problem
+from apex.config import DEFAULT_PORT
 from apex.errors import ApexError
 
 if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
@@ -139,93 +135,6 @@ def group_rank(args: argparse.Namespace) -> Rank | None:
     if all(given):
         return Rank.checked(args.rank, args.world_size, args.master)
     return Rank.from_environment()
-
-
-def learner(args: argparse.Namespace) -> int:
-    from apex.checkpoint import has_checkpoint
-    from apex.envs.make import env_spec
-
-    rank = group_rank(args)
-    if args.ranks is not None:
-        if args.ranks < 1:
-            raise ApexError(f"--ranks must be >= 1, got {args.ranks}")
-        if rank is not None:
-            raise ApexError("--ranks starts the whole group: give it without --rank/--world-size/--master")
-    if args.ranks is not None and args.ranks > 1:
-        from apex.run.launch import run_ranks
-
-        port = args.port if args.port is not None else load_config(args, resume_checkpoint(args)).transport.port
-        return run_ranks(args.argv, args.ranks, port)
-    if rank is not None and rank.world_size == 1:
-        rank = None
-
-    if args.auto_resume:
-        if args.resume or not args.logdir:
-            raise ApexError("--auto-resume takes the run directory from --logdir DIR, without --resume")
-        if has_checkpoint(Path(args.logdir)):
-            args.resume = args.logdir
-    resume = resume_checkpoint(args)
-    config = load_config(args, resume)
-    stop = stop_conditions(args)
-    logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
-    env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
-    from apex.learner.process import LearnerProcess
-    from apex.run.launch import stop_args
-
-    # The closing line's "resume with": this command's own addresses, keys and stops.
-    group_args = []
-    if rank is not None:  # the whole group resumes: --ranks N on one host, each rank's own flags on several
-        group_args = (
-            ["--ranks", str(rank.world_size)]
-            if rank.master.startswith("127.0.0.1:")
-            else ["--rank", str(rank.rank), "--world-size", str(rank.world_size), "--master", rank.master]
-        )
-    resume_command = args.resume_command or shlex.join(
-        [
-            "apex",
-            "learner",
-            "--resume",
-            str(logdir),
-            *group_args,
-            *(["--port", str(args.port)] if args.port is not None else []),
-            *(["--bind-host", args.bind_host] if args.bind_host != "127.0.0.1" else []),
-            *(["--curve-dir", args.curve_dir] if args.curve_dir else []),
-            *stop_args(stop),
-        ]
-    )
-    group = None
-    if rank is not None:
-        from apex.learner.runtime import pick_device
-        from apex.training.distributed import LearnerGroup
-        from apex.transport import is_loopback
-
-        base = args.port if args.port is not None else config.transport.port
-        if (problem := port_problem(base + 2 + rank.world_size)) is not None:
-            raise ApexError(f"--port {base} leaves no room for {rank.world_size} ranks: {problem}")
-        # Where actors reach this rank's trajectories: None is the host they reached rank 0 at.
-        host = None if is_loopback(args.bind_host) or args.bind_host in ("0.0.0.0", "::", "*") else args.bind_host
-        group = LearnerGroup(
-            rank,
-            pick_device(config.learner.device),
-            (host, base + 1 if rank.is_leader else base + 2 + rank.rank),
-            config.digest(),
-        )
-        if not rank.is_leader:
-            from apex.learner.follower import FollowerProcess
-
-            code = FollowerProcess(config, logdir, args.bind_host, args.port, group).run()
-            logging.shutdown()
-            os._exit(code)
-    process = LearnerProcess(
-        config, logdir, args.bind_host, args.port, stop, resume=resume, resume_command=resume_command, group=group
-    )
-    code = process.run()
-    # Everything is written and closed by now; tearing down torch's interpreter state takes
-    # ~0.8 s more on two cores, time a container's stop or a supervisor waits for nothing.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def learner_link(args: argparse.Namespace, who: str) -> tuple[str, int, TransportConfig, tuple[str, ...]]:

@@ -8,17 +8,14 @@ ConfigError that lists them all.
 
 from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig, ReplayConfig
 from apex.config.loading import (
-    MOVED_KEYS,
-    MOVED_SECTIONS,
-    RETIRED_KEYS,
     from_dict,
     load,
     load_dict,
     read_yaml,
-    tuned_settings,
 )
+from apex.config.migration import MOVED_KEYS, MOVED_SECTIONS, RETIRED_KEYS
 from apex.config.network import DEFAULT_PORT, ServeConfig, TransportConfig, port_problem
-from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs
+from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs, tuned_settings
 from apex.config.sections import (
     ATARI_PREFIX,
     MAX_ENVS_PER_ACTOR,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 
-from apex.config.presets import presets
+from apex.config.migration import drop_retired, final_algo, move_older_keys, newer_key
+from apex.config.presets import presets, tuned_settings
 from apex.config.sections import Config
 from apex.core import ALGOS
 from apex.errors import ConfigError
@@ -152,139 +153,16 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
     return config
 
 
-def tuned_settings(config: Config) -> dict[str, Any]:
-    """The settings (dotted key -> value) in which ``config`` differs from what ``--algo``
-    and ``--env`` alone give for its algorithm and environment: what a preset tunes for its
-    task. The sections of the other algorithms, and the seed, are left out."""
-    plain = Config(algo=config.algo, env=dataclasses.replace(Config().env, id=config.env.id))
-    others = {name for name in ALGOS if name != config.algo}
-    defaults = _flatten(plain.to_dict())
-    return {
-        key: value
-        for key, value in _flatten(config.to_dict()).items()
-        if key.split(".")[0] not in others and key != "seed" and defaults.get(key) != value
-    }
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("kwargs",):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def load_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Like ``load``, from nested dicts (e.g. the config saved in a checkpoint)."""
     raw = copy.deepcopy(raw)
-    algo = _final_algo(raw, overrides)
+    algo = final_algo(raw, overrides)
     moved: list[str] = []
-    raw = _move_older_keys(raw, algo, moved)  # first, so that an override of either name wins
+    raw = move_older_keys(raw, algo, moved)  # first, so that an override of either name wins
     for override in overrides:
         key, sep, text = override.partition("=")
-        _apply_override(raw, f"{_newer_key(key.strip(), algo, moved)}{sep}{text}" if sep else override)
+        _apply_override(raw, f"{newer_key(key.strip(), algo, moved)}{sep}{text}" if sep else override)
     return _build_config(raw, moved)
-
-
-# Keys that older configs (and the configs saved in their checkpoints) hold and that no
-# longer mean anything: dropped with a warning, so that those runs still load and resume.
-RETIRED_KEYS = {
-    ("actor", "num_actors"): "the exploration ladder now follows the actors that join",
-}
-
-# Keys that older configs hold under another name: each algorithm's settings moved into its
-# own section. They are read as the new key, with one warning naming each; "{algo}" is the
-# section of the config's own algorithm (both algorithms read learner.lr before). A whole
-# "replay" section moves to apex_dqn.replay.
-MOVED_KEYS = {
-    **{
-        ("learner", key): f"apex_dqn.{key}"
-        for key in ("batch_size", "n_step", "target_update_interval", "prefetch_batches", "checkpoint_replay")
-    },
-    **{("learner", key): f"{{algo}}.{key}" for key in ("lr", "adam_eps", "gamma", "grad_clip", "publish_interval")},
-    **{
-        ("actor", key): f"apex_dqn.{key}"
-        for key in ("eps_base", "eps_alpha", "eps_repeat_mu", "eval_envs", "eval_epsilon", "chunk_transitions")
-    },
-    ("actor", "weights_update_steps"): "{algo}.weights_update_steps",
-}
-MOVED_SECTIONS = {"replay": "apex_dqn.replay"}
-
-
-def _final_algo(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> str:
-    """The algorithm the config will have once its overrides apply (the section its moved
-    learner.lr and the like go to)."""
-    algo = raw.get("algo") if isinstance(raw, dict) else None
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if sep and key.strip() == "algo":
-            algo = text.strip()
-    return algo if isinstance(algo, str) and algo in ALGOS else "apex_dqn"
-
-
-def _newer_key(key: str, algo: str, moved: list[str]) -> str:
-    """The key that a (dotted) key of an older config is now; ``key`` itself if not moved."""
-    section, _, rest = key.partition(".")
-    if section in MOVED_SECTIONS:
-        new = f"{MOVED_SECTIONS[section]}.{rest}" if rest else MOVED_SECTIONS[section]
-    elif (section, rest) in MOVED_KEYS:
-        new = MOVED_KEYS[(section, rest)].format(algo=algo)
-    else:
-        return key
-    moved.append(f"{key} -> {new}")
-    return new
-
-
-def _move_older_keys(raw: Any, algo: str, moved: list[str]) -> Any:
-    """``raw`` with the keys of MOVED_KEYS and MOVED_SECTIONS at their new place (``moved``
-    lists each); ConfigError where an older key and its new one are both set, differently."""
-    if not isinstance(raw, dict):
-        return raw  # said by _build
-    raw = dict(raw)
-    for section in [s for s in MOVED_SECTIONS if s in raw]:
-        _put(raw, MOVED_SECTIONS[section], raw.pop(section), section, moved)
-    for (section, key), target in MOVED_KEYS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            old = dict(raw[section])
-            _put(raw, target.format(algo=algo), old.pop(key), f"{section}.{key}", moved)
-            raw[section] = old
-    return raw
-
-
-def _put(raw: dict[str, Any], dotted: str, value: Any, old_name: str, moved: list[str]) -> None:
-    node = raw
-    *sections, key = dotted.split(".")
-    for part in sections:
-        child = node.get(part)
-        child = dict(child) if isinstance(child, dict) else {} if child is None else child
-        if not isinstance(child, dict):
-            return  # the section is a value: _build names it
-        node[part] = child
-        node = child
-    if isinstance(node.get(key), dict) and isinstance(value, dict):
-        clash = [k for k in value if k in node[key] and node[key][k] != value[k]]
-        value = {**value, **node[key]}
-    else:
-        clash = [key] if key in node and node[key] != value else []
-    if clash:
-        raise ConfigError(
-            f"{old_name} (the older name of {dotted}) and {dotted} are both set, to different values: "
-            f"keep {dotted} only"
-        )
-    node[key] = value
-    moved.append(f"{old_name} -> {dotted}")
-
-
-def _drop_retired(raw: Any) -> Any:
-    if not isinstance(raw, dict):
-        return raw  # said by _build
-    for (section, key), why in RETIRED_KEYS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            raw = {**raw, section: {k: v for k, v in raw[section].items() if k != key}}
-            log.warning("ignoring %s.%s (from an older config or checkpoint): %s", section, key, why)
-    return raw
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -295,13 +173,13 @@ def from_dict(raw: dict[str, Any]) -> Config:
 
 def _build_config(raw: Any, moved: list[str]) -> Config:
     algo = raw.get("algo") if isinstance(raw, dict) else None
-    raw = _move_older_keys(raw, algo if isinstance(algo, str) and algo in ALGOS else "apex_dqn", moved)
+    raw = move_older_keys(raw, algo if isinstance(algo, str) and algo in ALGOS else "apex_dqn", moved)
     if moved:
         log.warning(
             "settings under their older names, read as the new ones (write these to silence this): %s",
             ", ".join(dict.fromkeys(moved)),
         )
-    raw = _drop_retired(raw)
+    raw = drop_retired(raw)
     problems: list[str] = []
     config = _build(Config, raw, "", problems)
     if len(problems) == 1:

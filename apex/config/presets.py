@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from apex.config.sections import Config
+from apex.core import ALGOS
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
@@ -92,3 +93,27 @@ def _wrap(text: str, width: int) -> list[str]:
     import textwrap
 
     return textwrap.wrap(text, max(40, width))
+
+
+def tuned_settings(config: Config) -> dict[str, Any]:
+    """The settings (dotted key -> value) in which ``config`` differs from what ``--algo``
+    and ``--env`` alone give for its algorithm and environment: what a preset tunes for its
+    task. The sections of the other algorithms, and the seed, are left out."""
+    plain = Config(algo=config.algo, env=dataclasses.replace(Config().env, id=config.env.id))
+    others = {name for name in ALGOS if name != config.algo}
+    defaults = _flatten(plain.to_dict())
+    return {
+        key: value
+        for key, value in _flatten(config.to_dict()).items()
+        if key.split(".")[0] not in others and key != "seed" and defaults.get(key) != value
+    }
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key not in ("kwargs",):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

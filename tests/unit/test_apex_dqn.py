@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from apex.algos.apex_dqn import actor as apex_dqn_actor
-from apex.algos.apex_dqn import learner as apex_dqn
+from apex.algos.apex_dqn.loss import dqn_loss
 
 
 def reference_transitions(frames, actions, rewards, values, q_taken, final_value, terminated, n, gamma, stack):
@@ -163,7 +163,7 @@ def test_dqn_loss_is_double_dqn_with_importance_weights():
     reward = torch.tensor([1.0, 2.0])
     discount = torch.tensor([0.5, 0.0])
     weights = torch.tensor([1.0, 0.5])
-    out = apex_dqn.dqn_loss(online, target, obs, action, reward, discount, next_obs, weights)
+    out = dqn_loss(online, target, obs, action, reward, discount, next_obs, weights)
     # sample 0: online argmax at state 1 is action 0 -> target Q(1, 0) = 30; y = 1 + 0.5 * 30 = 16
     # sample 1: terminal (discount 0): y = 2
     q = torch.tensor([2.0, 3.0])

@@ -2,8 +2,7 @@
 core. The actor core (the epsilon ladder, n-step chunks with initial priorities) is
 ``apex.algos.apex_dqn.actor``.
 
-``dqn_loss``: double DQN (van Hasselt et al. 2016) with a target network and Huber loss
-weighted by importance-sampling weights; it returns new priorities |td|.
+Its loss is ``apex.algos.apex_dqn.loss.dqn_loss``: double DQN with a target network.
 
 Where defaults differ from the paper (see configs/): a smaller replay and batch, a much
 shorter target-network period and a higher learning rate for CartPole on two cores; the
@@ -16,15 +15,14 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from apex.algos.apex_dqn.actor import merge_chunks
 from apex.algos.apex_dqn.exploration import actor_epsilons
+from apex.algos.apex_dqn.loss import dqn_loss
 from apex.config import Config
 from apex.core import Policy
 from apex.envs.make import EnvSpec
@@ -75,34 +73,6 @@ def batch_limits(num_envs: int, spec: EnvSpec, config: Config) -> dict[str, int]
         "transitions": min(transitions, config.apex_dqn.replay.capacity),
         "frames": min(transitions + chunks * (n + spec.stack), config.apex_dqn.frame_capacity),
     }
-
-
-class LossOutput(NamedTuple):
-    loss: torch.Tensor  # scalar, to minimise
-    priorities: torch.Tensor  # [B] |td|, detached
-    q_mean: torch.Tensor  # scalar, detached
-    td_abs_mean: torch.Tensor  # scalar, detached
-
-
-def dqn_loss(
-    online: nn.Module,
-    target: nn.Module,
-    obs: torch.Tensor,  # [B, *obs_shape]
-    action: torch.Tensor,  # [B] int64
-    reward: torch.Tensor,  # [B] n-step return
-    discount: torch.Tensor,  # [B] gamma^k, 0 where the episode terminated
-    next_obs: torch.Tensor,  # [B, *obs_shape]
-    weights: torch.Tensor,  # [B] importance-sampling weights
-) -> LossOutput:
-    """Double DQN: the online network picks the next action, the target network values it."""
-    q = online(obs).gather(1, action[:, None]).squeeze(1)  # [B]
-    with torch.no_grad():  # separate passes: backward then runs over B rows, not 2B
-        next_action = online(next_obs).argmax(dim=1, keepdim=True)  # [B, 1]
-        next_q = target(next_obs).gather(1, next_action).squeeze(1)  # [B]
-        td_target = reward + discount * next_q
-    td = td_target - q
-    loss = (weights * F.huber_loss(q, td_target, reduction="none")).mean()
-    return LossOutput(loss, td.detach().abs(), q.detach().mean(), td.detach().abs().mean())
 
 
 # ---------------------------------------------------------------------------------------
