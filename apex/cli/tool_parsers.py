@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 from apex.cli import commands as cmd
 from apex.cli.flags import Subcommands, add_allow_import
 
@@ -29,6 +31,13 @@ def add_bench(commands: Subcommands) -> None:
         default=None,
         help="time per measured operation, or per actor count for e2e (default: each benchmark's own)",
     )
+    _add_e2e_options(bench)
+    _add_soak_options(bench)
+    _add_learn_options(bench)
+    bench.set_defaults(handler=cmd.bench)
+
+
+def _add_e2e_options(bench: argparse.ArgumentParser) -> None:
     e2e = bench.add_argument_group("e2e options")
     e2e.add_argument("--algo", choices=["apex_dqn", "impala"], default="apex_dqn", help="algorithm (default: apex_dqn)")
     e2e.add_argument("--env", metavar="ID", help="Gymnasium id (default: the config's, CartPole-v1)")
@@ -47,6 +56,9 @@ def add_bench(commands: Subcommands) -> None:
         help="data-parallel group sizes to measure as well (default: 1, one process; "
         "e.g. 1,2: one process, then two learner processes over torch.distributed)",
     )
+
+
+def _add_soak_options(bench: argparse.ArgumentParser) -> None:
     soak = bench.add_argument_group("soak options (not part of all; --seconds default 600)")
     soak.add_argument(
         "--churn-seconds", type=float, default=10.0, metavar="S", help="mean seconds between actor kills (default: 10)"
@@ -67,6 +79,9 @@ def add_bench(commands: Subcommands) -> None:
         metavar="KEY=VALUE",
         help="override a learner config value, e.g. --set apex_dqn.replay.capacity=50000",
     )
+
+
+def _add_learn_options(bench: argparse.ArgumentParser) -> None:
     learn = bench.add_argument_group("learn options (not part of all; --plot draws the curves)")
     learn.add_argument(
         "--tasks",
@@ -100,7 +115,6 @@ def add_bench(commands: Subcommands) -> None:
         help="keep each run's directory and record here; the same command run again reads the runs "
         "already recorded instead of repeating them (a long bench can be stopped and go on)",
     )
-    bench.set_defaults(handler=cmd.bench)
 
 
 def add_eval(commands: Subcommands) -> None:
