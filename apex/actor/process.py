@@ -19,7 +19,7 @@ from apex.core import ActorSide, EpisodeRecord
 from apex.errors import ProtocolError
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
-from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportConfig
+from apex.transport import ActorConnection, HandshakeRejected, Stopped, TransportConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def run_actor(
     import apex.envs.make  # noqa: F401
 
     with StopSignals() as signals:
-        client = LearnerClient(
+        client = ActorConnection(
             host,
             port,
             actor_index=actor_index,
@@ -90,7 +90,7 @@ def welcome_setup(setup: dict[str, Any], allow_imports: tuple[str, ...], source:
     return config, side
 
 
-def _act(client: LearnerClient, signals: StopSignals, source: str, allow_imports: tuple[str, ...]) -> None:
+def _act(client: ActorConnection, signals: StopSignals, source: str, allow_imports: tuple[str, ...]) -> None:
     """Handshake, then step the algorithm's actor core and send its batches until a stop."""
     setup = client.handshake().fields["setup"]
     config, side = welcome_setup(setup, allow_imports, source)

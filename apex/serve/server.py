@@ -28,7 +28,7 @@ from apex.errors import ApexError, ProtocolError
 from apex.serve.episodes import ExternalEpisodes, RequestError
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
-from apex.transport import HandshakeRejected, LearnerClient, Stopped, TransportConfig, is_loopback
+from apex.transport import ActorConnection, HandshakeRejected, Stopped, TransportConfig, is_loopback
 
 if TYPE_CHECKING:
     import numpy as np
@@ -98,7 +98,7 @@ def check_exposure(options: ServeOptions) -> None:
 class Server:
     """The episodes, the learner connection and what both frontends share."""
 
-    def __init__(self, client: LearnerClient, options: ServeOptions) -> None:
+    def __init__(self, client: ActorConnection, options: ServeOptions) -> None:
         self.client = client
         self.options = options
         if client.welcome is None:
@@ -281,7 +281,7 @@ def _serve_until_stopped(
     stopping: threading.Event,
     signals: StopSignals,
 ) -> int:
-    client = LearnerClient(
+    client = ActorConnection(
         host, port, actor_index=actor_index, num_envs=num_envs or 0, options=transport, should_stop=stopping.is_set
     )
     try:

@@ -29,28 +29,20 @@ XPUB even with manual subscriptions, keep every topic a subscriber sends: measur
 of random 1 KiB subscriptions grew the learner by 48 MB for good).
 """
 
-from apex.config import MAX_ENVS_PER_ACTOR
-from apex.transport.actor_side import LearnerClient
+from apex.config import DEFAULT_PORT, MAX_ENVS_PER_ACTOR, TransportConfig
+from apex.transport.actor_side import ActorConnection
+from apex.transport.errors import HandshakeRejected, LearnerGone, Rejected, Stopped
 from apex.transport.keys import generate_keys, load_keypair, load_public
 from apex.transport.learner_side import LearnerEndpoint
+from apex.transport.ports import Ports, is_loopback
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import Session
-from apex.transport.settings import (
-    DEFAULT_PORT,
-    HandshakeRejected,
-    LearnerGone,
-    Ports,
-    Rejected,
-    Stopped,
-    TransportConfig,
-    is_loopback,
-)
 
 __all__ = [
     "DEFAULT_PORT",
     "MAX_ENVS_PER_ACTOR",
+    "ActorConnection",
     "HandshakeRejected",
-    "LearnerClient",
     "LearnerEndpoint",
     "LearnerGone",
     "Ports",

@@ -1,4 +1,4 @@
-"""LearnerClient: an actor's (or `apex serve`'s) connection to the learner."""
+"""ActorConnection: an actor's (or `apex serve`'s) connection to the learner."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from typing import Any
 import numpy as np
 import zmq
 
+from apex.config import TransportConfig
 from apex.errors import ApexError, ProtocolError
 from apex.system.logs import RateLimitedLog
+from apex.transport.errors import HandshakeRejected, LearnerGone, Stopped
 from apex.transport.keys import load_keypair, load_learner_public
-from apex.transport.settings import MAX_HOST_CHARS, HandshakeRejected, LearnerGone, Ports, Stopped, TransportConfig
+from apex.transport.ports import MAX_HOST_CHARS, Ports
 from apex.wire import protocol
 from apex.wire.protocol import Message
 
@@ -30,7 +32,7 @@ BACKOFF_FIRST_S = 0.25  # hello retries wait this long at first, doubling up to 
 BACKOFF_MAX_S = 5.0
 
 
-class LearnerClient:
+class ActorConnection:
     """An actor's connection to the learner: handshake, batches, weights, heartbeats.
 
     Call ``tick()`` from the actor loop every few milliseconds or more: it sends heartbeats,

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from apex.config import MAX_ENVS_PER_ACTOR
+from apex.transport.errors import Rejected
+from apex.transport.ports import MAX_HOST_CHARS
 from apex.transport.sessions import RejectCounter, Session, Sessions, SessionSigner
-from apex.transport.settings import MAX_HOST_CHARS, Rejected
 from apex.wire.protocol import Message
 
 log = logging.getLogger("apex.transport")

@@ -17,10 +17,12 @@ import numpy as np
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from apex.config import TransportConfig
 from apex.errors import ProtocolError
 from apex.system.logs import RateLimitedLog
 from apex.transport.handshake import Handshake, Refusal
 from apex.transport.learner_sockets import bind_socket, close_sockets, start_curve
+from apex.transport.ports import Ports
 from apex.transport.receiver import TrajectoryReceiver
 from apex.transport.sessions import (
     HelloLimiter,
@@ -30,7 +32,6 @@ from apex.transport.sessions import (
     SignedSessions,
     peer_address,
 )
-from apex.transport.settings import Ports, TransportConfig
 from apex.wire import protocol
 from apex.wire.protocol import Message
 

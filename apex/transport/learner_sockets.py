@@ -12,7 +12,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from apex.errors import ApexError
 from apex.transport.keys import load_keypair
-from apex.transport.settings import Ports
+from apex.transport.ports import Ports
 
 
 def bind_socket(

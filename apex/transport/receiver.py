@@ -7,10 +7,10 @@ import time
 
 import zmq
 
+from apex.config import TransportConfig
 from apex.errors import ProtocolError, RejectedMessage
 from apex.system.logs import RateLimitedLog
 from apex.transport.sessions import BatchSessions, RejectCounter, peer_address
-from apex.transport.settings import TransportConfig
 from apex.wire import protocol
 from apex.wire.protocol import Message
 

@@ -7,12 +7,12 @@ import numpy as np
 
 from apex import algos
 from apex import config as config_module
-from apex.transport import LearnerClient, TransportConfig
+from apex.transport import ActorConnection, TransportConfig
 
 OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
 
 
-def honest_batch(client: LearnerClient) -> dict:
+def honest_batch(client: ActorConnection) -> dict:
     """The first batch an actor of this run would send (the run's own config and spec). The
     peer's session is kept alive meanwhile, as an actor's is: on a loaded machine making the
     environments took longer than the learner's heartbeat timeout, and the session was gone."""

@@ -33,7 +33,7 @@ import zmq
 
 from apex import config as config_module
 from apex.bench.transport import free_base_port, free_port
-from apex.transport import LearnerClient, generate_keys
+from apex.transport import ActorConnection, generate_keys
 from apex.wire import protocol
 from tests.support.peers import OPTIONS, honest_batch
 from tests.support.processes import processes_mentioning, wait_for
@@ -141,15 +141,15 @@ class Run:
                 proc.wait()
         return self.learner.returncode
 
-    def session(self, **kwargs) -> LearnerClient:
+    def session(self, **kwargs) -> ActorConnection:
         """A hostile peer with a real session: it said hello like any actor."""
-        client = LearnerClient("127.0.0.1", self.port, num_envs=4, options=OPTIONS, **kwargs)
+        client = ActorConnection("127.0.0.1", self.port, num_envs=4, options=OPTIONS, **kwargs)
         self.peers = [*getattr(self, "peers", []), client]
         client.handshake(timeout_s=20)
         return client
 
 
-def send(client: LearnerClient, batch: dict, info: dict | None = None) -> None:
+def send(client: ActorConnection, batch: dict, info: dict | None = None) -> None:
     client.tick()
     assert client.send_batch(batch, weights_version=0, info=info or {}, timeout_s=20)
 
@@ -164,7 +164,7 @@ def checkpoint_is_finite(logdir: Path) -> str:
     return newest.stem
 
 
-def trains_on_with_finite_weights(run: Run, peer: LearnerClient) -> str:
+def trains_on_with_finite_weights(run: Run, peer: ActorConnection) -> str:
     """After hostile input: the learner still updates, publishes finite weights and exits 0
     with a finite checkpoint, whose name this returns."""
     run.wait_updating()
@@ -499,7 +499,7 @@ def test_actors_adopt_a_new_learners_weights_whatever_their_version():
 
     port = free_base_port()
     first = Learner(port, options=OPTIONS)
-    client = LearnerClient("127.0.0.1", port, options=OPTIONS)
+    client = ActorConnection("127.0.0.1", port, options=OPTIONS)
     taken = []
 
     def holds(version):
@@ -660,7 +660,7 @@ def test_batches_need_a_live_session_once_each_and_an_index_cannot_be_taken(apex
     # A peer saying hello as actor 0 every 200 ms cannot take the honest actor's index.
     actor_log = apex_run.tmp / "actor-apex_dqn-0.log"
     handshakes = actor_log.read_text().count("handshake") + actor_log.read_text().count("reconnecting")
-    thief = LearnerClient("127.0.0.1", apex_run.port, actor_index=0, num_envs=4, options=OPTIONS)
+    thief = ActorConnection("127.0.0.1", apex_run.port, actor_index=0, num_envs=4, options=OPTIONS)
     answers = []
     for _ in range(10):
         thief._send_control("hello", {"actor_index": 0, "num_envs": 4, "host": "thief", "pid": 1})

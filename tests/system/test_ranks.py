@@ -265,9 +265,9 @@ def test_a_follower_rank_refuses_hostile_batches_counts_them_and_trains_on(tmp_p
 
 
 def test_an_actor_ignores_a_malformed_trajectories_address_in_its_welcome():
-    from apex.transport import LearnerClient
+    from apex.transport import ActorConnection
 
-    client = LearnerClient("127.0.0.1", 6000)
+    client = ActorConnection("127.0.0.1", 6000)
     try:
         default = ("127.0.0.1", 6001)
         assert client._route_of(None) == default
@@ -301,10 +301,10 @@ def last_row(logdir) -> dict:
 def peer(port: int, **kwargs):
     """A hostile peer with a real session: it says hello like any actor (and keeps its
     session alive by ticking, as a live actor would)."""
-    from apex.transport import LearnerClient
+    from apex.transport import ActorConnection
     from tests.support.peers import OPTIONS
 
-    client = LearnerClient("127.0.0.1", port, num_envs=4, options=OPTIONS, **kwargs)
+    client = ActorConnection("127.0.0.1", port, num_envs=4, options=OPTIONS, **kwargs)
     client.handshake(timeout_s=60)
     return client
 

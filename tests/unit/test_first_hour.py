@@ -14,7 +14,7 @@ from apex import config as config_module
 from apex.algos.apex_dqn import exploration
 from apex.bench.transport import free_base_port
 from apex.cli import build_parser, load_config
-from apex.transport import LearnerClient, LearnerEndpoint, TransportConfig
+from apex.transport import ActorConnection, LearnerEndpoint, TransportConfig
 
 FAST = TransportConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
 PATIENT = TransportConfig(heartbeat_interval_s=1.0, heartbeat_timeout_s=10.0)  # for clients that do not tick
@@ -84,7 +84,7 @@ class Endpoint:
 
 def test_actors_started_before_the_learner_are_each_answered_once(caplog):
     port = free_base_port()
-    clients = [LearnerClient("127.0.0.1", port, options=PATIENT) for _ in range(3)]
+    clients = [ActorConnection("127.0.0.1", port, options=PATIENT) for _ in range(3)]
     welcomes: list = [None] * 3
 
     def handshake(i: int) -> None:
@@ -114,7 +114,7 @@ def test_actors_started_before_the_learner_are_each_answered_once(caplog):
 def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
     port = free_base_port()
     endpoint = Endpoint(port)
-    clients = [LearnerClient("127.0.0.1", port, options=FAST) for _ in range(6)]
+    clients = [ActorConnection("127.0.0.1", port, options=FAST) for _ in range(6)]
     try:
         welcomes = [c.handshake(timeout_s=10) for c in clients]
         epsilons = {w.fields["actor_index"]: w.fields["setup"]["epsilons"][:3] for w in welcomes}
@@ -129,7 +129,7 @@ def test_more_actors_than_ever_configured_explore_with_distinct_epsilons():
             for c in clients[:2] + clients[3:]:
                 c.tick()
             time.sleep(0.05)
-        clients[2] = LearnerClient("127.0.0.1", port, options=FAST)
+        clients[2] = ActorConnection("127.0.0.1", port, options=FAST)
         newcomer = clients[2].handshake(timeout_s=10)
         assert newcomer.fields["actor_index"] == gone
         assert newcomer.fields["setup"]["epsilons"][:3] == epsilons[gone]

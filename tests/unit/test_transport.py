@@ -14,8 +14,8 @@ import zmq
 from apex.bench import transport as bench_transport
 from apex.bench.transport import free_base_port
 from apex.transport import (
+    ActorConnection,
     HandshakeRejected,
-    LearnerClient,
     LearnerEndpoint,
     Rejected,
     TransportConfig,
@@ -37,9 +37,9 @@ def learner(port):
     learner.close()
 
 
-def make_client(port, **kwargs) -> LearnerClient:
+def make_client(port, **kwargs) -> ActorConnection:
     kwargs.setdefault("options", FAST)
-    return LearnerClient("127.0.0.1", port, **kwargs)
+    return ActorConnection("127.0.0.1", port, **kwargs)
 
 
 def wait_for(predicate, timeout=5.0, tick=None):
