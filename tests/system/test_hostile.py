@@ -995,6 +995,9 @@ def test_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
         run.wait_rejected("out_of_range", before + sent)
         assert loaded >= 0.5 * unloaded, (loaded, unloaded)
         assert run.row()["skipped_updates"] == 0
+        # It would go silent while apex serve starts (seconds under load) and be dropped as a
+        # silent session: the last check takes a fresh one.
+        peer.close()
 
         serve_port = free_port()
         served = start(
@@ -1018,7 +1021,7 @@ def test_finite_poison_is_refused_by_the_learner_and_by_apex_serve(tmp_path):
         assert status == 400 and "over 1e+06 in size" in json.dumps(reply), reply
         assert http_json(serve_port, "POST", action, {"observation": [0.0, 0.5, 0.0, 0.0]})[0] == 200
         assert http_json(serve_port, "GET", "/v1/health")[1]["rejected_by_reason"].get("observation") == 1
-        trains_on_with_finite_weights(run, peer)
+        trains_on_with_finite_weights(run, run.session())
     finally:
         if served is not None:
             served.terminate()
