@@ -6,7 +6,8 @@ threshold (None if the time limit came first), the start-up (command to the lear
 update), both from the learner's wall-clock times in summary.json; env steps at the stop,
 final and best return_mean_100, and env steps/s and updates/s. It prints one table with the
 medians over seeds and the references, and can plot return against wall time and against
-env steps with the threshold drawn.
+env steps with the threshold drawn. The tasks, their thresholds and references are in
+``apex.bench.learn_tasks``.
 """
 
 from __future__ import annotations
@@ -18,99 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+from apex.bench.learn_tasks import ALGOS, PRESET_SUFFIX, TASKS
 from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
-
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Task:
-    env_id: str
-    thresholds: dict[str, float]  # by algorithm (those it runs): the return_mean_100 that counts as learned
-    target_s: dict[str, float | None]  # by algorithm: issue 15's goal for the time to it (None: report only)
-    minutes: float  # time limit per run unless --minutes
-    reference: str  # a published figure to compare with, and its source
-
-
-def _both(value: T) -> dict[str, T]:
-    return {"apex_dqn": value, "impala": value}
-
-
-# MinAtar's DQN at 5M frames, read off the learning curves of kenjyoung/MinAtar's README
-# (img/learning_curves.gif: "DQN", replay and a target network, 30 runs, the mean over 100
-# training episodes at epsilon 0.1, v0's six actions) by measuring the plot at 5M frames.
-MINATAR_DQN = {"breakout": 10.0, "spaceinvaders": 43.0, "asterix": 17.0, "freeway": 50.0, "seaquest": 20.0}
-MINATAR_IDS = {
-    "breakout": "Breakout",
-    "spaceinvaders": "SpaceInvaders",
-    "asterix": "Asterix",
-    "freeway": "Freeway",
-    "seaquest": "Seaquest",
-}
-
-TASKS = {
-    "cartpole": Task(
-        "CartPole-v1",
-        _both(475.0),
-        {"apex_dqn": 12.0, "impala": 8.0},
-        2.0,
-        "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)",
-    ),
-    "acrobot": Task(
-        "Acrobot-v1",
-        {"apex_dqn": -75.0, "impala": -100.0},
-        {"apex_dqn": 30.0, "impala": 60.0},
-        2.0,
-        "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k",
-    ),
-    "mountaincar": Task(
-        "MountainCar-v0",
-        _both(-110.0),
-        {"apex_dqn": 60.0, "impala": None},
-        5.0,
-        "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k",
-    ),
-    "lunarlander": Task(
-        "LunarLander-v3",
-        _both(200.0),
-        _both(300.0),
-        5.0,
-        "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)",
-    ),
-    # Continuous actions: IMPALA only (a Gaussian policy); issue 18's targets.
-    "pendulum": Task(
-        "Pendulum-v1",
-        {"impala": -250.0},
-        {"impala": 300.0},
-        5.0,
-        "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)",
-    ),
-    "lunarlandercontinuous": Task(
-        "LunarLanderContinuous-v3",
-        {"impala": 200.0},
-        {"impala": 900.0},
-        15.0,
-        "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
-    ),
-    **{
-        f"minatar_{game}": Task(
-            f"MinAtar/{MINATAR_IDS[game]}-v1",
-            _both(score),
-            _both(1200.0),
-            20.0,
-            f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)",
-        )
-        for game, score in MINATAR_DQN.items()
-    },
-}
-ALGOS = ("apex_dqn", "impala")
-PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala"}
 
 
 def parse_list(text: str | None, known: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -139,6 +54,36 @@ def run(
     With ``runs_dir`` each run's directory and record (``<task>-<algo>-<seed>.json``) stay
     there, and a run already recorded with the same time limit is read back, not run again:
     a bench of hours can be stopped (Ctrl-C, a reboot) and the same command goes on."""
+    names, algo_names, limit_s = _checked(tasks, algos, seeds, minutes, seconds)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="apex-learn-") as tmp:
+        base = Path(runs_dir) if runs_dir else Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            for algo in (a for a in algo_names if a in TASKS[name].thresholds):  # continuous tasks: IMPALA only
+                for seed in range(seeds):
+                    task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
+                    runs.append(_recorded_or_run(name, algo, seed, task_limit_s, base, keep=runs_dir is not None))
+    summary = _summarise(runs)
+    _print_summary(summary, seeds, limit_s)
+    if plot:
+        _plot(runs, plot)
+        print(f"wrote {plot}")
+    return {
+        "limit_s": limit_s,
+        "seeds": seeds,
+        "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def _checked(
+    tasks: str | None, algos: str | None, seeds: int, minutes: float | None, seconds: float | None
+) -> tuple[tuple[str, ...], tuple[str, ...], float | None]:
+    """The tasks and algorithms asked for (all when None), each task with one of them at
+    least, and the time limit for all runs (None: each task's own); raises ApexError on a
+    bad option."""
     names = parse_list(tasks, tuple(TASKS), "tasks")
     algo_names = parse_list(algos, ALGOS, "algos")
     if seeds < 1:
@@ -152,16 +97,10 @@ def run(
     limit_s = seconds if seconds is not None else None if minutes is None else minutes * 60
     if limit_s is not None and limit_s <= 0:
         raise ApexError(f"--minutes must be positive, got {minutes}")
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="apex-learn-") as tmp:
-        base = Path(runs_dir) if runs_dir else Path(tmp)
-        base.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            for algo in (a for a in algo_names if a in TASKS[name].thresholds):  # continuous tasks: IMPALA only
-                for seed in range(seeds):
-                    task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
-                    runs.append(_recorded_or_run(name, algo, seed, task_limit_s, base, keep=runs_dir is not None))
-    summary = _summarise(runs)
+    return names, algo_names, limit_s
+
+
+def _print_summary(summary: list[dict[str, Any]], seeds: int, limit_s: float | None) -> None:
     limits = f"{limit_s:g} s" if limit_s is not None else "each task's own time limit"
     print_table(
         f"learn: median over {seeds} seed(s), {limits} at most per run, 2 actors, times from the command's start",
@@ -204,16 +143,6 @@ def run(
             for s in summary
         ],
     )
-    if plot:
-        _plot(runs, plot)
-        print(f"wrote {plot}")
-    return {
-        "limit_s": limit_s,
-        "seeds": seeds,
-        "runs_wall_s": round(sum(r["wall_s"] for r in runs), 1),
-        "summary": summary,
-        "runs": runs,
-    }
 
 
 def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path, keep: bool) -> dict[str, Any]:

@@ -53,80 +53,19 @@ def run(
 ) -> dict[str, Any]:
     """Runs the soak; returns the RSS series and the verdict (``passed``, ``problems``)."""
     config = config_module.load(None, [f"learner.checkpoint_interval_s={checkpoint_s}", *overrides])
-    rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="apex-soak-") as tmp:
         run_dir = Path(logdir) if logdir else Path(tmp) / "run"
         run_dir.mkdir(parents=True, exist_ok=True)
-        config_file = run_dir / "soak-config.yaml"
-        config.save(config_file)
-        port = free_base_port()
-        log = open(run_dir / "soak-processes.log", "ab")  # noqa: SIM115 - the child writes it all its life
-        learner = spawn_apex(
-            [
-                "learner",
-                "--config",
-                str(config_file),
-                "--logdir",
-                str(run_dir),
-                "--bind-host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--stop-seconds",
-                str(seconds),
-                "--set",
-                "learner.metrics_interval_s=1",
-            ],
-            log,
-        )
-        actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--config", str(config_file)]
-        procs = [spawn_apex(actor_args, log) for _ in range(actors)]
-        started = [*procs]
-        samples, kills = [], 0
-        start = time.monotonic()
-        next_churn = start + rng.uniform(0.5, 1.5) * churn_s
+        soak = _Soak(config, run_dir, seconds, actors, random.Random(seed))
         try:
-            while learner.poll() is None:
-                now = time.monotonic()
-                row = _last_metrics(run_dir / "metrics.jsonl") or {}
-                rss = memory_mb(learner.pid, "VmRSS")
-                if rss is not None:
-                    samples.append(
-                        {
-                            "t": round(now - start, 1),
-                            "rss_mb": round(rss, 1),
-                            "replay_size": row.get("replay_size", 0),
-                            "actors_connected": row.get("actors_connected", 0),
-                            "learner_updates": row.get("learner_updates", 0),
-                        }
-                    )
-                # No churn in the last seconds: every actor is connected when the learner
-                # stops, and each must then exit by itself.
-                if now >= next_churn and now - start < seconds - 15:
-                    victim = rng.randrange(actors)
-                    procs[victim].send_signal(signal.SIGTERM if rng.random() < 0.2 else signal.SIGKILL)
-                    procs[victim].wait()
-                    procs[victim] = spawn_apex(actor_args, log)
-                    started.append(procs[victim])
-                    kills += 1
-                    next_churn = now + rng.uniform(0.5, 1.5) * churn_s
-                time.sleep(1.0)
-            # The learner told its actors to stop; they must be gone shortly after.
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(0.2)
-            leftover = [p.pid for p in started if p.poll() is None]
-            ps = subprocess.run(["pgrep", "-f", str(config_file)], capture_output=True, text=True).stdout.split()
-            leftover += [int(pid) for pid in ps if int(pid) not in leftover]  # grandchildren, if any
+            soak.churn(churn_s)
+            leftover = soak.leftovers()
         finally:
-            for p in [learner, *started]:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            log.close()
+            soak.kill()
         summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
 
     capacity = config.apex_dqn.replay.capacity
+    samples = soak.samples
     full_at = next((s["t"] for s in samples if s["replay_size"] >= capacity), None)
     after = [s["rss_mb"] for s in samples if full_at is not None and s["t"] >= full_at]
     variation = 100 * (max(after) - min(after)) / (sum(after) / len(after)) if after else None
@@ -136,8 +75,8 @@ def run(
         "churn_s": churn_s,
         "checkpoint_s": checkpoint_s,
         "replay_capacity": capacity,
-        "actor_kills": kills,
-        "learner_exit": learner.returncode,
+        "actor_kills": soak.kills,
+        "learner_exit": soak.learner.returncode,
         "replay_full_at_s": full_at,
         "rss_mb_after_full": {"min": min(after), "max": max(after), "mean": round(sum(after) / len(after), 1)}
         if after
@@ -150,8 +89,116 @@ def run(
         "learner_updates": summary.get("learner_updates"),
         "samples": samples,
     }
+    _print_table(result, after)
+    if plot:
+        _plot(samples, full_at, plot)
+        print(f"wrote {plot}")
+    problems = _problems(soak.learner.returncode, variation, capacity, leftover)
+    result["passed"] = not problems
+    result["problems"] = problems
+    return result
+
+
+class _Soak:
+    """The learner and the churning actors of one soak, and the learner's memory over time."""
+
+    def __init__(
+        self, config: config_module.Config, run_dir: Path, seconds: float, actors: int, rng: random.Random
+    ) -> None:
+        """Starts the learner (to stop by itself after ``seconds``) and ``actors`` actors."""
+        self.run_dir = run_dir
+        self.seconds = seconds
+        self.rng = rng
+        self.config_file = run_dir / "soak-config.yaml"
+        config.save(self.config_file)
+        port = free_base_port()
+        self.log = open(run_dir / "soak-processes.log", "ab")  # noqa: SIM115 - the child writes it all its life
+        self.learner = spawn_apex(
+            [
+                "learner",
+                "--config",
+                str(self.config_file),
+                "--logdir",
+                str(run_dir),
+                "--bind-host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--stop-seconds",
+                str(seconds),
+                "--set",
+                "learner.metrics_interval_s=1",
+            ],
+            self.log,
+        )
+        self.actor_args = ["actor", "--learner", f"127.0.0.1:{port}", "--config", str(self.config_file)]
+        self.procs = [spawn_apex(self.actor_args, self.log) for _ in range(actors)]
+        self.started = [*self.procs]
+        self.samples: list[dict[str, Any]] = []
+        self.kills = 0
+
+    def churn(self, churn_s: float) -> None:
+        """Until the learner stops: samples its memory every second and replaces an actor at
+        random intervals of mean ``churn_s``."""
+        start = time.monotonic()
+        next_churn = start + self.rng.uniform(0.5, 1.5) * churn_s
+        while self.learner.poll() is None:
+            now = time.monotonic()
+            self._sample(now - start)
+            # No churn in the last seconds: every actor is connected when the learner
+            # stops, and each must then exit by itself.
+            if now >= next_churn and now - start < self.seconds - 15:
+                self._replace_an_actor()
+                next_churn = now + self.rng.uniform(0.5, 1.5) * churn_s
+            time.sleep(1.0)
+
+    def _sample(self, elapsed: float) -> None:
+        row = _last_metrics(self.run_dir / "metrics.jsonl") or {}
+        rss = memory_mb(self.learner.pid, "VmRSS")
+        if rss is not None:
+            self.samples.append(
+                {
+                    "t": round(elapsed, 1),
+                    "rss_mb": round(rss, 1),
+                    "replay_size": row.get("replay_size", 0),
+                    "actors_connected": row.get("actors_connected", 0),
+                    "learner_updates": row.get("learner_updates", 0),
+                }
+            )
+
+    def _replace_an_actor(self) -> None:
+        """Kills an actor (SIGKILL, or now and then SIGTERM) and starts a new one in its place."""
+        victim = self.rng.randrange(len(self.procs))
+        self.procs[victim].send_signal(signal.SIGTERM if self.rng.random() < 0.2 else signal.SIGKILL)
+        self.procs[victim].wait()
+        self.procs[victim] = spawn_apex(self.actor_args, self.log)
+        self.started.append(self.procs[victim])
+        self.kills += 1
+
+    def leftovers(self) -> list[int]:
+        """The pids of the processes still running shortly after the learner stopped."""
+        # The learner told its actors to stop; they must be gone shortly after.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.2)
+        leftover = [p.pid for p in self.started if p.poll() is None]
+        ps = subprocess.run(["pgrep", "-f", str(self.config_file)], capture_output=True, text=True).stdout.split()
+        leftover += [int(pid) for pid in ps if int(pid) not in leftover]  # grandchildren, if any
+        return leftover
+
+    def kill(self) -> None:
+        """Kills what is still running."""
+        for p in [self.learner, *self.started]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.log.close()
+
+
+def _print_table(result: dict[str, Any], after: list[float]) -> None:
     print_table(
-        f"soak: CartPole Ape-X learner, {actors} actors killed and restarted every ~{churn_s:g} s, {seconds:g} s",
+        f"soak: CartPole Ape-X learner, {result['actors']} actors killed and restarted every "
+        f"~{result['churn_s']:g} s, {result['seconds']:g} s",
         [
             "actor kills",
             "replay full at s",
@@ -163,31 +210,29 @@ def run(
         ],
         [
             [
-                kills,
-                full_at,
+                result["actor_kills"],
+                result["replay_full_at_s"],
                 "-" if not after else f"{min(after):.1f} / {sum(after) / len(after):.1f} / {max(after):.1f}",
                 result["rss_variation_percent"],
                 result["checkpoints_written"],
-                learner.returncode,
-                len(leftover),
+                result["learner_exit"],
+                len(result["leftover_pids"]),
             ]
         ],
     )
-    if plot:
-        _plot(samples, full_at, plot)
-        print(f"wrote {plot}")
+
+
+def _problems(learner_exit: int | None, variation: float | None, capacity: int, leftover: list[int]) -> list[str]:
     problems = []
-    if learner.returncode != 0:
-        problems.append(f"the learner exited with {learner.returncode}")
+    if learner_exit != 0:
+        problems.append(f"the learner exited with {learner_exit}")
     if variation is None:
         problems.append(f"the replay never filled ({capacity} transitions): run longer")
     elif variation >= RSS_LIMIT_PERCENT:
         problems.append(f"learner RSS varied by {variation:.1f}% after the replay filled (limit {RSS_LIMIT_PERCENT}%)")
     if leftover:
         problems.append(f"processes left behind: {leftover}")
-    result["passed"] = not problems
-    result["problems"] = problems
-    return result
+    return problems
 
 
 def _plot(samples: list[dict[str, Any]], full_at: float | None, path: str) -> None:

@@ -1,0 +1,94 @@
+"""The tasks of `apex bench learn` (``apex.bench.learn``): each one's environment, the
+return that counts as learned and the time it should take, by algorithm, its time limit,
+and the published figure it is compared with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Task:
+    env_id: str
+    thresholds: dict[str, float]  # by algorithm (those it runs): the return_mean_100 that counts as learned
+    target_s: dict[str, float | None]  # by algorithm: issue 15's goal for the time to it (None: report only)
+    minutes: float  # time limit per run unless --minutes
+    reference: str  # a published figure to compare with, and its source
+
+
+def _both(value: T) -> dict[str, T]:
+    return {"apex_dqn": value, "impala": value}
+
+
+# MinAtar's DQN at 5M frames, read off the learning curves of kenjyoung/MinAtar's README
+# (img/learning_curves.gif: "DQN", replay and a target network, 30 runs, the mean over 100
+# training episodes at epsilon 0.1, v0's six actions) by measuring the plot at 5M frames.
+MINATAR_DQN = {"breakout": 10.0, "spaceinvaders": 43.0, "asterix": 17.0, "freeway": 50.0, "seaquest": 20.0}
+MINATAR_IDS = {
+    "breakout": "Breakout",
+    "spaceinvaders": "SpaceInvaders",
+    "asterix": "Asterix",
+    "freeway": "Freeway",
+    "seaquest": "Seaquest",
+}
+
+TASKS = {
+    "cartpole": Task(
+        "CartPole-v1",
+        _both(475.0),
+        {"apex_dqn": 12.0, "impala": 8.0},
+        2.0,
+        "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)",
+    ),
+    "acrobot": Task(
+        "Acrobot-v1",
+        {"apex_dqn": -75.0, "impala": -100.0},
+        {"apex_dqn": 30.0, "impala": 60.0},
+        2.0,
+        "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k",
+    ),
+    "mountaincar": Task(
+        "MountainCar-v0",
+        _both(-110.0),
+        {"apex_dqn": 60.0, "impala": None},
+        5.0,
+        "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k",
+    ),
+    "lunarlander": Task(
+        "LunarLander-v3",
+        _both(200.0),
+        _both(300.0),
+        5.0,
+        "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)",
+    ),
+    # Continuous actions: IMPALA only (a Gaussian policy); issue 18's targets.
+    "pendulum": Task(
+        "Pendulum-v1",
+        {"impala": -250.0},
+        {"impala": 300.0},
+        5.0,
+        "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)",
+    ),
+    "lunarlandercontinuous": Task(
+        "LunarLanderContinuous-v3",
+        {"impala": 200.0},
+        {"impala": 900.0},
+        15.0,
+        "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
+    ),
+    **{
+        f"minatar_{game}": Task(
+            f"MinAtar/{MINATAR_IDS[game]}-v1",
+            _both(score),
+            _both(1200.0),
+            20.0,
+            f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)",
+        )
+        for game, score in MINATAR_DQN.items()
+    },
+}
+ALGOS = ("apex_dqn", "impala")
+PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala"}
