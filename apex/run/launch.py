@@ -113,6 +113,29 @@ def run(
     logdir.mkdir(parents=True, exist_ok=True)
     config_file = logdir / "config.yaml"
     config.save(config_file)
+    learner_args = _learner_args(config_file, logdir, port, stop, actors, learner_restarts, ranks)
+    # The run's config file is each actor's own: it may import what that names, and nothing
+    # else a welcome may name (whoever holds the port answers their hellos: apex.config.trust).
+    actor_args = [
+        ["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
+        for i in range(actors)
+    ]
+    supervisor = _Supervisor(learner_args, actor_args, logdir, resume, learner_restarts)
+    with StopSignals() as signals:
+        try:
+            while (code := supervisor.tick(signals)) is None:
+                if on_tick is not None:
+                    on_tick()
+                time.sleep(_SUPERVISE_S)
+            return code
+        finally:
+            supervisor.stop()
+
+
+def _learner_args(
+    config_file: Path, logdir: Path, port: int, stop: StopConditions, actors: int, learner_restarts: int, ranks: int
+) -> list[str]:
+    """`apex learner`'s arguments, with the command that resumes the whole run."""
     resume_command = shlex.join(
         [
             "apex",
@@ -127,7 +150,7 @@ def run(
             *(["--ranks", str(ranks)] if ranks > 1 else []),
         ]
     )
-    learner_args = [
+    return [
         "learner",
         "--config",
         str(config_file),
@@ -143,85 +166,104 @@ def run(
         *(["--ranks", str(ranks)] if ranks > 1 else []),
     ]
 
-    def resumable() -> bool:
-        return resume or has_checkpoint(logdir)
 
-    def start_learner() -> subprocess.Popen[bytes]:
-        return _spawn([*learner_args, *(["--resume", str(logdir)] if resumable() else [])])
+class _Supervisor:
+    """The learner and the actors of a run: restarts those that die (after a delay that grows
+    while they keep dying) and passes signals on to the learner."""
 
-    learner = start_learner()
-    learner_started = time.monotonic()
-    # The run's config file is each actor's own: it may import what that names, and nothing
-    # else a welcome may name (whoever holds the port answers their hellos: apex.config.trust).
-    actor_args = [
-        ["actor", "--learner", f"127.0.0.1:{port}", "--actor-index", str(i), "--config", str(config_file)]
-        for i in range(actors)
-    ]
-    # Actors start with the learner, not once it listens: they import and make their
-    # environments while it imports torch (vector actors never do), and their hellos wait
-    # in ZeroMQ's queue. Configuration errors were caught before this (the parent checks the
-    # environment and the ports), so a learner that fails now is rare and stops them all.
-    procs = [_spawn(args) for args in actor_args]
-    restarts = [0] * actors
-    restart_at = [0.0] * actors
-    learner_restarted = 0
-    learner_restart_at = 0.0
-    forwarded = False  # a signal was passed on to the learner: its exit is the run's end
-    with StopSignals() as signals:
-        try:
-            while True:
-                now = time.monotonic()
-                if learner_restart_at == 0.0 and (signum := signals.take()) is not None:
-                    learner.send_signal(signum)  # the learner stops its actors and exits
-                    forwarded = True
-                if learner_restart_at == 0.0 and learner.poll() is not None:
-                    code = learner.returncode
-                    if now - learner_started > _HEALTHY_S:
-                        learner_restarted = 0  # a crash hours into a run is not a crash loop
-                    if code in _FINAL_EXITS or forwarded or learner_restarted >= learner_restarts:
-                        return code
-                    delay = min(_RESTART_MAX_S, _LEARNER_RESTART_FIRST_S * 2**learner_restarted)
-                    log.warning(
-                        "learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
-                        code,
-                        " from its newest checkpoint" if resumable() else "",
-                        delay,
-                        learner_restarted + 1,
-                        learner_restarts,
-                    )
-                    learner_restart_at = now + delay
-                elif learner_restart_at and (now >= learner_restart_at or signals.received):
-                    if signals.received:  # interrupted while the learner was down
-                        return signals.exit_code()
-                    learner = start_learner()
-                    learner_started = time.monotonic()
-                    learner_restarted += 1
-                    learner_restart_at = 0.0
-                for i, proc in enumerate(procs):
-                    if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
-                        continue
-                    if restart_at[i] == 0.0:
-                        delay = min(_RESTART_MAX_S, _ACTOR_RESTART_FIRST_S * 2 ** restarts[i])
-                        log.warning("actor %d exited with %s; restarting in %.1fs", i, proc.returncode, delay)
-                        restart_at[i] = now + delay
-                    elif now >= restart_at[i]:
-                        procs[i] = _spawn(actor_args[i])
-                        restarts[i] += 1
-                        restart_at[i] = 0.0
-                if on_tick is not None:
-                    on_tick()
-                time.sleep(_SUPERVISE_S)
-        finally:
-            for proc in [learner, *procs]:
-                if proc.poll() is None:
-                    proc.terminate()
-            deadline = time.monotonic() + 30  # a learner writes its last checkpoint (with the replay)
-            for proc in [learner, *procs]:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    def __init__(
+        self, learner_args: list[str], actor_args: list[list[str]], logdir: Path, resume: bool, learner_restarts: int
+    ) -> None:
+        """Starts the learner and the actors."""
+        self.learner_args = learner_args
+        self.actor_args = actor_args
+        self.logdir = logdir
+        self.resume = resume
+        self.learner_restarts = learner_restarts  # the most in a row
+        self.learner = self._start_learner()
+        self.learner_started = time.monotonic()
+        # Actors start with the learner, not once it listens: they import and make their
+        # environments while it imports torch (vector actors never do), and their hellos wait
+        # in ZeroMQ's queue. Configuration errors were caught before this (the parent checks the
+        # environment and the ports), so a learner that fails now is rare and stops them all.
+        self.actors = [_spawn(args) for args in actor_args]
+        self.actor_restarts = [0] * len(actor_args)
+        self.actor_restart_at = [0.0] * len(actor_args)
+        self.learner_restarted = 0
+        self.learner_restart_at = 0.0
+        self.forwarded = False  # a signal was passed on to the learner: its exit is the run's end
+
+    def _resumable(self) -> bool:
+        return self.resume or has_checkpoint(self.logdir)
+
+    def _start_learner(self) -> subprocess.Popen[bytes]:
+        return _spawn([*self.learner_args, *(["--resume", str(self.logdir)] if self._resumable() else [])])
+
+    def tick(self, signals: StopSignals) -> int | None:
+        """Looks at every process once; the run's exit code once the learner has stopped for good."""
+        now = time.monotonic()
+        code = self._watch_learner(signals, now)
+        if code is None:
+            self._watch_actors(now)
+        return code
+
+    def _watch_learner(self, signals: StopSignals, now: float) -> int | None:
+        """Passes a signal on to the learner; restarts it once a delay after it died, or returns
+        its exit code when it stopped for good."""
+        if self.learner_restart_at == 0.0 and (signum := signals.take()) is not None:
+            self.learner.send_signal(signum)  # the learner stops its actors and exits
+            self.forwarded = True
+        if self.learner_restart_at == 0.0 and self.learner.poll() is not None:
+            code = self.learner.returncode
+            if now - self.learner_started > _HEALTHY_S:
+                self.learner_restarted = 0  # a crash hours into a run is not a crash loop
+            if code in _FINAL_EXITS or self.forwarded or self.learner_restarted >= self.learner_restarts:
+                return code
+            delay = min(_RESTART_MAX_S, _LEARNER_RESTART_FIRST_S * 2**self.learner_restarted)
+            log.warning(
+                "learner exited with %s; restarting it%s in %.0fs (restart %d of at most %d)",
+                code,
+                " from its newest checkpoint" if self._resumable() else "",
+                delay,
+                self.learner_restarted + 1,
+                self.learner_restarts,
+            )
+            self.learner_restart_at = now + delay
+        elif self.learner_restart_at and (now >= self.learner_restart_at or signals.received):
+            if signals.received:  # interrupted while the learner was down
+                return signals.exit_code()
+            self.learner = self._start_learner()
+            self.learner_started = time.monotonic()
+            self.learner_restarted += 1
+            self.learner_restart_at = 0.0
+        return None
+
+    def _watch_actors(self, now: float) -> None:
+        """Restarts each actor that died, once its own delay is over."""
+        for i, proc in enumerate(self.actors):
+            if proc.poll() is None or proc.returncode == 0:  # 0: it was told to stop
+                continue
+            if self.actor_restart_at[i] == 0.0:
+                delay = min(_RESTART_MAX_S, _ACTOR_RESTART_FIRST_S * 2 ** self.actor_restarts[i])
+                log.warning("actor %d exited with %s; restarting in %.1fs", i, proc.returncode, delay)
+                self.actor_restart_at[i] = now + delay
+            elif now >= self.actor_restart_at[i]:
+                self.actors[i] = _spawn(self.actor_args[i])
+                self.actor_restarts[i] += 1
+                self.actor_restart_at[i] = 0.0
+
+    def stop(self) -> None:
+        """Terminates what still runs; kills what has not exited 30 s later."""
+        for proc in [self.learner, *self.actors]:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 30  # a learner writes its last checkpoint (with the replay)
+        for proc in [self.learner, *self.actors]:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 # A learner group's ranks that outlive a rank that died get this long to stop by themselves
