@@ -130,17 +130,17 @@ def test_bench_learn_runs_dir_reruns_a_retuned_preset_and_names_a_broken_record(
     learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
     record = tmp_path / "cartpole-apex_dqn-0.json"
     saved = json.loads(record.read_text())
-    saved["config"]["learner"]["lr"] *= 2  # as if recorded with another preset
+    saved["config"]["apex_dqn"]["lr"] *= 2  # as if recorded with another preset
     record.write_text(json.dumps(saved))
     learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
     assert len(calls) == 2
     # a key added to the config since (here: dropped from the record) at its default: the same run
     saved = json.loads(record.read_text())
-    del saved["config"]["actor"]["eps_repeat_mu"]
+    del saved["config"]["apex_dqn"]["eps_repeat_mu"]
     record.write_text(json.dumps(saved))
     learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
     assert len(calls) == 2
-    saved["config"]["actor"]["eps_repeat_mu"] = 2.0  # but not at another value
+    saved["config"]["apex_dqn"]["eps_repeat_mu"] = 2.0  # but not at another value
     record.write_text(json.dumps(saved))
     learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
     assert len(calls) == 3

@@ -47,3 +47,26 @@ def test_the_seam_imports_nothing_else_of_apex_at_run_time():
 
 def test_every_algorithm_named_by_the_seam_is_registered_and_no_other():
     assert tuple(algos.REGISTRY) == core.ALGOS
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_module_is_over_400_lines_and_no_function_over_80():
+    """Where a module or a function grows past these, it holds more than one concern: split it
+    (issue 31). Lines as `wc -l` counts them; a function from its def to its last line."""
+    import ast
+
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        if (lines := text.count("\n")) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.end_lineno is None:
+                continue
+            if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)
