@@ -1,8 +1,8 @@
-"""How a learner's loop takes its steps, and when it stops, publishes, writes metrics and
-checkpoints (``Clocks``): alone
-(``SoloPace``: one step a loop when a batch is staged, the rest at once), or in step with the
-other ranks of a data-parallel group (``GroupPace``: one collective a loop agrees on how many
-steps every rank takes and whether to stop, checkpoint or sync)."""
+"""How a learner's loop takes its steps and when it stops and checkpoints: alone (``SoloPace``:
+one step a loop when a batch is staged), or in step with the other ranks of a data-parallel
+group (``GroupPace``: one collective a loop agrees on how many steps every rank takes and
+whether to stop, checkpoint or sync); and when it publishes, writes metrics and checkpoints
+(``Clocks``)."""
 
 from __future__ import annotations
 

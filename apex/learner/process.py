@@ -241,10 +241,10 @@ class LearnerProcess:
         if not steps:
             self.runtime.wait_for_work(lambda wake_fd: self.endpoint.wait(int(IDLE_WAIT_S * 1000), wake_fd))
             self.times.add("idle", time.perf_counter() - started)
-            return
-        self.pace.train(steps)
-        self.times.steps += steps
-        self.times.add("train", time.perf_counter() - started)
+        else:
+            self.pace.train(steps)
+            self.times.steps += steps
+            self.times.add("train", time.perf_counter() - started)
         for step_metrics in self.runtime.pipeline.results():
             self._last = step_metrics or self._last  # {}: the update was skipped as non-finite
         if self.first_update_unix_s is None and self.learner.updates:
