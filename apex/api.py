@@ -4,6 +4,9 @@
 Python process), so an environment must be importable there: registered by a module named
 in ``env.imports`` or by the ``module`` of ``env.id: module:Id``. One registered only in the
 calling process (a notebook cell) is refused before anything starts, saying so.
+
+What each function needs (the launcher, checkpoints, torch for a policy) is imported inside
+it: ``import apex`` stays light, and a script that only loads a config never imports torch.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ def run(
     for learner. Raises ApexError (after writing the
     report) if a benchmark that checks something (the soak) failed.
     """
+    # (bench imports this package to name its choices: what running them needs, only when they run)
     from apex.bench.timing import machine_info
     from apex.system.malloc import keep_large_blocks
 

@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from apex.wire import protocol
+
 CONTROL_PEERS = 2
 TRAJECTORY_PEERS = 10
 HELLO, CONTROL_GARBAGE, TRAJECTORY_GARBAGE = "hello", "control_garbage", "trajectory_garbage"
@@ -23,8 +25,6 @@ def header_start(msg_type: str, noise: bytes) -> bytes:
 
     import msgpack
 
-    from apex.wire import protocol
-
     start: bytes = msgpack.packb({"v": protocol.PROTOCOL, "type": msg_type, "x": 0})[:-3]  # without the entry "x"
     return protocol.MAGIC + struct.pack("<I", len(start) + len(noise)) + start + noise
 
@@ -33,8 +33,6 @@ def _control_garbage(rng: random.Random) -> list[list[bytes]]:
     """Random frames, frames that start like a header, and hellos whose fields are out of
     range or of the wrong type: all under the control port's frame size limit."""
     import msgpack
-
-    from apex.wire import protocol
 
     good = {"actor_index": None, "num_envs": 1, "host": "flood", "pid": 1}
     hello = protocol.encode("hello", good)
@@ -70,8 +68,6 @@ def _trajectory_garbage(rng: random.Random) -> list[list[bytes]]:
     """Random frames, and well-formed CartPole-sized batches (64 transitions) of made-up sessions."""
     import numpy as np
 
-    from apex.wire import protocol
-
     n = 64
     arrays: dict[str, np.ndarray] = {
         "frames": np.zeros((n + 6, 4), np.float32),
@@ -103,8 +99,6 @@ def _flooder_main(argv: list[str]) -> int:
     """Floods the learner at port ``argv[0]`` with the kinds that follow, until SIGTERM;
     prints ``ready`` once connected and, at the end, what it sent as one JSON line."""
     import zmq
-
-    from apex.wire import protocol
 
     port, kinds = int(argv[0]), argv[1:]
     stopping = []

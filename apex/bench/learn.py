@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from apex import config as config_module
 from apex.bench.learn_tasks import ALGOS, PRESET_SUFFIX, TASKS
 from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
@@ -151,8 +152,6 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
     does not count), else a new run (recorded there when
     ``keep``). The record is written whole, then renamed, so a stop mid-write leaves no half
     record to be read back."""
-    from apex import config as config_module
-
     name = f"{task}-{algo}-{seed}"
     config = config_module.load(f"{task}_{PRESET_SUFFIX[algo]}").to_dict()
     record = base / f"{name}.json"
@@ -180,8 +179,6 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
 def _resolved(recorded: object) -> dict[str, Any] | None:
     """A record's config with every key the record predates at its default (a key added
     since, at its default, leaves a run as it was), or None if it no longer loads."""
-    from apex import config as config_module
-
     if not isinstance(recorded, dict):
         return None
     try:

@@ -181,6 +181,7 @@ def _rank_main(
 ) -> None:
     """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
     for ``steps`` steps after a warm-up; reports (steps, seconds, ms per step by section)."""
+    # torch.distributed only in the ranks' processes (its import costs the one-process run a second)
     from apex.training.distributed import GradientAllReduce, init_group, leave_group
     from apex.training.rank import Rank
 

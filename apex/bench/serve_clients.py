@@ -184,6 +184,7 @@ def play_batched(
 
 
 def _batched(mode: str, port: int, concurrency: int, seconds: float, load: Load) -> None:
+    # (a client process of its own: it imports what it plays with, not the benchmark's torch)
     from apex.client import HttpPolicyClient, PolicyClient
 
     client_type = PolicyClient if mode == "zmq_batched" else HttpPolicyClient

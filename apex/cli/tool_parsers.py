@@ -9,7 +9,7 @@ from apex.cli.flags import Subcommands, add_allow_import
 
 
 def add_bench(commands: Subcommands) -> None:
-    from apex.bench import BENCHMARKS
+    from apex.bench import BENCHMARKS  # (the names only: each benchmark's module is imported when it runs)
 
     bench = commands.add_parser(
         "bench",

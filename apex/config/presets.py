@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from apex.config import algorithms, network, sections
 from apex.config.sections import Config
 from apex.core import ALGOS
 
@@ -46,8 +47,6 @@ def setting_docs() -> dict[tuple[str, str], str]:
     """(class name, field) -> the docstring written under that field in the config's modules."""
     import ast
     import inspect
-
-    from apex.config import algorithms, network, sections
 
     docs = {}
     nodes = [node for module in (sections, algorithms, network) for node in ast.parse(inspect.getsource(module)).body]

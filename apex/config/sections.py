@@ -16,6 +16,7 @@ from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig
 from apex.config.network import ServeConfig, TransportConfig
 from apex.core import ALGOS
 from apex.errors import ConfigError
+from apex.system.files import write_atomic
 
 ATARI_PREFIX = "ALE/"  # ids of the Arcade Learning Environment
 
@@ -300,8 +301,6 @@ class Config:
     def save(self, path: Path) -> Path:
         """Writes the config as YAML that ``load`` reads back (for child processes); never
         through a link planted at ``path``."""
-        from apex.system.files import write_atomic
-
         text = yaml.safe_dump(self.to_dict(), sort_keys=False).encode()
         write_atomic(Path(path), lambda f: f.write(text))
         return Path(path)

@@ -107,7 +107,7 @@ class Server:
         self.config, side = welcome_setup(
             setup, options.allow_imports, f"the welcome of the learner at {client.host}:{client.ports.control}"
         )
-        from apex.envs.make import env_spaces
+        from apex.envs.make import env_spaces  # gymnasium and the env's modules: once the welcome is checked
 
         spec, low, high = env_spaces(self.config.env, self.config.algo)
         actor = side.episode_core(self.config, setup, spec, setup["seed"])
@@ -313,6 +313,7 @@ def _serve_until_stopped(
 
 
 async def _serve(server: Server, stopping: threading.Event) -> None:
+    # The frontends import server (their Server): imported here, once both modules exist.
     from apex.serve import http_frontend as serve_http
     from apex.serve import zmq_frontend as serve_zmq
 

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from apex.errors import ApexError
 from apex.serve.episodes import RequestError
+from apex.transport import load_keypair
 
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
@@ -61,8 +62,6 @@ def _curve(context: zmq.asyncio.Context, sock: zmq.asyncio.Socket, curve_dir: st
     from pathlib import Path
 
     from zmq.auth.thread import ThreadAuthenticator
-
-    from apex.transport import load_keypair
 
     directory = Path(curve_dir)
     clients = directory / "serve-clients"

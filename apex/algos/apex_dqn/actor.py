@@ -23,6 +23,7 @@ from apex.config import Config
 from apex.envs.make import FrameStacker, VectorEnv
 from apex.nets.numpy_nets import q_network
 from apex.wire.protocol import Message
+from apex.wire.schema import episode_record
 
 if TYPE_CHECKING:
     from apex.core import EpisodeRecord
@@ -317,8 +318,6 @@ class ApexDqnEpisodeActor:
         return actions
 
     def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
-        from apex.wire.schema import episode_record
-
         cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
         final_values = dict(zip(cut, self.net(obs[cut]).max(axis=1))) if cut else {}
         for i, episode in enumerate(episodes):

@@ -23,6 +23,7 @@ from apex.errors import ConfigError
 from apex.nets.gaussian import LOG_2PI
 from apex.nets.numpy_nets import log_probs, policy_value_network
 from apex.wire.protocol import Message
+from apex.wire.schema import episode_record
 
 if TYPE_CHECKING:
     from apex.core import EpisodeRecord
@@ -250,8 +251,6 @@ class ImpalaEpisodeActor:
         return actions
 
     def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
-        from apex.wire.schema import episode_record
-
         cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
         final_values = dict(zip(cut, self.net(obs[cut])[1])) if cut else {}
         for i, episode in enumerate(episodes):
