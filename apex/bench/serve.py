@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from apex.bench.serve_clients import measure, play_batched
-from apex.bench.serve_learning import learn_table, time_to_475
+from apex.bench.serve_learning import learn_table, start_server, time_to_475
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
@@ -53,7 +53,7 @@ def _throughput(seconds: float) -> list[dict[str, Any]]:
         port, front = free_base_port(), free_base_port()
         log = Path(tmp) / "serve.log"
         learner = _ingesting_learner(port, Path(tmp))
-        server = _server(port, front, log)
+        server = start_server(port, front, log, "--max-episodes", "4096")
         try:
             _wait_up(front, server, log)
             for mode in MODES:
@@ -96,28 +96,6 @@ def _ingesting_learner(port: int, tmp: Path) -> subprocess.Popen[bytes]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(tmp / "learner.log", "w"),  # not closed here: the child writes it all its life
-    )
-
-
-def _server(port: int, front: int, log: Path) -> subprocess.Popen[bytes]:
-    """`apex serve` for the learner on ``port``: HTTP on ``front``, ZeroMQ on ``front + 1``."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "apex",
-            "serve",
-            "--learner",
-            f"127.0.0.1:{port}",
-            "--http",
-            f"127.0.0.1:{front}",
-            "--zmq",
-            str(front + 1),
-            "--max-episodes",
-            "4096",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "w"),  # not closed here: the child writes it all its life
     )
 
 

@@ -106,7 +106,7 @@ def _run_served(
     try:
         for i in range(servers):
             front = free_base_port()
-            others.append(_start_server(port, front, workdir / f"{name}-serve{i}.log"))
+            others.append(start_server(port, front, workdir / f"{name}-serve{i}.log"))
             address = f"127.0.0.1:{front + 1 if transport == 'zmq' else front}"
             others.append(_start_client(transport, address, envs, limit_s + 60, seed * servers + i))
         learner.wait(timeout=limit_s + 120)
@@ -121,8 +121,9 @@ def _run_served(
                 process.wait()
 
 
-def _start_server(port: int, front: int, log: Path) -> subprocess.Popen[bytes]:
-    """`apex serve` for the learner on ``port``: HTTP on ``front``, ZeroMQ on ``front + 1``."""
+def start_server(port: int, front: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """`apex serve` for the learner on ``port``: HTTP on ``front``, ZeroMQ on ``front + 1``
+    (``extra``: more of its flags)."""
     return subprocess.Popen(
         [
             sys.executable,
@@ -135,6 +136,7 @@ def _start_server(port: int, front: int, log: Path) -> subprocess.Popen[bytes]:
             f"127.0.0.1:{front}",
             "--zmq",
             str(front + 1),
+            *extra,
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(log, "w"),  # not closed here: the child writes it all its life
