@@ -38,11 +38,11 @@ TAIL_READ_BYTES = 16 << 20
 _PROBE = """
 import json, sys
 from apex import config
-from apex.envs.make import env_spec
+from apex.envs.policy_map import check_env
 from apex.errors import ApexError
 try:
     cfg = config.from_dict(json.load(sys.stdin))
-    env_spec(cfg.env, cfg.algo)
+    check_env(cfg)
 except ApexError as e:
     sys.exit(str(e))
 """
@@ -105,7 +105,7 @@ def train(
     make, or taken ports; and if the learner fails (KeyboardInterrupt if it was interrupted).
     """
     from apex.checkpoint import best_and_newest
-    from apex.envs.make import env_spec
+    from apex.envs.policy_map import check_env
     from apex.run import launch
 
     if actors < 1:
@@ -115,7 +115,7 @@ def train(
         raise ApexError("apex.train needs a stop condition: stop_return, stop_seconds or stop_env_steps")
     stop.validate()
     cfg = _resolve(config, overrides)
-    env_spec(cfg.env, cfg.algo)  # here first: the error names the problem without a process started
+    check_env(cfg)  # here first: the error names the problem without a process started
     _check_in_fresh_process(cfg)
     run_dir = Path(logdir) if logdir is not None else launch.default_logdir(cfg)
     tail = _MetricsTail(run_dir / "metrics.jsonl", on_metrics) if on_metrics is not None else None

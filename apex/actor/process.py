@@ -15,8 +15,10 @@ from typing import Any
 from apex import algos
 from apex.config import MAX_ENVS_PER_ACTOR, Config
 from apex.config.trust import from_elsewhere
-from apex.core import ActorSide, EpisodeRecord
+from apex.core import ActorCore, ActorSide, EpisodeRecord
+from apex.envs.multi_agent import is_multi_agent
 from apex.errors import ProtocolError
+from apex.multiagent.actor import MultiAgentActor
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
 from apex.transport import ActorConnection, HandshakeRejected, Stopped, TransportConfig
@@ -85,7 +87,8 @@ def welcome_setup(setup: dict[str, Any], allow_imports: tuple[str, ...], source:
         raise ProtocolError(f"{source} is malformed: setup.seed must be in 0..2**63-1, got {setup['seed']}")
     config = from_elsewhere(setup["config"], allow_imports, source)
     side = algos.get(config.algo).actor()
-    if (problem := side.setup_problem(setup)) is not None:
+    # A multi-agent setup has a part a policy, which MultiAgentActor checks.
+    if not is_multi_agent(config.env) and (problem := side.setup_problem(setup)) is not None:
         raise ProtocolError(f"{source} is malformed: {problem}")
     return config, side
 
@@ -96,7 +99,11 @@ def _act(client: ActorConnection, signals: StopSignals, source: str, allow_impor
     config, side = welcome_setup(setup, allow_imports, source)
     # Heartbeats go on while the environments are made (16 Atari ones take ~5 s, the
     # learner's heartbeat timeout): otherwise it drops the actor and it must join again.
-    core = side.core(config, setup, setup["seed"], tick=client.tick)
+    core: ActorCore = (
+        MultiAgentActor(config, setup, setup["seed"], tick=client.tick)
+        if is_multi_agent(config.env)
+        else side.core(config, setup, setup["seed"], tick=client.tick)
+    )
     try:
         log.info("actor %d: %d envs of %s (%s)", client.actor_index, core.num_envs, config.env.id, config.algo)
         bad_weights = RateLimitedLog(log, interval_s=10.0)
@@ -121,7 +128,7 @@ def _act(client: ActorConnection, signals: StopSignals, source: str, allow_impor
             episodes += finished
             if batch is not None:
                 # Env steps are not reported: the learner counts them from the batch itself.
-                if not client.send_batch(batch, weights_version=core.weights_version, info={"episodes": episodes}):
+                if not client.send_batch(batch, weights_version=core.weights_version, info=core.batch_info(episodes)):
                     break  # a stop arrived while waiting to send
                 episodes, sent = [], True
     finally:

@@ -83,22 +83,46 @@ def check_state(state: Any, source: str) -> dict[str, Any]:
             f"{show(state['updates'])}, {show(state['env_steps'])}, {show(state['time'])}"
         )
     _check_episode_stats(state["episode_stats"], source)
+    policy_stats = state.get("policy_episode_stats", {})
+    if not isinstance(policy_stats, dict):
+        raise CorruptCheckpoint(f"{source}: 'policy_episode_stats' must map policy names to episode stats")
+    for stats in policy_stats.values():
+        _check_episode_stats(stats if isinstance(stats, dict) else {}, source)
     _check_optional(state, source)
     algo = state["config"].get("algo", _DEFAULT_ALGO)
     if not isinstance(algo, str) or algo not in REGISTRY:
         raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(REGISTRY)}")
     seen: set[int] = set()
     budget = [MAX_STATE_NODES]  # for all the state_dicts: they may share
-    for key in REGISTRY[algo].state_keys:
+    policies = state.get("policies")
+    if policies is None:
+        _check_networks(state, REGISTRY[algo].state_keys, algo, "", source, seen, budget)
+        return state
+    if not (isinstance(policies, dict) and policies and all(isinstance(k, str) for k in policies)):
+        raise CorruptCheckpoint(f"{source}: 'policies' must map policy names to their learners' state_dicts")
+    for name, part in policies.items():
+        if not isinstance(part, dict):
+            raise CorruptCheckpoint(f"{source}: policies.{show(name)} is not a learner's state_dict")
+        _check_networks(part, REGISTRY[algo].state_keys, algo, f"policies.{name}.", source, seen, budget)
+    return state
+
+
+def _check_networks(
+    state: dict[str, Any], keys: tuple[str, ...], algo: str, prefix: str, source: str, seen: set[int], budget: list[int]
+) -> None:
+    """CorruptCheckpoint unless each of ``keys`` is a state_dict of finite tensors."""
+    for key in keys:
         if not isinstance(state.get(key), dict):
-            raise CorruptCheckpoint(f"{source} lacks {key!r}, which every {algo} checkpoint holds (a state_dict)")
+            raise CorruptCheckpoint(
+                f"{source} lacks {prefix}{key!r}, which every {algo} checkpoint holds (a state_dict)"
+            )
         try:
-            where = _not_finite(state[key], key, seen, budget)
+            where = _not_finite(state[key], f"{prefix}{key}", seen, budget)
         except RecursionError:
-            raise CorruptCheckpoint(f"{source}: {key!r} is nested too deep for a state_dict") from None
+            raise CorruptCheckpoint(f"{source}: {prefix}{key!r} is nested too deep for a state_dict") from None
         except _TooLarge:
             raise CorruptCheckpoint(
-                f"{source}: the state_dicts up to {key!r} hold more than {MAX_STATE_NODES} "
+                f"{source}: the state_dicts up to {prefix}{key!r} hold more than {MAX_STATE_NODES} "
                 "values, which no learner's do (a forged file?)"
             ) from None
         if where is not None:
@@ -106,7 +130,6 @@ def check_state(state: Any, source: str) -> dict[str, Any]:
                 f"{source}: {where} holds NaN or infinity (the learner never writes such a "
                 "checkpoint: a damaged or forged file)"
             )
-    return state
 
 
 class _TooLarge(Exception):

@@ -162,7 +162,12 @@ def learner_link(args: argparse.Namespace, who: str) -> tuple[str, int, Transpor
                 "algorithm come from the learner (set them there, e.g. apex learner --set ...)"
             )
     local = load_config(args, shorthands=False)
-    return host, port, local.transport, allowed_imports(args.allow_imports, local.env)
+    return (
+        host,
+        port,
+        local.transport,
+        allowed_imports(args.allow_imports, local.env, local.multi_agent.mapping_function),
+    )
 
 
 def actor(args: argparse.Namespace) -> int:
@@ -236,9 +241,9 @@ def run(args: argparse.Namespace) -> int:
     logdir = resume.logdir if resume else run_logdir(args, config)
     port = args.port if args.port is not None else config.transport.port
     # A wrong env id fails here, in a second, not in every child process after its imports.
-    from apex.envs.make import env_spec
+    from apex.envs.policy_map import check_env
 
-    env_spec(config.env, config.algo)
+    check_env(config)
     return launch.run(
         config,
         args.actors,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
 def learner(args: argparse.Namespace) -> int:
     """`apex learner`: a whole group (--ranks N), one rank of one, or a learner alone."""
     from apex.checkpoint import has_checkpoint
-    from apex.envs.make import env_spec
+    from apex.envs.policy_map import check_env
 
     rank = group_rank(args)
     if args.ranks is not None:
@@ -49,7 +49,7 @@ def learner(args: argparse.Namespace) -> int:
     config = load_config(args, resume)
     stop = stop_conditions(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
-    env_spec(config.env, config.algo)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
+    check_env(config)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
     from apex.learner.process import LearnerProcess
 
     group = _join_group(args, config, rank, logdir) if rank is not None else None

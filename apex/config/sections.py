@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig
+from apex.config.multi_agent import MultiAgentConfig
 from apex.config.network import ServeConfig, TransportConfig
 from apex.core import ALGOS
 from apex.errors import ConfigError
@@ -264,6 +265,7 @@ class Config:
     impala: ImpalaConfig = field(default_factory=ImpalaConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
 
     @property
     def algo_config(self) -> AlgoConfig:
@@ -284,6 +286,7 @@ class Config:
             *self.impala.problems(),
             *self.transport.problems(),
             *self.serve.problems(),
+            *self.multi_agent.problems(),
         ]
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

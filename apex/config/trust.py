@@ -17,6 +17,7 @@ named by the config and need no allowance.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -25,6 +26,8 @@ from apex.config.sections import Config, EnvConfig
 from apex.errors import ConfigError
 
 ALLOW_IMPORTS_ENV = "APEX_ALLOW_IMPORTS"
+PETTINGZOO_FAMILY = re.compile(r"pettingzoo\.(atari|butterfly|classic|mpe|sisl)")
+PETTINGZOO_ENV = re.compile(r"[a-z][a-z0-9_]*_v[0-9]+")
 
 
 def split_path(path: str) -> tuple[str, str]:
@@ -36,16 +39,27 @@ def split_path(path: str) -> tuple[str, str]:
     return module, attr
 
 
-def named_modules(env: EnvConfig) -> list[tuple[str, str]]:
+def named_modules(env: EnvConfig, mapping_function: str | None = None) -> list[tuple[str, str]]:
     """(the key that names it, the module) for every module that making ``env``'s
-    environments imports because the config says so, in the order they are imported."""
+    environments imports because the config says so, in the order they are imported, and
+    the module of a multi_agent.mapping function."""
     named = [(f"env.imports[{i}]", module) for i, module in enumerate(env.imports)]
-    if ":" in env.id:
+    if ":" in env.id and not is_pettingzoo_env_id(env.id):
         named.append(("env.id", env.id.partition(":")[0]))
     for i, item in enumerate(env.wrappers):
         path = item if isinstance(item, str) else item.get("type", "") if isinstance(item, dict) else ""
         named.append((f"env.wrappers[{i}] {path!r}", split_path(path)[0]))
+    if mapping_function is not None:
+        named.append(("multi_agent.mapping", split_path(mapping_function)[0]))
     return named
+
+
+def is_pettingzoo_env_id(env_id: str) -> bool:
+    """Whether ``env_id`` names one of PettingZoo's own environments (``pettingzoo.classic:
+    tictactoe_v3``): a module of the installed package whose ``env()``/``parallel_env()`` are
+    all that is called, so it needs no allowance, like a Gymnasium id."""
+    module, _, name = env_id.partition(":")
+    return bool(PETTINGZOO_FAMILY.fullmatch(module) and PETTINGZOO_ENV.fullmatch(name))
 
 
 def is_allowed(module: str, allowed: Collection[str]) -> bool:
@@ -54,7 +68,9 @@ def is_allowed(module: str, allowed: Collection[str]) -> bool:
     return any(".".join(parts[:n]) in allowed for n in range(1, len(parts) + 1))
 
 
-def allowed_imports(flags: Iterable[str] = (), local: EnvConfig | None = None) -> tuple[str, ...]:
+def allowed_imports(
+    flags: Iterable[str] = (), local: EnvConfig | None = None, local_mapping: str | None = None
+) -> tuple[str, ...]:
     """What this side allows a config from elsewhere to import: ``--allow-import`` flags,
     ``APEX_ALLOW_IMPORTS``, and the local config's env.allow_imports and the modules it names
     itself (it is this side's own: `apex run` hands its actors the run's config file); never
@@ -71,14 +87,15 @@ def allowed_imports(flags: Iterable[str] = (), local: EnvConfig | None = None) -
             raise ConfigError(f"{where} {name!r} is not a module name (give one such as mypackage.envs)")
         if name:
             names.append(name)
-    names += [module for _, module in (named_modules(local) if local else ())]
+    names += [module for _, module in (named_modules(local, local_mapping) if local else ())]
     return tuple(dict.fromkeys(names))
 
 
-def check_imports(env: EnvConfig, allowed: Collection[str], source: str) -> None:
-    """ConfigError (one line) naming the first module that ``env``, a config from ``source``,
-    would import and that ``allowed`` does not allow."""
-    for key, module in named_modules(env):
+def check_imports(env: EnvConfig, allowed: Collection[str], source: str, mapping_function: str | None = None) -> None:
+    """ConfigError (one line) naming the first module that ``env`` (and the multi_agent
+    mapping function), a config from ``source``, would import and that ``allowed`` does not
+    allow."""
+    for key, module in named_modules(env, mapping_function):
         if not is_allowed(module, allowed):
             raise ConfigError(
                 f"{source} names module {module!r} ({key}), which this side does not allow to import: importing it "
@@ -96,5 +113,5 @@ def from_elsewhere(
     if not isinstance(raw, dict):
         raise ConfigError(f"{source} holds no config mapping (got {type(raw).__name__})")
     config = load_dict(raw, overrides)
-    check_imports(config.env, allowed, source)
+    check_imports(config.env, allowed, source, config.multi_agent.mapping_function)
     return config

@@ -1,6 +1,7 @@
 """The seam: the protocols every algorithm's learner and actor cores satisfy, and the names of
 the algorithms. Imports nothing else of apex at run time (annotations only)."""
 
+from apex.core.episode import Episode, stack_frames
 from apex.core.protocols import (
     ActorCore,
     ActorSide,
@@ -9,6 +10,7 @@ from apex.core.protocols import (
     LearnerCore,
     LearnerSide,
     Policy,
+    TrainingCore,
 )
 
 # The names `algo` takes; apex.algos.REGISTRY maps each to its implementation.
@@ -18,9 +20,12 @@ __all__ = [
     "ALGOS",
     "ActorCore",
     "ActorSide",
+    "Episode",
     "EpisodeActorCore",
     "EpisodeRecord",
     "LearnerCore",
     "LearnerSide",
     "Policy",
+    "TrainingCore",
+    "stack_frames",
 ]

@@ -16,10 +16,10 @@ if TYPE_CHECKING:  # annotations only: the seam imports nothing of apex at run t
     import torch
 
     from apex.config import Config, ModelConfig
+    from apex.core.episode import Episode
     from apex.envs.make import EnvSpec
     from apex.errors import ProtocolError
     from apex.replay import StackedReplay
-    from apex.serve.episodes import Episode
     from apex.training.distributed import GradientAllReduce
     from apex.training.pipeline import Pending, Staged
     from apex.wire.protocol import Message
@@ -30,25 +30,23 @@ if TYPE_CHECKING:  # annotations only: the seam imports nothing of apex at run t
 EpisodeRecord = list[Any]
 
 
-class LearnerCore(Protocol):
-    """What the learner process calls: no sockets, no files, no threads of its own."""
+class TrainingCore(Protocol):
+    """What the learner process, the pipeline and checkpoints call: no sockets, no files, no
+    threads of its own. One algorithm's ``LearnerCore``, or several of them (one a policy of a
+    multi-agent run: ``apex.multiagent.learner``)."""
 
-    schema: BatchSchema  # the one check of what actors send
-    updates: int
+    @property
+    def updates(self) -> int: ...  # applied so far
+
     all_reduce: GradientAllReduce | None  # set by a data-parallel group: see optim.guarded_step
     samples_per_update: int
 
     @property
     def checkpoint_replay(self) -> StackedReplay | None: ...  # what checkpoints hold beside state_dict()
 
-    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None: ...
     # the algorithm's part of an actor's setup
     def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]: ...
-    def batch_limits(self, num_envs: int) -> dict[str, int]: ...
-    def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
     def wait_to_insert(self, timeout: float) -> bool: ...
-    # Validated batches: arrays by name, frames possibly still lz4 (``Compressed``).
-    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]: ...  # each one's error
 
     # The update in three stages (apex.training.pipeline): prefetch thread, then main thread, then
     # main thread a step later; step() runs all three in a row.
@@ -70,6 +68,18 @@ class LearnerCore(Protocol):
     def memory_nbytes(self) -> int: ...
 
 
+class LearnerCore(TrainingCore, Protocol):
+    """One algorithm's learner for one policy: it also checks and stores what actors send."""
+
+    schema: BatchSchema  # the one check of what actors send
+
+    def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None: ...
+    def batch_limits(self, num_envs: int) -> dict[str, int]: ...
+    def env_steps(self, sizes: dict[str, int]) -> int: ...  # what a validated batch stands for
+    # Validated batches: arrays by name, frames possibly still lz4 (``Compressed``).
+    def insert_many(self, batches: list[dict[str, Any]]) -> list[ProtocolError | None]: ...  # each one's error
+
+
 class ActorCore(Protocol):
     """What the actor process calls: K environments and one batched forward pass."""
 
@@ -82,6 +92,8 @@ class ActorCore(Protocol):
     def set_weights(self, msg: Message) -> None: ...  # ProtocolError: refused, the old ones act on
     # (a batch to send or None, finished episodes as [return, length, is_eval])
     def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]: ...
+    # The info of the batch act() just gave, with the episode records gathered since the last send.
+    def batch_info(self, episodes: list[EpisodeRecord]) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
 

@@ -253,22 +253,29 @@ def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.
         if algo is not None:
             spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
         limit = env.spec.max_episode_steps if env.spec is not None else None
-        low, high = np.asarray(obs.space.low, np.float64), np.asarray(obs.space.high, np.float64)
-        magnitude = np.maximum(np.abs(low), np.abs(high))
-        frame_bound = tuple(magnitude.tolist()) if obs.kind != "image" else (float(magnitude.max()),)
-        spec = EnvSpec(
-            obs.frame_shape,
-            obs.frame_dtype,
-            config.frame_stack if obs.kind == "image" else 1,
-            sum(act.nvec),
-            config.max_episode_steps or limit,
-            act.nvec if act.kind == "MultiDiscrete" else None,
-            act.kind == "Box",
-            frame_bound,
-        )
-        return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
+        return spec_of(obs, act, config, config.max_episode_steps or limit)
     finally:
         env.close()
+
+
+def spec_of(
+    obs: spaces.ObservationPlan, act: spaces.ActionPlan, config: EnvConfig, max_episode_steps: int | None
+) -> tuple[EnvSpec, np.ndarray, np.ndarray]:
+    """The EnvSpec of frames and actions made by these plans, and the bounds (low, high) of one frame."""
+    low, high = np.asarray(obs.space.low, np.float64), np.asarray(obs.space.high, np.float64)
+    magnitude = np.maximum(np.abs(low), np.abs(high))
+    frame_bound = tuple(magnitude.tolist()) if obs.kind != "image" else (float(magnitude.max()),)
+    spec = EnvSpec(
+        obs.frame_shape,
+        obs.frame_dtype,
+        config.frame_stack if obs.kind == "image" else 1,
+        sum(act.nvec),
+        max_episode_steps,
+        act.nvec if act.kind == "MultiDiscrete" else None,
+        act.kind == "Box",
+        frame_bound,
+    )
+    return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
 
 
 class VectorEnv:

@@ -73,14 +73,17 @@ class RunCheckpointer:
         core, counters = self.runtime.learner, self.runtime.counters
         state = checkpoint.load_state()
         # Held to what actors' episode records are (a forged return would stop the run as solved).
-        problem = EpisodeStats.problem(state["episode_stats"], step_limit, self.config.transport.max_abs_reward)
-        if problem is not None:
-            raise CorruptCheckpoint(f"{checkpoint.state_path.name}: {problem}")
+        for stats in (state["episode_stats"], *state.get("policy_episode_stats", {}).values()):
+            problem = EpisodeStats.problem(stats, step_limit, self.config.transport.max_abs_reward)
+            if problem is not None:
+                raise CorruptCheckpoint(f"{checkpoint.state_path.name}: {problem}")
         with self._fitting(checkpoint):
             core.check_state(state)  # before the replay: a refused checkpoint leaves it empty
         replay = core.checkpoint_replay
-        if replay is not None and checkpoint.replay_path is not None:
-            checkpoint.load_replay(replay, core.schema)  # IncompatibleCheckpoint (the user's to fix) goes up
+        if replay is not None and checkpoint.replay_path is not None and self.runtime.core is not None:
+            checkpoint.load_replay(
+                replay, self.runtime.core.schema
+            )  # IncompatibleCheckpoint (the user's to fix) goes up
         with self._fitting(checkpoint):
             core.load_state_dict(state)
         counters.load_state_dict(state)

@@ -188,8 +188,8 @@ class FollowerProcess:
 
     def _load_shard(self, name: str) -> None:
         rank = self.group.rank.rank
-        replay = self.learner.checkpoint_replay
-        if replay is None:  # nothing of this rank's is kept in checkpoints
+        replay, core = self.learner.checkpoint_replay, self.runtime.core
+        if replay is None or core is None:  # nothing of this rank's is kept in checkpoints
             return
         try:
             checkpoint = Checkpoint(
@@ -204,7 +204,7 @@ class FollowerProcess:
                     rank,
                 )
                 return
-            checkpoint.load_shard(rank, replay, self.learner.schema)
+            checkpoint.load_shard(rank, replay, core.schema)
             log.info("rank %d restored its replay shard of %s: %d transitions", rank, name, len(replay))
         except (CorruptCheckpoint, IncompatibleCheckpoint) as e:
             log.warning("rank %d starts with an empty replay: its shard of %s cannot be loaded (%s)", rank, name, e)

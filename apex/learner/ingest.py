@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from apex.config import Config
-from apex.errors import ProtocolError
+from apex.errors import ProtocolError, RejectedMessage
 from apex.learner.metrics import EpisodeStats
 from apex.system.logs import RateLimitedLog
 from apex.transport import Session, TrajectoryReceiver
@@ -32,9 +33,12 @@ class RunCounters:
     actor's address), episode returns, and the policy lags of the batches since the last
     ``take_lags``."""
 
-    def __init__(self) -> None:
+    def __init__(self, policies: tuple[str, ...] = ()) -> None:
+        """``policies``: a multi-agent run's policies, whose agents' returns are kept apart
+        (``stats`` then holds the team returns)."""
         self.lock = threading.Lock()
         self.stats = EpisodeStats()
+        self.policy_stats = {name: EpisodeStats() for name in policies}
         self.env_steps = 0
         self.env_steps_by_host: dict[str, int] = {}
         self.lags: list[int] = []
@@ -46,35 +50,66 @@ class RunCounters:
 
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint (call with ``lock`` held)."""
-        return {
+        state = {
             "env_steps": self.env_steps,
             "env_steps_by_host": dict(self.env_steps_by_host),
             "episode_stats": self.stats.state_dict(),
         }
+        if self.policy_stats:
+            state["policy_episode_stats"] = {name: stats.state_dict() for name, stats in self.policy_stats.items()}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.env_steps = state["env_steps"]
         self.env_steps_by_host = dict(state.get("env_steps_by_host", {}))
         self.stats.load_state_dict(state["episode_stats"])
+        for name, stats in state.get("policy_episode_stats", {}).items():
+            if name in self.policy_stats:
+                self.policy_stats[name].load_state_dict(stats)
+
+
+@dataclass(frozen=True)
+class IngestTarget:
+    """Where a policy's batches go: its learner core, and its agents in each environment (a
+    session's batch limits are for an actor's environments times these seats)."""
+
+    core: LearnerCore
+    seats: int = 1
+
+
+@dataclass
+class _Accepted:
+    msg: Message
+    policy: str | None
+    arrays: dict[str, Any]
+    env_steps: int
+    episodes: list[tuple[float, int, bool]]
+    used: int  # of the session's step budget
+    teams: list[tuple[float, int, bool]]
 
 
 class Ingest:
-    """The thread that feeds the learner core. (One thread: a second one that decoded while
+    """The thread that feeds the learner cores. (One thread: a second one that decoded while
     this one inserted measured slower, the two fighting over the GIL.)"""
 
     def __init__(
         self,
         receiver: TrajectoryReceiver,
-        core: LearnerCore,
+        targets: dict[str | None, IngestTarget],
         config: Config,
         step_limit: int,
         counters: RunCounters,
         published_version: Callable[[], int],
     ) -> None:
-        """``core``: the algorithm's learner core; ``step_limit``: the longest episode a
-        batch's records may claim; ``published_version``: the version of the weights last
-        published (for the policy lag of each batch)."""
-        self.receiver, self.core, self.config = receiver, core, config
+        """``targets``: the learner core of each policy that trains, by the name batches give
+        in ``info.policy`` (a single-agent run: one, under None, and batches name none);
+        ``step_limit``: the longest episode a batch's records may claim;
+        ``published_version``: the version of the weights last published (for the policy
+        lag of each batch)."""
+        self.receiver, self.targets, self.config = receiver, targets, config
+        self.multi_agent = None not in targets
+        # a single-agent run's one core: what waits for room
+        self._room = _AnyRoom(targets)
         self.step_limit = step_limit
         self.counters = counters
         self.published_version = published_version
@@ -102,9 +137,9 @@ class Ingest:
                 self._bug_log.exception("ingest failed (a bug in apex, please report it); continuing")
 
     def _ingest_some(self) -> None:
-        receiver, counters = self.receiver, self.counters
+        receiver = self.receiver
         while not self._stop.is_set():
-            if not self.core.wait_to_insert(timeout=INGEST_WAIT_S):
+            if not self._room.wait_to_insert(timeout=INGEST_WAIT_S):
                 continue
             msg = receiver.recv(timeout_ms=int(INGEST_WAIT_S * 1000))
             if msg is None:
@@ -114,48 +149,105 @@ class Ingest:
             group = [msg]
             while len(group) < INGEST_GROUP and (more := receiver.recv(timeout_ms=0)) is not None:
                 group.append(more)
-            accepted = []
+            accepted: list[_Accepted] = []
             for m in group:
                 try:
-                    accepted.append((m, *self._validate(m)))
+                    accepted.append(self._validate(m))
                 except ProtocolError as e:
                     receiver.reject(e)
-            errors = self.core.insert_many([arrays for _, arrays, *_ in accepted])
-            version = self.published_version()
-            with counters.lock:
-                for (m, _, env_steps, episodes, used), error in zip(accepted, errors):
-                    session: Session = m.session
-                    if error is not None:
-                        session.step_budget -= env_steps - used  # what _validate granted it
-                        receiver.reject(error)
-                        continue
-                    session.env_steps += env_steps
-                    session.episodes += len(episodes)
-                    counters.env_steps += env_steps
-                    host = m.peer or "unknown"
-                    counters.env_steps_by_host[host] = counters.env_steps_by_host.get(host, 0) + env_steps
-                    for episode_return, _length, is_eval in episodes:
-                        counters.stats.add(episode_return, is_eval)
-                    if 0 <= m.fields["weights_version"] <= version:  # an older learner's versions say nothing
-                        counters.lags.append(version - m.fields["weights_version"])
+            errors: dict[int, ProtocolError | None] = {}
+            for policy, target in self.targets.items():
+                mine = [a for a in accepted if a.policy == policy]
+                if mine:
+                    errors.update(zip(map(id, mine), target.core.insert_many([a.arrays for a in mine])))
+            self._count(accepted, errors)
 
-    def _validate(self, msg: Message) -> tuple[dict[str, Any], int, list[tuple[float, int, bool]], int]:
-        """A batch checked against the algorithm's schema and its session's limits: (arrays
-        as stored, env steps it stands for, its episode records, their steps). Raises
+    def _count(self, accepted: list[_Accepted], errors: dict[int, ProtocolError | None]) -> None:
+        """Counts what was stored (its env steps, episodes and policy lag); refuses the rest."""
+        version = self.published_version()
+        counters = self.counters
+        with counters.lock:
+            for a in accepted:
+                session: Session = a.msg.session
+                if (error := errors[id(a)]) is not None:
+                    session.step_budget -= a.env_steps - a.used  # what _validate granted it
+                    self.receiver.reject(error)
+                    continue
+                session.env_steps += a.env_steps
+                counters.env_steps += a.env_steps
+                host = a.msg.peer or "unknown"
+                counters.env_steps_by_host[host] = counters.env_steps_by_host.get(host, 0) + a.env_steps
+                if a.policy is None:
+                    session.episodes += len(a.episodes)
+                    for episode_return, _length, is_eval in a.episodes:
+                        counters.stats.add(episode_return, is_eval)
+                else:  # the agents' own returns by policy; the teams' are the run's
+                    session.episodes += len(a.teams)
+                    for episode_return, _length, is_eval in a.episodes:
+                        counters.policy_stats[a.policy].add(episode_return, is_eval)
+                    for episode_return, _length, is_eval in a.teams:
+                        counters.stats.add(episode_return, is_eval)
+                if 0 <= a.msg.fields["weights_version"] <= version:  # an older learner's versions say nothing
+                    counters.lags.append(version - a.msg.fields["weights_version"])
+
+    def _validate(self, msg: Message) -> _Accepted:
+        """A batch checked against its policy's schema and its session's limits. Raises
         ProtocolError."""
         session: Session = msg.session
-        if not session.limits:
-            session.limits = self.core.batch_limits(session.num_envs)
+        info = msg.fields["info"]
+        policy, target, info = self._target(info)
+        if policy not in session.limits:
+            session.limits[policy] = target.core.batch_limits(session.num_envs * target.seats)
+        if not session.step_budget_set:
             # Episodes under way when the session began were partly played before it.
-            session.step_budget = session.num_envs * self.step_limit
-        arrays, sizes = self.core.schema.validate(msg.arrays, session.limits, msg.layout)
-        env_steps = self.core.env_steps(sizes)
+            session.step_budget = session.num_envs * self.step_limit * sum(t.seats for t in self.targets.values())
+            session.step_budget_set = True
+        arrays, sizes = target.core.schema.validate(msg.arrays, session.limits[policy], msg.layout)
+        env_steps = target.core.env_steps(sizes)
+        max_abs_reward = self.config.transport.max_abs_reward
         episodes, used = check_episodes(
-            msg.fields["info"],
+            {"episodes": info.get("episodes", [])},
             max_episodes=env_steps,
-            step_limit=self.step_limit,
-            max_abs_reward=self.config.transport.max_abs_reward,
             step_budget=session.step_budget + env_steps,
+            step_limit=self.step_limit,
+            max_abs_reward=max_abs_reward,
         )
+        teams: list[tuple[float, int, bool]] = []
+        if policy is not None:  # a team's episode is as long as the steps of its agents (an AEC env's: one a move)
+            teams, _ = check_episodes(
+                {"episodes": info.get("teams", [])},
+                max_episodes=env_steps,
+                step_budget=session.step_budget + env_steps,
+                step_limit=self.step_limit,
+                max_abs_reward=max_abs_reward,
+            )
         session.step_budget += env_steps - used
-        return arrays, env_steps, episodes, used
+        return _Accepted(msg, policy, arrays, env_steps, episodes, used, teams)
+
+    def _target(self, info: Any) -> tuple[str | None, IngestTarget, dict[str, Any]]:
+        """(the policy a batch's info names, where it goes, its info). RejectedMessage for an
+        info of the wrong shape or a policy this learner does not train."""
+        allowed = {"policy", "episodes", "teams"} if self.multi_agent else {"episodes"}
+        if not isinstance(info, dict) or not info.keys() <= allowed:
+            shape = '{"policy": name, "episodes": [...], "teams": [...]}' if self.multi_agent else '{"episodes": [...]}'
+            raise RejectedMessage("info", f"batch info must be {shape}")
+        policy = info.get("policy")
+        target = self.targets.get(policy) if isinstance(policy, str) or policy is None else None
+        if target is None:
+            shown = repr(policy)[:80]
+            raise RejectedMessage(
+                "unknown_policy",
+                f"a batch for policy {shown}, and this learner trains {', '.join(map(str, self.targets))}",
+            )
+        return policy, target, info
+
+
+class _AnyRoom:
+    """Waits until some policy's core has room: a full one must not hold the others back."""
+
+    def __init__(self, targets: dict[str | None, IngestTarget]) -> None:
+        self.cores = [target.core for target in targets.values()]
+
+    def wait_to_insert(self, timeout: float) -> bool:
+        share = timeout / max(1, len(self.cores))
+        return any(core.wait_to_insert(share) for core in self.cores)

@@ -212,6 +212,10 @@ class MetricsWriter:
             for key, value in row.items():
                 if key not in ("time", "env_steps") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     tb.add_scalar(tensorboard_tag(key), value, step, walltime=None)
+            for name, figures in row.get("policies", {}).items():  # a multi-agent run's, by policy
+                for key, value in figures.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        tb.add_scalar(f"policies/{name}/{key}", value, step, walltime=None)
         except OSError as e:  # raised by its writer thread on a later call
             self._tensorboard_failed(e)
 
@@ -312,11 +316,15 @@ def status_line(row: dict[str, Any]) -> str:
     def get(key: str) -> Any:  # 0 for what a row does not hold (yet)
         return row.get(key) or 0
 
+    policies = "".join(
+        f"  {name} {'-' if (r := figures.get('return_mean_100')) is None else f'{r:.2f}'}"
+        for name, figures in row.get("policies", {}).items()
+    )
     return (
         f"[{get('time'):7.1f}s] env steps {get('env_steps'):>10,} ({get('env_steps_per_s'):>8,.0f}/s)  "
         f"updates {get('learner_updates'):>8,} ({get('updates_per_s'):>6,.0f}/s)  "
         f"eval return {'-' if ret is None else f'{ret:7.1f}'}{over}{replay}  "
-        f"actors {get('actors_connected')}  policy lag {'-' if lag is None else f'{lag:.0f} updates'}"
+        f"actors {get('actors_connected')}  policy lag {'-' if lag is None else f'{lag:.0f} updates'}{policies}"
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from apex.config import Config, StopConditions
-from apex.core import LearnerCore
+from apex.core import TrainingCore
 from apex.learner.ingest import RunCounters
 from apex.learner.runtime import GROUP_SYNC_S
 from apex.training.distributed import Agreement, LearnerGroup, train_steps
@@ -33,7 +33,7 @@ class SoloPace:
     messages, publishing and the clocks are looked at between steps); it stops and
     checkpoints when it asks to."""
 
-    def __init__(self, pipeline: Pipeline, core: LearnerCore) -> None:
+    def __init__(self, pipeline: Pipeline, core: TrainingCore) -> None:
         self.pipeline, self.core = pipeline, core
 
     def agree(self, staged: int, *, stop: bool, checkpoint: bool) -> Agreement:
@@ -56,7 +56,7 @@ class GroupPace:
         self,
         group: LearnerGroup,
         pipeline: Pipeline,
-        core: LearnerCore,
+        core: TrainingCore,
         on_sync: Callable[[], None],
         asks_sync: bool,
     ) -> None:

@@ -24,6 +24,7 @@ from apex.errors import ApexError
 from apex.learner.checkpointing import RunCheckpointer, Saved
 from apex.learner.metrics import MetricsWriter, Rate, say_goodbye, write_summary
 from apex.learner.pace import Clocks, GroupPace, Pace, SoloPace, stop_reason_now
+from apex.learner.policy_figures import add_policy_returns, policy_summary
 from apex.learner.runtime import (
     IDLE_WAIT_S,
     STOP_LINGER_S,
@@ -139,7 +140,7 @@ class LearnerProcess:
         num_envs = hello.fields["num_envs"] or self.config.actor.num_envs
         if not 1 <= num_envs <= MAX_ENVS_PER_ACTOR:
             raise Rejected(f"num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {num_envs}")
-        largest = self.learner.schema.max_bytes(self.learner.batch_limits(num_envs))
+        largest = self.runtime.largest_batch_bytes(num_envs)
         if largest > self.config.transport.max_message_bytes:
             raise Rejected(
                 f"with {num_envs} environments a batch may reach {largest / 2**20:.0f} MiB, over "
@@ -307,6 +308,7 @@ class LearnerProcess:
             # from outside (`apex bench learn`): this process's first update and its stop.
             "first_update_unix_s": self.first_update_unix_s,
             "stopped_unix_s": stopped_unix_s,
+            **({"policies": policy_summary(self.runtime)} if self.runtime.policies else {}),
         }
 
     def _sync_group(self, group: LearnerGroup) -> None:
@@ -367,6 +369,8 @@ class LearnerProcess:
             }
         row["samples_per_s"] = round(row["updates_per_s"] * self.learner.samples_per_update, 1)
         row.update(self.learner.metrics())
+        if self.runtime.policies:
+            add_policy_returns(row["policies"], self.runtime)
         row.update(self.times.take())
         if isinstance(self.pace, GroupPace) and self.group is not None:
             row["ranks"] = self.group.world_size
@@ -389,7 +393,8 @@ class LearnerProcess:
                 "checkpoint_failures": checkpoints.failures,
                 "learner_rss_mb": round(rss_bytes() / 2**20, 1),
                 "learner_peak_rss_mb": round(peak_rss_bytes() / 2**20, 1),
-                **{k: round(v, 5) for k, v in self._last.items()},
+                # a multi-agent run's are in its policies' figures
+                **({} if self.runtime.policies else {k: round(v, 5) for k, v in self._last.items()}),
             }
         )
         return row

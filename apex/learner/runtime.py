@@ -14,9 +14,13 @@ import torch
 
 from apex import algos
 from apex.config import Config
+from apex.core import LearnerCore, TrainingCore
 from apex.envs.make import EnvSpec, env_spec
+from apex.envs.multi_agent import is_multi_agent
+from apex.envs.policy_map import MultiAgentSpec, multi_agent_spec
 from apex.errors import ApexError
-from apex.learner.ingest import Ingest, RunCounters
+from apex.learner.ingest import Ingest, IngestTarget, RunCounters
+from apex.multiagent.learner import MultiPolicyLearner
 from apex.system.logs import RateLimitedLog
 from apex.system.malloc import keep_large_blocks
 from apex.training.distributed import GradientAllReduce
@@ -54,10 +58,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def learner_runtime(config: Config) -> tuple[EnvSpec, torch.device]:
-    """What every learner process (a group's ranks alike) sets up first: (env spec, device),
-    torch's CPU threads, and malloc keeping large blocks (decoded arrays off fresh pages)."""
-    spec = env_spec(config.env, config.algo)
+def learner_runtime(config: Config) -> tuple[EnvSpec | MultiAgentSpec, torch.device]:
+    """What every learner process (a group's ranks alike) sets up first: (env spec, or a
+    PettingZoo environment's and its policies', device), torch's CPU threads, and malloc
+    keeping large blocks (decoded arrays off fresh pages)."""
+    spec = multi_agent_spec(config) if is_multi_agent(config.env) else env_spec(config.env, config.algo)
     device = pick_device(config.learner.device)
     torch.set_num_threads(config.learner.torch_threads)
     keep_large_blocks()
@@ -82,31 +87,50 @@ class TrainingRuntime:
     def __init__(
         self,
         config: Config,
-        spec: EnvSpec,
+        spec: EnvSpec | MultiAgentSpec,
         device: torch.device,
         receiver: TrajectoryReceiver,
         world_size: int | None = None,
     ) -> None:
         """``world_size``: the core's gradients are all-reduced over a group of that many ranks."""
-        self.learner = algos.get(config.algo).learner().core(config, spec, device)
+        self.learner: TrainingCore
+        self.core: LearnerCore | None  # a single-agent run's one core (what a group's ranks and replays need)
+        if isinstance(spec, MultiAgentSpec):
+            if world_size is not None:
+                raise ApexError(
+                    "a learner group (--ranks) trains one policy, and this multi-agent run has "
+                    f"{len(spec.policies)}: run one learner (without --ranks)"
+                )
+            multi = MultiPolicyLearner(config, spec, device)
+            self.learner, self.policies, self.core = multi, multi.cores, None
+            # Each batch to its policy's core, whose limits are for that policy's seats.
+            targets: dict[str | None, IngestTarget] = {
+                name: IngestTarget(multi.cores[name], multi.seats(name)) for name in spec.trained
+            }
+            step_limit = config.env.max_episode_steps or UNKNOWN_STEP_LIMIT
+        else:
+            core = algos.get(config.algo).learner().core(config, spec, device)
+            self.learner, self.policies, self.core = core, {}, core
+            targets = {None: IngestTarget(core, 1)}
+            step_limit = spec.max_episode_steps or UNKNOWN_STEP_LIMIT
         if world_size is not None:
             self.learner.all_reduce = GradientAllReduce(world_size)
         receiver.lazy = True  # the cores decompress frames themselves, straight into their storage
-        self.counters = RunCounters()
+        self.counters = RunCounters(tuple(self.policies))
         self.version = 0  # of the weights last published (on a group's other ranks: as of the last sync)
-        self.ingest = Ingest(
-            receiver,
-            self.learner,
-            config,
-            spec.max_episode_steps or UNKNOWN_STEP_LIMIT,
-            self.counters,
-            lambda: self.version,
-        )
+        self.ingest = Ingest(receiver, targets, config, step_limit, self.counters, lambda: self.version)
         self.times = SectionTimes()
         self.wakeup = Wakeup()
         self.prefetch_errors = 0  # our own bugs met while sampling: logged with a traceback
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self.pipeline = Pipeline(self.learner, self.times, on_ready=self.wakeup.notify, on_error=self._prefetch_failed)
+
+    def largest_batch_bytes(self, num_envs: int) -> int:
+        """The most an actor of ``num_envs`` environments may send in one batch, as stored."""
+        return max(
+            target.core.schema.max_bytes(target.core.batch_limits(num_envs * target.seats))
+            for target in self.ingest.targets.values()
+        )
 
     def start(self) -> None:
         self.ingest.start()

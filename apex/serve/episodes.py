@@ -16,12 +16,12 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from apex.config import Config
+from apex.core.episode import Episode, stack_frames
 from apex.envs.make import EnvSpec
 from apex.serve.request_checks import RequestError, SpaceChecks, describe_spaces
 from apex.wire.schema import UNKNOWN_STEP_LIMIT
@@ -34,22 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_EPISODE_ID_CHARS", "Episode", "ExternalEpisodes", "RequestError", "describe_spaces"]
 
 MAX_EPISODE_ID_CHARS = 64
-
-
-@dataclass
-class Episode:
-    """One external episode as the server sees it; ``state`` is the algorithm's."""
-
-    id: str
-    slot: int | None  # taken at its first action (see ExternalEpisodes._seat)
-    last_seen: float
-    reward: float = 0.0  # reported for the step under way (since the last action)
-    episode_return: float = 0.0
-    length: int = 0  # steps with an outcome
-    acted: bool = False  # an action is out whose outcome (reward, next observation) is pending
-    logged: bool = False  # the client chose an action of this episode (not the policy)
-    state: Any = None
-    frames: deque[np.ndarray] = field(default_factory=deque)  # the last ``stack`` frames: the observation
 
 
 class ExternalEpisodes:
@@ -308,19 +292,7 @@ class ExternalEpisodes:
 
     def _next(self, episodes: list[Episode], frames: np.ndarray) -> np.ndarray:
         """Each episode's observation once ``frames`` arrive: its last ``stack`` frames."""
-        stack = self.spec.stack
-        if stack == 1:  # vector observations: the frame is the observation
-            return frames[:, None]
-        out = np.empty((len(episodes), stack, *self.spec.frame_shape), self.spec.frame_dtype)
-        for i, (episode, frame) in enumerate(zip(episodes, frames)):
-            if not episode.frames:
-                episode.frames.extend([frame] * stack)
-            else:
-                episode.frames.append(frame)
-                if len(episode.frames) > stack:
-                    episode.frames.popleft()
-            out[i] = np.stack(episode.frames)
-        return out
+        return stack_frames(episodes, frames, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
 
     def _after_step(self, episodes: list[Episode]) -> None:
         now = self.clock()

@@ -38,7 +38,7 @@ from apex.training import optim
 from apex.training.rank import Rank
 
 if TYPE_CHECKING:
-    from apex.core import LearnerCore
+    from apex.core import TrainingCore
     from apex.training.pipeline import Pipeline
 
 # A rank that stops answering (killed, hung) is noticed within this: the others' collective
@@ -173,7 +173,7 @@ def step_without_batch(
     )
 
 
-def train_steps(pipeline: Pipeline, core: LearnerCore, steps: int) -> int:
+def train_steps(pipeline: Pipeline, core: TrainingCore, steps: int) -> int:
     """A group's ``steps`` agreed steps on this rank: on its staged batches while it has
     them, then without (``core.train_without_batch``); returns how many had no batch."""
     without = 0

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from apex.core import LearnerCore
+from apex.core import TrainingCore
 
 if TYPE_CHECKING:
-    from apex.core import LearnerCore
+    from apex.core import TrainingCore
 
 PREFETCH_WAIT_S = 0.05  # longest the prefetch thread waits for data before looking at its stop flag
 # The prefetch thread waits for room on a timer of its own, asleep until the main loop is due
@@ -212,7 +212,7 @@ class Pipeline:
 
     def __init__(
         self,
-        core: LearnerCore,
+        core: TrainingCore,
         times: SectionTimes,
         on_ready: Callable[[], None] = lambda: None,
         on_error: Callable[[BaseException], None] | None = None,

@@ -61,7 +61,9 @@ class Session:
     env_steps: int = 0  # derived from its batches, never from what it says
     episodes: int = 0
     step_budget: int = 0  # env steps its episode records may still claim (apex.wire.schema.check_episodes)
-    limits: dict[str, int] = field(default_factory=dict)  # batch sizes allowed (set by the learner)
+    step_budget_set: bool = False  # (by the learner, at its first batch)
+    # batch sizes allowed, by policy (set by the learner; a single-agent run's under None)
+    limits: dict[str | None, dict[str, int]] = field(default_factory=dict)
     rank: int = 0  # of the learner group: the one rank its batches go to (rank 0 chose it)
 
 

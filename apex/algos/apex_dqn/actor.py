@@ -27,8 +27,8 @@ from apex.wire.schema import episode_record
 
 if TYPE_CHECKING:
     from apex.core import EpisodeRecord
+    from apex.core.episode import Episode
     from apex.envs.make import EnvSpec
-    from apex.serve.episodes import Episode
 
 # An n-step chunk, or a batch of merged ones: frames and per-transition arrays by name.
 Chunk = dict[str, np.ndarray]
@@ -238,6 +238,9 @@ class ApexDqnActor:
             return None, episodes
         batch, self._pending = merge_chunks(self._pending), []
         return batch, episodes
+
+    def batch_info(self, episodes: list[EpisodeRecord]) -> dict[str, Any]:
+        return {"episodes": episodes}
 
     def close(self) -> None:
         self.envs.close()

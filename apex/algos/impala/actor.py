@@ -27,7 +27,7 @@ from apex.wire.schema import episode_record
 
 if TYPE_CHECKING:
     from apex.core import EpisodeRecord
-    from apex.serve.episodes import Episode
+    from apex.core.episode import Episode
 
 
 def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +161,9 @@ class ImpalaActor:
             track.drop(T)
         self.t = 0
         return batch
+
+    def batch_info(self, episodes: list[EpisodeRecord]) -> dict[str, Any]:
+        return {"episodes": episodes}
 
     def close(self) -> None:
         self.envs.close()

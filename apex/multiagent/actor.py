@@ -1,0 +1,222 @@
+"""The multi-agent actor core: K PettingZoo environments, each agent acting through its policy's
+``EpisodeActorCore`` (the algorithm's, as `apex serve` uses it for episodes stepped
+elsewhere): every agent's episode is an ``Episode`` on its own slot, so an agent that ends
+early stops making transitions and one that joins later starts its own. One forward pass a
+policy a step, over the agents of every environment that act now (all of a ParallelEnv's live
+agents, an AECEnv's agent whose turn it is).
+
+What ``act()`` gives the actor process is one policy's batch at a time, named by
+``batch_info``, with the records of its agents' episodes; the team's records (the mean of an
+episode's agents' returns) go with whichever batch is sent next.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from apex import algos
+from apex.config import Config
+from apex.core import EpisodeActorCore, EpisodeRecord
+from apex.core.episode import Episode, stack_frames
+from apex.envs.multi_agent import MultiAgentEnv, Outcome
+from apex.envs.policy_map import MultiAgentSpec, multi_agent_spec
+from apex.errors import ConfigError, ProtocolError
+from apex.multiagent.learner import WEIGHT_SEPARATOR
+from apex.wire.protocol import Message
+
+POLICY_SEED_FACTOR = 7919  # each policy's sampling seed apart from the others'
+
+
+def per_agent_setup(setup: dict[str, Any], num_envs: int, seats: int) -> dict[str, Any]:
+    """A policy's part of the welcome (for ``num_envs`` environments) as its episode core
+    takes it for ``seats`` agents in each: every list of ``num_envs`` items (Ape-X's ladder)
+    is per environment, each item repeated for each seat, so that the agents of one
+    environment share its rung."""
+    return {
+        key: [item for item in value for _ in range(seats)]
+        if isinstance(value, list) and len(value) == num_envs
+        else value
+        for key, value in setup.items()
+    }
+
+
+def setup_problem(
+    setup: dict[str, Any], spec: MultiAgentSpec, policy_problem: Callable[[dict[str, Any]], str | None]
+) -> str | None:
+    """What is wrong with a multi-agent welcome's ``policies`` (each checked by its
+    algorithm's ``policy_problem`` as a single-agent welcome would be), or None."""
+    parts = setup.get("policies")
+    if not isinstance(parts, dict) or sorted(parts) != sorted(spec.policies):
+        return f"setup.policies must map each of this run's policies ({', '.join(spec.policies)}) to its part"
+    for name, part in parts.items():
+        if not isinstance(part, dict):
+            return f"setup.policies.{name} must be a mapping"
+        if (problem := policy_problem({**setup, **part})) is not None:
+            return f"setup.policies.{name}: {problem}"
+    return None
+
+
+class MultiAgentActor:
+    """K multi-agent environments; ``act()`` is one step of all of them (or a batch already made)."""
+
+    def __init__(
+        self,
+        config: Config,
+        setup: dict[str, Any],
+        seed: int,
+        tick: Callable[[], None] = lambda: None,
+        spec: MultiAgentSpec | None = None,
+    ) -> None:
+        self.config = config
+        self.spec = spec or multi_agent_spec(config)
+        side = algos.get(config.algo).actor()
+        k = setup["num_envs"]
+        self.cores: dict[str, EpisodeActorCore] = {}
+        if (problem := setup_problem(setup, self.spec, side.setup_problem)) is not None:
+            raise ProtocolError(f"the welcome's setup is malformed: {problem}")
+        for i, (name, policy) in enumerate(self.spec.policies.items()):
+            seats = len(policy.agents)
+            own = {**setup, **per_agent_setup(setup["policies"][name], k, seats), "num_envs": k * seats}
+            self.cores[name] = side.episode_core(config, own, policy.spec, seed + POLICY_SEED_FACTOR * (i + 1))
+        # The Ape-X ladder's evaluation rungs are per environment (every agent of one on its rung).
+        first = setup["policies"][next(iter(self.spec.policies))]
+        self.eval_envs = [bool(e) for e in first.get("eval_envs", [True] * k)]
+        self.envs: list[MultiAgentEnv] = []
+        for _ in range(k):
+            self.envs.append(self.spec.make(config))
+            tick()
+        self._seed = seed
+        self.steps = 0  # vector steps taken
+        self.weights_version = -1
+        self._episodes: list[dict[str, Episode]] = [{} for _ in range(k)]
+        self._team_length = [0] * k
+        self._team_returns: list[dict[str, float]] = [{} for _ in range(k)]
+        self._next: list[Outcome] = []
+        self._ready: deque[tuple[str, dict[str, np.ndarray], list[EpisodeRecord]]] = deque()
+        self._teams: list[EpisodeRecord] = []
+        self._sending: tuple[str, list[EpisodeRecord]] | None = None  # the policy and records of the batch out
+        for i, env in enumerate(self.envs):
+            self._next.append(env.reset(seed=seed + i))
+            tick()
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.envs)
+
+    def set_weights(self, msg: Message) -> None:
+        """One message holds every policy's weights (``<policy>/<array>``); each core takes its own."""
+        parts: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.cores}
+        for key, array in msg.arrays.items():
+            name, sep, rest = key.partition(WEIGHT_SEPARATOR)
+            if not sep or name not in parts:
+                raise ProtocolError(f"weights for an unknown policy: array {key!r}")
+            parts[name][rest] = array
+        for name, core in self.cores.items():
+            core.set_weights(Message(msg.type, msg.fields, parts[name]))
+        self.weights_version = msg.fields["version"]
+
+    def batch_info(self, episodes: list[EpisodeRecord]) -> dict[str, Any]:
+        """The batch just given's policy and its agents' episode records, and the team records
+        ``episodes`` the actor process has gathered since it last sent."""
+        if self._sending is None:
+            raise RuntimeError("batch_info before act() gave a batch")
+        policy, records = self._sending
+        return {"policy": policy, "episodes": records, "teams": episodes}
+
+    def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]:
+        """A batch made earlier, or one step of every environment: (a batch to send or None,
+        the team records of the episodes that ended)."""
+        if not self._ready:
+            self._step_all()
+        teams, self._teams = self._teams, []
+        if not self._ready:
+            return None, teams
+        policy, batch, records = self._ready.popleft()
+        self._sending = (policy, records)
+        return batch, teams
+
+    def _step_all(self) -> None:
+        turns: dict[str, list[tuple[int, Episode, np.ndarray]]] = {}
+        for k, outcome in enumerate(self._next):
+            for turn in outcome.turns:
+                episode = self._episode(k, turn.agent)
+                episode.mask = turn.mask
+                turns.setdefault(self.spec.policy_of[turn.agent], []).append((k, episode, turn.frame))
+        actions: list[dict[str, Any]] = [{} for _ in self.envs]
+        for name, acting in turns.items():
+            policy = self.spec.policies[name].spec
+            episodes = [episode for _, episode, _ in acting]
+            obs = stack_frames(
+                episodes,
+                np.stack([frame for _, _, frame in acting]),
+                policy.stack,
+                policy.frame_shape,
+                policy.frame_dtype,
+            )
+            chosen = self.cores[name].act(episodes, obs, None)
+            for (k, episode, _), action in zip(acting, chosen):
+                actions[k][episode.id] = action
+                if episode.acted:
+                    episode.length += 1
+                    episode.episode_return += episode.reward
+                episode.acted, episode.reward = True, 0.0
+        for k, env in enumerate(self.envs):
+            if actions[k]:
+                self._team_length[k] += 1
+                self._next[k] = self._outcome(k, env.step(actions[k]))
+        self.steps += 1
+        for name in self.spec.trained:
+            for batch, records in self.cores[name].take():
+                self._ready.append((name, batch, records))
+        for name in set(self.cores) - set(self.spec.trained):
+            self.cores[name].take()  # acting only: what it makes is not sent
+
+    def _episode(self, k: int, agent: str) -> Episode:
+        """Agent ``agent``'s episode in environment k, begun on its own slot at its first turn."""
+        episode = self._episodes[k].get(agent)
+        if episode is None:
+            policy = self.spec.policies[self.spec.policy_of[agent]]
+            slot = k * len(policy.agents) + policy.agents.index(agent)
+            episode = Episode(agent, slot, 0.0)
+            self.cores[policy.name].begin(episode)
+            self._episodes[k][agent] = episode
+        return episode
+
+    def _outcome(self, k: int, outcome: Outcome) -> Outcome:
+        """Takes in a step's rewards and ended agents; resets the environment when all ended."""
+        episodes = self._episodes[k]
+        for agent, reward in outcome.rewards.items():
+            if agent in episodes:
+                episodes[agent].reward += reward
+        for ended in outcome.ended:
+            episode = episodes.pop(ended.agent, None)
+            if episode is None:
+                continue
+            if episode.acted:
+                name = self.spec.policy_of[ended.agent]
+                policy = self.spec.policies[name].spec
+                obs = stack_frames([episode], ended.frame[None], policy.stack, policy.frame_shape, policy.frame_dtype)
+                self.cores[name].end([episode], obs, np.array([ended.terminated]), np.array([ended.truncated]))
+            self._team_returns[k][ended.agent] = episode.episode_return + episode.reward
+        if not outcome.done:
+            return outcome
+        for agent, episode in episodes.items():  # gone without an ending (an environment that drops agents)
+            self.cores[self.spec.policy_of[agent]].abandon(episode)
+            self._team_returns[k][agent] = episode.episode_return + episode.reward
+        episodes.clear()
+        returns = self._team_returns[k]
+        if returns and self._team_length[k]:
+            self._teams.append([float(np.mean(list(returns.values()))), self._team_length[k], self.eval_envs[k]])
+        self._team_returns[k], self._team_length[k] = {}, 0
+        outcome = self.envs[k].reset()
+        if outcome.done:
+            raise ConfigError(f"env.id {self.config.env.id!r} has no agent to act right after a reset")
+        return self._outcome(k, outcome)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
