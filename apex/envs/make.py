@@ -43,6 +43,9 @@ class EnvSpec:
     # The observation space's bound on the magnitude of each value of a vector frame (one for
     # all of an image's; inf where it sets none; (): not known): what batches are held to.
     frame_bound: tuple[float, ...] = ()
+    # Each step's legal actions travel with the batches (a multi-agent policy whose agents'
+    # observations carry an action_mask): Discrete actions only.
+    action_masked: bool = False
 
     def obs_bound(self, max_abs_obs: float | None) -> np.ndarray:
         """The largest magnitude a batch's frames may hold, per value (transport.max_abs_obs,

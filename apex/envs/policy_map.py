@@ -4,6 +4,7 @@ what each policy's network sees: ``MultiAgentSpec``, made once from one environm
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ def _policy_spec(name: str, agents: list[str], views: dict[str, AgentView], conf
             (*spec.frame_bound, *([1.0] * count)),
         )
         low, high = np.concatenate([low, np.zeros(count)]), np.concatenate([high, np.ones(count)])
+    if first.masked:
+        spec = dataclasses.replace(spec, action_masked=True)
     return PolicySpec(name, tuple(agents), spec, low, high, add_id, first.masked)
 
 

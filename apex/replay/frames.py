@@ -92,12 +92,17 @@ class StackedReplay(LockedRing):
         alpha: float = 0.6,
         eps: float = 1e-6,
         seed: int | None = None,
+        extra_fields: dict[str, tuple[tuple[int, ...], DTypeLike]] | None = None,
     ) -> None:
+        """``extra_fields``: per-transition arrays beside TRANSITION_FIELDS, stored as chunks
+        give them and sampled with the rest (a masked policy's ``next_mask``)."""
         self.stack = int(stack)
+        self.extra_fields = tuple(extra_fields or ())
         self.frame_shape = tuple(frame_shape)
         self.frame_dtype = np.dtype(frame_dtype)
         self.frames = FrameRing(frame_capacity, self.frame_shape, self.frame_dtype)
-        super().__init__(PriorityRing(TRANSITION_FIELDS, capacity, alpha=alpha, eps=eps, seed=seed))
+        fields = {**TRANSITION_FIELDS, **(extra_fields or {})}
+        super().__init__(PriorityRing(fields, capacity, alpha=alpha, eps=eps, seed=seed))
         # (end insertion index, first frame id) per chunk still held: which transitions go
         # when their frames are overwritten. Restored by the snapshot code.
         self.chunks: deque[tuple[int, int]] = deque()
@@ -138,6 +143,7 @@ class StackedReplay(LockedRing):
                     "action": chunk["action"],
                     "reward": chunk["reward"],
                     "discount": chunk["discount"],
+                    **{name: chunk[name] for name in self.extra_fields},
                 },
                 priorities,
             )

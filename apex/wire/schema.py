@@ -75,6 +75,8 @@ class ArrayRule:
     values: Range | None = None
     exact: bool = False
     """The wire dtype must be ``store`` itself (data that a cast would change, e.g. pixels)."""
+    some_nonzero: bool = False
+    """Each row (along the last axis) holds a nonzero value: an action mask allows some action."""
 
     @property
     def may_stay_compressed(self) -> bool:
@@ -137,6 +139,11 @@ def frame_rule(frame_shape: tuple[int, ...], frame_dtype: np.dtype, bound: np.nd
         values = FINITE if bound is None else Range(tuple(-bound), tuple(bound))
         return ArrayRule("frames", "f", frame_dtype, ("frames", *frame_shape), values)
     return ArrayRule("frames", frame_dtype.kind, frame_dtype, ("frames", *frame_shape), exact=True)
+
+
+def mask_rule(name: str, shape: tuple[int | str, ...]) -> ArrayRule:
+    """An action mask: 0 or 1 a value, at least one 1 a row."""
+    return ArrayRule(name, "iub", np.dtype(np.uint8), shape, Range(0, 1), some_nonzero=True)
 
 
 # -- the schema
@@ -206,6 +213,8 @@ class BatchSchema:
                 _check_range(rule, array, sizes)
                 if array.dtype != rule.store:
                     array = array.astype(rule.store)
+                if rule.some_nonzero and not array.reshape(-1, array.shape[-1]).any(axis=1).all():
+                    raise RejectedMessage("empty_mask", f"{rule.name} has a row that allows no action")
             out[rule.name] = array
         return out, sizes
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from apex.algos.apex_dqn.exploration import Explorer, choose_actions
 from apex.algos.chunks import FrameTrack, frame_offsets
+from apex.algos.masks import episode_masks, legal_actions, masked_values
 from apex.config import Config
 from apex.envs.make import FrameStacker, VectorEnv
 from apex.nets.numpy_nets import q_network
@@ -54,8 +55,12 @@ class NStepChunker:
         chunk_transitions: int,
         clip_rewards: bool,
         reward_scale: float = 1.0,
+        mask_actions: int | None = None,
     ) -> None:
+        """``mask_actions``: each step's legal actions (of that many) are recorded, and a
+        chunk carries those of each transition's bootstrap observation (``next_mask``)."""
         self.stack, self.n, self.gamma = stack, n_step, gamma
+        self.mask_actions = mask_actions
         self.chunk_transitions = chunk_transitions
         self.clip_rewards = clip_rewards
         self.reward_scale = reward_scale
@@ -69,15 +74,19 @@ class NStepChunker:
         self.q_taken: list[float] = []
         self.values: list[float] = []  # max_a Q(s_t, a) for t = c, c+1, ...
         self.rewards: list[float] = []
+        self.masks: list[np.ndarray] = []  # the legal actions at s_t (with mask_actions)
         self.c = 0  # step index of the chunk's first transition
         self.t = 0  # current step index
         self.episode_return = 0.0
 
-    def record_action(self, action: int, q_taken: float, value: float) -> Chunk | None:
-        """Acting on s_t; returns a chunk when enough transitions have their bootstrap value."""
+    def record_action(self, action: int, q_taken: float, value: float, mask: np.ndarray | None = None) -> Chunk | None:
+        """Acting on s_t (with its legal actions ``mask``, where they are recorded); returns
+        a chunk when enough transitions have their bootstrap value."""
         self.actions.append(int(action))
         self.q_taken.append(float(q_taken))
         self.values.append(float(value))
+        if self.mask_actions is not None:
+            self.masks.append(np.ones(self.mask_actions, np.uint8) if mask is None else mask.astype(np.uint8))
         complete = self.t - self.n + 1 - self.c  # transitions t' with t' + n <= t
         if complete >= self.chunk_transitions:
             return self._emit(self.chunk_transitions, end=None, terminated=False, final_value=0.0)
@@ -119,13 +128,17 @@ class NStepChunker:
             "discount": discount.astype(np.float32),
             "priority": priority.astype(np.float32),
         }
+        if self.mask_actions is not None:  # the final observation's is unknown: all legal (discount 0 or its value)
+            final = [np.ones(self.mask_actions, np.uint8)] if end is not None else []
+            chunk["next_mask"] = np.stack(self.masks + final)[horizon - c]
+            del self.masks[:count]
         self.track.drop(count)
         del self.actions[:count], self.q_taken[:count], self.values[:count], self.rewards[:count]
         self.c += count
         return chunk
 
 
-def make_chunker(config: Config, stack: int) -> NStepChunker:
+def make_chunker(config: Config, stack: int, mask_actions: int | None = None) -> NStepChunker:
     """One environment's (or external episode's) chunker, as the run's config says."""
     return NStepChunker(
         stack,
@@ -134,6 +147,7 @@ def make_chunker(config: Config, stack: int) -> NStepChunker:
         config.apex_dqn.chunk_transitions,
         clip_rewards=config.env.is_atari and config.env.clip_rewards,
         reward_scale=config.env.reward_scale,
+        mask_actions=mask_actions,
     )
 
 
@@ -281,7 +295,7 @@ class ApexDqnEpisodeActor:
         if episode.slot is None:
             raise ValueError(f"episode {episode.id} begins before it has a slot")
         rung = episode.slot % len(self.epsilons)
-        chunker = make_chunker(self.config, self.spec.stack)
+        chunker = make_chunker(self.config, self.spec.stack, self.spec.num_actions if self.spec.action_masked else None)
         episode.state = _ExternalEpisode(chunker, float(self.epsilons[rung]), bool(self.eval_mask[rung]))
 
     def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
@@ -289,19 +303,21 @@ class ApexDqnEpisodeActor:
         the step before each (``episode.reward``) ends here."""
         q = self.net(obs)
         count = len(episodes)
+        mask = episode_masks(episodes, self.spec.num_actions)
+        legal_q = masked_values(q, mask)
         if chosen is None:
-            actions = self._explore(episodes, q.argmax(axis=1))
+            actions = legal_actions(self.rng, self._explore(episodes, legal_q.argmax(axis=1)), mask)
         else:
             actions = chosen
         q_taken = q[np.arange(count), actions].tolist()
-        values = q.max(axis=1).tolist()
+        values = legal_q.max(axis=1).tolist()
         for i, (episode, action) in enumerate(zip(episodes, actions.tolist())):
             chunker = episode.state.chunker
             if episode.acted:
                 chunker.record_step(episode.reward, obs[i, -1])
             else:
                 chunker.start(obs[i, -1])
-            chunk = chunker.record_action(action, q_taken[i], values[i])
+            chunk = chunker.record_action(action, q_taken[i], values[i], None if mask is None else mask[i])
             if chunk is not None:
                 self._pending.append((chunk, []))
         return actions

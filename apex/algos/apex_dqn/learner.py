@@ -34,7 +34,7 @@ from apex.training import optim
 from apex.training.distributed import NO_BATCH, GradientAllReduce, step_without_batch
 from apex.training.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.wire.compression import Compressed
-from apex.wire.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule
+from apex.wire.schema import FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, frame_rule, mask_rule
 
 
 def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
@@ -53,6 +53,8 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
             ArrayRule("discount", "f", np.dtype(np.float32), transitions, Range(0.0, 1.0)),
             # float32 and finite: however many there are, their sum in the tree stays finite
             ArrayRule("priority", "f", np.dtype(np.float32), transitions, Range(0.0, FLOAT32_MAX)),
+            # the legal actions at each transition's bootstrap observation
+            *((mask_rule("next_mask", (*transitions, spec.num_actions)),) if spec.action_masked else ()),
         )
     )
 
@@ -114,6 +116,7 @@ class ApexDqnLearner:
             alpha=config.apex_dqn.replay.alpha,
             eps=config.apex_dqn.replay.eps,
             seed=config.seed,
+            extra_fields={"next_mask": ((spec.num_actions,), np.uint8)} if spec.action_masked else None,
         )
         replay = config.apex_dqn.replay
         self.limiter = RateLimiter(replay.samples_per_insert, replay.min_size, replay.rate_slack)
@@ -233,6 +236,7 @@ class ApexDqnLearner:
             batch["discount"],
             batch["next_obs"],
             batch["weights"],
+            batch.get("next_mask"),
         )
         # The priorities' sum: finite only if every priority is.
         results = optim.guarded_step(

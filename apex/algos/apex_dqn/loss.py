@@ -26,11 +26,16 @@ def dqn_loss(
     discount: torch.Tensor,  # [B] gamma^k, 0 where the episode terminated
     next_obs: torch.Tensor,  # [B, *obs_shape]
     weights: torch.Tensor,  # [B] importance-sampling weights
+    next_mask: torch.Tensor | None = None,  # [B, A] uint8: the legal actions at next_obs
 ) -> LossOutput:
-    """Double DQN: the online network picks the next action, the target network values it."""
+    """Double DQN: the online network picks the next action (a legal one, with
+    ``next_mask``), the target network values it."""
     q = online(obs).gather(1, action[:, None]).squeeze(1)  # [B]
     with torch.no_grad():  # separate passes: backward then runs over B rows, not 2B
-        next_action = online(next_obs).argmax(dim=1, keepdim=True)  # [B, 1]
+        next_q_online = online(next_obs)
+        if next_mask is not None:
+            next_q_online = next_q_online.masked_fill(next_mask == 0, -torch.inf)
+        next_action = next_q_online.argmax(dim=1, keepdim=True)  # [B, 1]
         next_q = target(next_obs).gather(1, next_action).squeeze(1)  # [B]
         td_target = reward + discount * next_q
     td = td_target - q

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from apex.algos.chunks import FrameTrack, frame_offsets
+from apex.algos.masks import MASKED_LOGIT, episode_masks, masked_values
 from apex.config import Config
 from apex.envs.make import EnvSpec, FrameStacker, VectorEnv
 from apex.errors import ConfigError
@@ -183,6 +184,7 @@ class _Row:
         self.track = FrameTrack(stack)
         self.records: list[EpisodeRecord] = []  # of the episodes that ended in this row
         self.t = 0
+        self.mask: np.ndarray | None = None  # [T, A] the legal actions of each step (a masked policy's)
 
 
 def _slot(episode: Episode) -> int:
@@ -231,13 +233,16 @@ class ImpalaEpisodeActor:
         episode.state = {"value": 0.0}
         slot = _slot(episode)
         if slot not in self._rows:
-            self._rows[slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
+            row = self._rows[slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
+            if self.spec.action_masked:
+                row.mask = np.ones((self.T, self.spec.num_actions), np.uint8)
 
     def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
         if chosen is not None:
             raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
         params, values, _ = self.net(obs)
-        actions, logp = sample(self.rng, params, self.spec)
+        mask = episode_masks(episodes, self.spec.num_actions)
+        actions, logp = sample(self.rng, masked_values(params, mask, MASKED_LOGIT), self.spec)
         for i, episode in enumerate(episodes):
             row = self._rows[_slot(episode)]
             frame = obs[i, -1]
@@ -250,6 +255,8 @@ class ImpalaEpisodeActor:
                 self._emit(row)
             row.action[row.t] = actions[i]
             row.behaviour_logp[row.t] = logp[i]
+            if row.mask is not None:
+                row.mask[row.t] = 1 if mask is None else mask[i]
             episode.state["value"] = float(values[i])
         return actions
 
@@ -293,6 +300,7 @@ class ImpalaEpisodeActor:
             "reward": row.reward.copy(),
             "discount": row.discount.copy(),
             "behaviour_logp": row.behaviour_logp.copy(),
+            **({} if row.mask is None else {"mask": row.mask.copy()}),
         }
         self._ready.append((unroll, row.records))
         if keep:
@@ -312,7 +320,13 @@ class ImpalaEpisodeActor:
                 "frames": np.concatenate(frames),
                 "obs_frame": np.stack([u["obs_frame"] for u, _ in group]) + frame_offsets(frames)[:, None],
             }
-            for name in ("action", "reward", "discount", "behaviour_logp"):
+            for name in (
+                "action",
+                "reward",
+                "discount",
+                "behaviour_logp",
+                *(("mask",) if self.spec.action_masked else ()),
+            ):
                 batch[name] = np.stack([u[name] for u, _ in group])
             batches.append((batch, [record for _, records in group for record in records]))
         return batches

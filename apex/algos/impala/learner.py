@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from apex.algos.masks import MASKED_LOGIT
 from apex.config import Config
 from apex.core import Policy
 from apex.envs.make import EnvSpec
@@ -38,7 +39,17 @@ from apex.training import optim
 from apex.training.distributed import NO_BATCH, GradientAllReduce, step_without_batch
 from apex.training.pipeline import DeviceStager, Pending, Staged, collect, fetch
 from apex.wire.compression import Compressed
-from apex.wire.schema import FINITE, FLOAT32_MAX, ArrayRule, BatchSchema, Range, below, below_each, frame_rule
+from apex.wire.schema import (
+    FINITE,
+    FLOAT32_MAX,
+    ArrayRule,
+    BatchSchema,
+    Range,
+    below,
+    below_each,
+    frame_rule,
+    mask_rule,
+)
 
 
 class VTraceReturns(NamedTuple):
@@ -161,6 +172,8 @@ def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
             ArrayRule("core_c", "f", np.dtype(np.float32), ("unrolls", L), FINITE),
             ArrayRule("done", "iu", np.dtype(np.uint8), steps, Range(0, 1)),
         ]
+    if spec.action_masked:  # each step's legal actions: the policy's logits of the others are masked
+        rules.append(mask_rule("mask", (*steps, spec.num_actions)))
     return BatchSchema(tuple(rules))
 
 
@@ -202,7 +215,11 @@ class ImpalaLearner:
         self.skipped_updates = 0  # non-finite loss or gradient: not applied
         self.samples_per_update = im.batch_unrolls * im.unroll_length
         self.recurrent = self.net.recurrent
-        self._per_step = ("action", "reward", "discount", "behaviour_logp") + (("done",) if self.recurrent else ())
+        self._per_step = (
+            ("action", "reward", "discount", "behaviour_logp")
+            + (("done",) if self.recurrent else ())
+            + (("mask",) if spec.action_masked else ())
+        )
         self._per_unroll = self._per_step + (("core_h", "core_c") if self.recurrent else ())  # what insert keeps
         self._offsets = np.arange(spec.stack)
         self.schema = batch_schema(spec, config)
@@ -296,6 +313,8 @@ class ImpalaLearner:
         batch = staged.tensors
         state = (batch["core_h"], batch["core_c"]) if self.recurrent else None
         params, values = self.net.unroll(batch["obs"], batch.get("done"), state)
+        if "mask" in batch:  # illegal actions have probability 0 (the bootstrap step's are not used)
+            params = torch.cat([params[:-1].masked_fill(batch["mask"] == 0, MASKED_LOGIT), params[-1:]])
         out = impala_loss(
             params,
             values,
