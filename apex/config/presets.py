@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from apex.config import algorithms, network, sections
+from apex.config import algorithms, multi_agent, network, sections
 from apex.config.sections import Config
 from apex.core import ALGOS
 
@@ -49,7 +49,8 @@ def setting_docs() -> dict[tuple[str, str], str]:
     import inspect
 
     docs = {}
-    nodes = [node for module in (sections, algorithms, network) for node in ast.parse(inspect.getsource(module)).body]
+    modules = (sections, algorithms, network, multi_agent)
+    nodes = [node for module in modules for node in ast.parse(inspect.getsource(module)).body]
     for node in nodes:
         if not isinstance(node, ast.ClassDef):
             continue

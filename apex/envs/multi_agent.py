@@ -55,16 +55,14 @@ def _factory(env_id: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except Exception as e:
         raise ConfigError(f"env.id {env_id!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
-    target = getattr(module, attr, None)
-    if target is None or isinstance(target, types.ModuleType):
-        try:  # PettingZoo's families load their environments' modules on first use
-            target = importlib.import_module(f"{module_name}.{attr}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{module_name}.{attr}":
-                raise ConfigError(f"env.id {env_id!r} needs {e.name!r}: install it ({e})") from None
-            target = None
-        except Exception as e:
-            raise ConfigError(f"env.id {env_id!r}: importing it failed: {type(e).__name__}: {e}") from None
+    try:  # a PettingZoo family's environments are its submodules (the family's own getattr warns)
+        target: Any = importlib.import_module(f"{module_name}.{attr}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{module_name}.{attr}":
+            raise ConfigError(f"env.id {env_id!r} needs {e.name!r}: install it ({e})") from None
+        target = getattr(module, attr, None)
+    except Exception as e:
+        raise ConfigError(f"env.id {env_id!r}: importing it failed: {type(e).__name__}: {e}") from None
     if isinstance(target, types.ModuleType):
         made: Callable[..., Any] | None = getattr(target, "parallel_env", None) or getattr(target, "env", None)
         if not callable(made):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from apex import config as config_module
 from apex.algos.impala import actor as impala_actor
 from apex.algos.impala import learner as impala
+from apex.algos.impala import loss as impala_loss
 from apex.envs.make import EnvSpec
 from apex.replay import UnrollQueue
 
@@ -53,7 +54,7 @@ def test_vtrace_matches_the_definition(T, B, rho_bar, c_bar, seed):
     discounts = 0.9 * (rng.random((T, B)) > 0.2)  # some 0: episodes ending inside the unroll
     values = rng.standard_normal((T, B))
     bootstrap = rng.standard_normal(B)
-    out = impala.vtrace(
+    out = impala_loss.vtrace(
         *(torch.tensor(x) for x in (behaviour, target, rewards, discounts, values, bootstrap)),
         rho_bar=rho_bar,
         c_bar=c_bar,
@@ -72,7 +73,7 @@ def test_on_policy_vtrace_is_the_bootstrapped_n_step_return():
     discounts[3, 1] = 0.0  # env 1 terminates after step 3
     values = torch.tensor(rng.standard_normal((T, B)))
     bootstrap = torch.tensor(rng.standard_normal(B))
-    out = impala.vtrace(logp, logp, rewards, discounts, values, bootstrap, rho_bar=1.0, c_bar=1.0)
+    out = impala_loss.vtrace(logp, logp, rewards, discounts, values, bootstrap, rho_bar=1.0, c_bar=1.0)
     for s in range(T):
         for b in range(B):
             ret, weight = 0.0, 1.0
@@ -85,7 +86,7 @@ def test_on_policy_vtrace_is_the_bootstrapped_n_step_return():
 
 def test_vtrace_passes_no_gradient_into_its_targets():
     values = torch.zeros(3, 1, requires_grad=True)
-    out = impala.vtrace(
+    out = impala_loss.vtrace(
         torch.zeros(3, 1), torch.zeros(3, 1), torch.ones(3, 1), torch.full((3, 1), 0.9), values, torch.zeros(1)
     )
     assert not out.vs.requires_grad and not out.pg_advantages.requires_grad

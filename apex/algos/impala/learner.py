@@ -1,15 +1,7 @@
 """IMPALA (Espeholt et al. 2018, "IMPALA: Scalable Distributed Deep-RL with Importance
 Weighted Actor-Learner Architectures").
 
-V-trace (Sec. 4.1, eq. 1), for an unroll x_s .. x_{s+n} with behaviour policy mu and
-target policy pi, rho_t = min(rho_bar, pi/mu), c_t = min(c_bar, pi/mu):
-
-    v_s = V(x_s) + sum_{t=s}^{s+n-1} gamma^{t-s} (prod_{i=s}^{t-1} c_i) delta_t V,
-    delta_t V = rho_t (r_t + gamma V(x_{t+1}) - V(x_t)),
-
-computed backwards as v_s - V(x_s) = delta_s V + gamma_s c_s (v_{s+1} - V(x_{s+1})), with
-per-step discounts gamma_t (0 where the episode terminated). The policy gradient uses
-rho_s (r_s + gamma_s v_{s+1} - V(x_s)) (Sec. 4.2). Targets carry no gradient.
+V-trace and the loss are in ``apex.algos.impala.loss``.
 
 Truncated episodes (time limits) are bootstrapped by the actor: the last reward gets
 gamma * V(final observation) from the actor's own value head, and the discount is cut.
@@ -21,18 +13,19 @@ the paper, but a small MLP and Adam for CartPole, and batches of 8 for a CPU Pon
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
+from apex.algos.impala.loss import impala_loss
 from apex.algos.masks import MASKED_LOGIT
 from apex.config import Config
 from apex.core import Policy
 from apex.envs.make import EnvSpec
 from apex.errors import ApexError, ProtocolError
 from apex.nets.gaussian import LOG_2PI, LOG_STD_MIN
-from apex.nets.torch_nets import PolicyValueNetwork, State, check_fits, log_prob_and_entropy, numpy_weights
+from apex.nets.torch_nets import PolicyValueNetwork, State, check_fits, numpy_weights
 from apex.replay import UnrollQueue
 from apex.replay.unrolls import Unroll
 from apex.training import optim
@@ -50,80 +43,6 @@ from apex.wire.schema import (
     frame_rule,
     mask_rule,
 )
-
-
-class VTraceReturns(NamedTuple):
-    vs: torch.Tensor  # [T, B] value targets
-    pg_advantages: torch.Tensor  # [T, B] rho-clipped policy-gradient advantages
-
-
-@torch.no_grad()
-def vtrace(
-    behaviour_logp: torch.Tensor,  # [T, B] log mu(a_t | x_t)
-    target_logp: torch.Tensor,  # [T, B] log pi(a_t | x_t)
-    rewards: torch.Tensor,  # [T, B]
-    discounts: torch.Tensor,  # [T, B] gamma_t, 0 at termination
-    values: torch.Tensor,  # [T, B] V(x_t)
-    bootstrap_value: torch.Tensor,  # [B] V(x_T)
-    rho_bar: float = 1.0,
-    c_bar: float = 1.0,
-) -> VTraceReturns:
-    rhos = torch.exp(target_logp - behaviour_logp)
-    clipped_rhos = torch.clamp(rhos, max=rho_bar)
-    cs = torch.clamp(rhos, max=c_bar)
-    next_values = torch.cat([values[1:], bootstrap_value[None]])  # [T, B]
-    deltas = clipped_rhos * (rewards + discounts * next_values - values)
-    acc = torch.zeros_like(bootstrap_value)
-    vs_minus_v = torch.empty_like(values)
-    for t in reversed(range(values.shape[0])):
-        acc = deltas[t] + discounts[t] * cs[t] * acc
-        vs_minus_v[t] = acc
-    vs = vs_minus_v + values
-    next_vs = torch.cat([vs[1:], bootstrap_value[None]])
-    pg_advantages = clipped_rhos * (rewards + discounts * next_vs - values)
-    return VTraceReturns(vs, pg_advantages)
-
-
-class LossOutput(NamedTuple):
-    loss: torch.Tensor
-    pg_loss: torch.Tensor
-    baseline_loss: torch.Tensor
-    entropy: torch.Tensor
-
-
-def impala_loss(
-    params: torch.Tensor,  # [T+1, B, P] policy parameters (the last step only bootstraps)
-    values: torch.Tensor,  # [T+1, B]
-    actions: torch.Tensor,  # [T, B]; [T, B, components] for MultiDiscrete; [T, B, D] continuous
-    behaviour_logp: torch.Tensor,  # [T, B]
-    rewards: torch.Tensor,  # [T, B]
-    discounts: torch.Tensor,  # [T, B]
-    rho_bar: float,
-    c_bar: float,
-    baseline_cost: float,
-    entropy_cost: float,
-    spec: EnvSpec,
-) -> LossOutput:
-    """The V-trace actor-critic loss. A MultiDiscrete policy is a product of independent
-    categoricals, a continuous one of independent Gaussians: log pi(a | x) and the entropy
-    are sums over the components."""
-    target_logp, policy_entropy = log_prob_and_entropy(params[:-1], actions, spec)  # [T, B] each
-    returns = vtrace(
-        behaviour_logp,
-        target_logp.detach(),
-        rewards,
-        discounts,
-        values[:-1].detach(),
-        values[-1].detach(),
-        rho_bar,
-        c_bar,
-    )
-    pg_loss = -(target_logp * returns.pg_advantages).mean()
-    baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
-    policy_entropy = policy_entropy.mean()
-    loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * policy_entropy
-    return LossOutput(loss, pg_loss.detach(), baseline_loss.detach(), policy_entropy.detach())
-
 
 MAX_RETURN_HORIZON = 1e4  # a truncation bootstrap is at most this many rewards' worth
 MAX_ABS_CONTINUOUS_ACTION = 1e6  # a Gaussian's sample; beyond, its log-density could overflow float32

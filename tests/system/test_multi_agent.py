@@ -1,0 +1,167 @@
+"""Multi-agent training on PettingZoo environments with real processes (`apex run`, `apex
+learner` and `apex actor`), on the small tasks of tests/multiagent_envs.py: each fails a
+learner that lacks what it tests (a shared policy, policies of their own spaces, masks)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from apex import config as config_module
+from apex.bench.transport import free_base_port
+from apex.multiagent.actor import MultiAgentActor
+from apex.transport import ActorConnection
+from tests.support.learning import assert_reached
+from tests.support.paths import ROOT
+from tests.support.peers import OPTIONS
+from tests.support.processes import apex, kill_leftovers, wait_for
+from tests.support.runs import metrics
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(tmp_path: Path, *args: str, timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "apex", "run", "--actors", "1", "--port", str(free_base_port()), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def summary(logdir: Path) -> dict:
+    return json.loads((logdir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_a_shared_policy_learns_a_cooperative_task_that_needs_the_partners_position(tmp_path, algo):
+    """meet: going towards the partner gets 0.9, acting at random -0.4, and a policy blind to
+    where its partner is cannot get near 0.75."""
+    logdir = tmp_path / "run"
+    out = run(
+        tmp_path,
+        "--algo",
+        algo,
+        "--env",
+        "tests.multiagent_envs:meet",
+        "--stop-return",
+        "0.75",
+        "--stop-seconds",
+        "150",
+        "--logdir",
+        str(logdir),
+    )
+    assert out.returncode == 0, out.stderr
+    result = summary(logdir)
+    assert_reached(result, 0.75)
+    assert list(result["policies"]) == ["shared"]
+    assert result["policies"]["shared"]["learner_updates"] == result["learner_updates"] > 0
+    row = metrics(logdir)[-1]
+    assert row["policies"]["shared"]["return_mean_100"] >= 0.6  # each agent's own return
+    assert row["rejected_messages"] == 0
+
+
+def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_is_refused(tmp_path):
+    logdir = tmp_path / "run"
+    out = run(
+        tmp_path,
+        "--env",
+        "tests.multiagent_envs:speaker_listener",
+        "--set",
+        "multi_agent.mapping=per_agent",
+        "--stop-return",
+        "0.95",
+        "--stop-seconds",
+        "150",
+        "--logdir",
+        str(logdir),
+    )
+    assert out.returncode == 0, out.stderr
+    result = summary(logdir)
+    assert_reached(result, 0.95)  # chance is 0.25: the two learned one code between them
+    policies = result["policies"]
+    assert sorted(policies) == ["listener", "speaker"]
+    assert all(p["learner_updates"] > 0 and p["trained"] for p in policies.values())
+
+    refused = run(tmp_path, "--env", "tests.multiagent_envs:speaker_listener", "--stop-seconds", "5", timeout=60)
+    assert refused.returncode == 2
+    error = refused.stderr.strip().splitlines()[-1]
+    assert "'speaker' and 'listener'" in error and "observation spaces differ" in error and "per_agent" in error
+    assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_a_masked_action_is_never_taken_though_it_would_pay_the_most(tmp_path, algo):
+    """masked_choice: action 0 would pay 10 and is always illegal; taking it writes a marker."""
+    marker = tmp_path / "illegal"
+    logdir = tmp_path / "run"
+    out = run(
+        tmp_path,
+        "--algo",
+        algo,
+        "--env",
+        "tests.multiagent_envs:masked_choice",
+        "--set",
+        f"env.kwargs={{marker: {marker}}}",
+        "--set",
+        f"{algo}.publish_interval=1",
+        "--stop-return",
+        "0.98",
+        "--stop-seconds",
+        "90",
+        "--logdir",
+        str(logdir),
+    )
+    assert out.returncode == 0, out.stderr
+    assert_reached(summary(logdir), 0.98)  # the legal optimum (1 then 1)
+    assert not marker.exists()
+
+
+def test_batches_for_an_unknown_policy_or_with_a_mask_that_allows_nothing_are_refused_and_training_goes_on(tmp_path):
+    port = free_base_port()
+    logdir = tmp_path / "run"
+    env = ["--env", "tests.multiagent_envs:masked_choice", "--set", "learner.metrics_interval_s=0.5"]
+    learner = apex("learner", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "60", *env, cwd=ROOT)
+    actor = apex("actor", "--learner", f"127.0.0.1:{port}", "--allow-import", "tests", cwd=ROOT)
+    peer = None
+    try:
+        wait_for(lambda: any(r.get("learner_updates", 0) > 50 for r in metrics(logdir)), 60, "updates")
+        peer = ActorConnection("127.0.0.1", port, num_envs=2, options=OPTIONS)
+        setup = peer.handshake(timeout_s=20).fields["setup"]
+        core = MultiAgentActor(config_module.from_dict(setup["config"]), setup, setup["seed"], tick=peer.tick)
+        batch = None
+        while batch is None:
+            peer.tick()
+            batch, teams = core.act()
+        info = core.batch_info(teams)
+        forged = {name: np.array(a) for name, a in batch.items()}
+        assert peer.send_batch(forged, weights_version=0, info={**info, "policy": "nobody"}, timeout_s=20)
+        empty = {**forged, "next_mask": np.zeros_like(forged["next_mask"])}
+        assert peer.send_batch(empty, weights_version=0, info=info, timeout_s=20)
+        assert peer.send_batch(forged, weights_version=0, info=info, timeout_s=20)  # an honest one goes in
+        before = metrics(logdir)[-1]["learner_updates"]
+
+        def refused_both() -> bool:
+            peer.tick()
+            row = metrics(logdir)[-1]
+            reasons = row["rejected_by_reason"]
+            return reasons.get("unknown_policy") == 1 and reasons.get("empty_mask") == 1
+
+        wait_for(refused_both, 30, "both refusals counted")
+        wait_for(lambda: metrics(logdir)[-1]["learner_updates"] > before + 50, 30, "training going on")
+        core.close()
+    finally:
+        if peer is not None:
+            peer.close()
+        learner.terminate()
+        actor.terminate()
+        for p in (learner, actor):
+            p.communicate(timeout=30)
+        kill_leftovers([learner, actor])

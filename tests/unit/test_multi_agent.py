@@ -1,0 +1,209 @@
+"""The multi-agent pieces one by one: the mapping forms, the PettingZoo stepping of both APIs,
+the trust of what a config names, the masks in the actors and the losses, the learner's
+interleaving of policies and its checkpoint state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from apex.algos.apex_dqn.actor import ApexDqnEpisodeActor, NStepChunker
+from apex.algos.apex_dqn.loss import dqn_loss
+from apex.algos.impala.actor import ImpalaEpisodeActor
+from apex.algos.masks import legal_actions
+from apex.config import load_dict
+from apex.config.trust import check_imports, is_pettingzoo_env_id
+from apex.core.episode import Episode
+from apex.envs.multi_agent import is_multi_agent
+from apex.envs.policy_map import multi_agent_spec, policy_mapper
+from apex.errors import ConfigError, RejectedMessage
+from apex.multiagent.actor import MultiAgentActor, per_agent_setup
+from apex.multiagent.learner import MultiPolicyLearner
+from apex.wire.schema import BatchSchema, mask_rule
+
+TICTACTOE = "pettingzoo.classic:tictactoe_v3"
+
+
+def config(**sections):
+    return load_dict(sections)
+
+
+def test_each_mapping_form_names_the_policy_of_each_agent():
+    def mapper(mapping):
+        return policy_mapper(config(multi_agent={"mapping": mapping}))
+
+    assert mapper("shared")("red_0") == "shared"
+    assert mapper("per_agent")("red_0") == "red_0"
+    by_pattern = mapper({"red_*": "red", "*": "others"})
+    assert (by_pattern("red_3"), by_pattern("blue_1")) == ("red", "others")
+    with pytest.raises(ConfigError, match="no pattern matches agent 'blue_1'"):
+        mapper({"red_*": "red"})("blue_1")
+    assert mapper("tests.unit.test_multi_agent:team_of")("blue_7") == "team_blue"
+    with pytest.raises(ConfigError, match="a policy name is"):
+        mapper("per_agent")("agent with spaces")
+
+
+def team_of(agent: str) -> str:
+    return "team_" + agent.split("_")[0]
+
+
+def test_a_mapping_or_train_list_out_of_shape_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match="multi_agent.mapping must be shared, per_agent"):
+        config(multi_agent={"mapping": "everyone"})
+    with pytest.raises(ConfigError, match="multi_agent.self_play needs multi_agent.mapping: shared"):
+        config(multi_agent={"mapping": "per_agent", "self_play": {"enabled": True}})
+    with pytest.raises(ConfigError, match="multi_agent.train names policy 'blue'"):
+        multi_agent_spec(config(env={"id": "tests.multiagent_envs:meet"}, multi_agent={"train": ["blue"]}))
+
+
+def test_pettingzoos_own_ids_need_no_allowance_and_a_mapping_function_does():
+    assert is_pettingzoo_env_id(TICTACTOE)
+    assert not is_pettingzoo_env_id("pettingzoo.utils:wrappers")  # not an environment of a family
+    check_imports(config(env={"id": TICTACTOE}).env, (), "a checkpoint")
+    mapped = config(env={"id": TICTACTOE}, multi_agent={"mapping": "evil.module:policy_of"})
+    with pytest.raises(ConfigError, match="names module 'evil.module' \\(multi_agent.mapping\\)"):
+        check_imports(mapped.env, (), "a checkpoint", mapped.multi_agent.mapping_function)
+
+
+def test_gymnasium_ids_stay_single_agent_and_pettingzoo_ones_are_told_apart_by_what_they_name():
+    assert not is_multi_agent(config().env)
+    assert not is_multi_agent(config(env={"id": "tests.envs:apex-test/Recall-v0"}).env)
+    assert is_multi_agent(config(env={"id": TICTACTOE}).env)
+    assert is_multi_agent(config(env={"id": "tests.multiagent_envs:meet"}).env)
+
+
+def test_an_aec_environment_steps_one_agent_at_a_time_and_hands_each_its_reward_and_mask():
+    cfg = config(env={"id": TICTACTOE})
+    spec = multi_agent_spec(cfg)
+    assert spec.api == "aec" and spec.policies["shared"].spec.action_masked
+    assert spec.policies["shared"].spec.frame_shape == (18,)  # the board, without its mask
+    env = spec.make(cfg)
+    outcome = env.reset(seed=0)
+    moves, totals = 0, {"player_1": 0.0, "player_2": 0.0}
+    while not outcome.done:
+        (turn,) = outcome.turns
+        legal = np.flatnonzero(turn.mask)
+        assert len(legal) == 9 - moves  # each move fills a square
+        outcome = env.step({turn.agent: legal[0]})  # the first free square: player 1 wins on the diagonal
+        moves += 1
+        for agent, reward in outcome.rewards.items():
+            totals[agent] += reward
+    assert sorted(e.agent for e in outcome.ended) == ["player_1", "player_2"]
+    assert all(e.terminated and not e.truncated for e in outcome.ended)
+    assert totals == {"player_1": 1.0, "player_2": -1.0}
+    env.close()
+
+
+def test_the_episode_time_limit_truncates_every_agent_of_a_parallel_environment():
+    cfg = config(env={"id": "tests.multiagent_envs:meet", "max_episode_steps": 2})
+    env = multi_agent_spec(cfg).make(cfg)
+    env.reset(seed=0)
+    env.step({"a_0": 1, "a_1": 1})  # both stay: they cannot meet
+    outcome = env.step({"a_0": 1, "a_1": 1})
+    assert outcome.done and {(e.agent, e.terminated, e.truncated) for e in outcome.ended} == {
+        ("a_0", False, True),
+        ("a_1", False, True),
+    }
+
+
+def test_an_agents_seats_share_their_environments_rung_of_the_ladder():
+    setup = {"epsilons": [0.4, 0.01], "eval_envs": [False, True], "other": 3}
+    assert per_agent_setup(setup, num_envs=2, seats=3) == {
+        "epsilons": [0.4, 0.4, 0.4, 0.01, 0.01, 0.01],
+        "eval_envs": [False, False, False, True, True, True],
+        "other": 3,
+    }
+
+
+def test_the_double_dqn_target_never_bootstraps_from_an_illegal_next_action():
+    class Fixed(torch.nn.Module):
+        def __init__(self, q):
+            super().__init__()
+            self.q = torch.nn.Parameter(torch.tensor(q))
+
+        def forward(self, obs):
+            return self.q.expand(len(obs), -1)
+
+    q = [[0.0, 1.0, 100.0]]  # the illegal action 2 is worth the most to both networks
+    args = (torch.zeros(1, 1), torch.tensor([0]), torch.tensor([0.0]), torch.tensor([1.0]), torch.zeros(1, 1))
+    masked = dqn_loss(Fixed(q), Fixed(q), *args, torch.ones(1), torch.tensor([[1, 1, 0]], dtype=torch.uint8))
+    unmasked = dqn_loss(Fixed(q), Fixed(q), *args, torch.ones(1))
+    assert masked.priorities.item() == pytest.approx(1.0)  # |0 + 1 * Q(s', 1) - Q(s, 0)|
+    assert unmasked.priorities.item() == pytest.approx(100.0)
+
+
+def test_a_chunk_carries_the_mask_of_each_transitions_bootstrap_observation():
+    chunker = NStepChunker(1, n_step=2, gamma=0.9, chunk_transitions=100, clip_rewards=False, mask_actions=3)
+    masks = [np.array([1, 0, 1]), np.array([0, 1, 1]), np.array([1, 1, 0]), np.array([0, 0, 1])]
+    chunker.start(np.zeros(1, np.float32))
+    for t, mask in enumerate(masks):
+        chunker.record_action(1, 0.0, 0.0, mask)
+        chunker.record_step(0.0, np.full(1, t + 1, np.float32))
+    chunk = chunker.end_episode(False, 0.0)
+    # transitions 0, 1 bootstrap at steps 2, 3; 2 and 3 at the final observation (all legal)
+    assert chunk["next_mask"].tolist() == [[1, 1, 0], [0, 0, 1], [1, 1, 1], [1, 1, 1]]
+
+
+@pytest.mark.parametrize("core_type", [ApexDqnEpisodeActor, ImpalaEpisodeActor])
+def test_an_episode_actor_never_chooses_a_masked_action(core_type):
+    cfg = config(env={"id": TICTACTOE}, algo="apex_dqn" if core_type is ApexDqnEpisodeActor else "impala")
+    spec = multi_agent_spec(cfg).policies["shared"].spec
+    setup = {"num_envs": 64, "epsilons": [1.0] * 32 + [0.0] * 32, "eval_envs": [False] * 64}
+    core = core_type(cfg, setup, spec, seed=1)
+    rng = np.random.default_rng(0)
+    episodes = []
+    for slot in range(64):
+        episode = Episode(str(slot), slot, 0.0)
+        core.begin(episode)
+        episode.mask = rng.random(9) < 0.3
+        episode.mask[rng.integers(9)] = True
+        episodes.append(episode)
+    for _ in range(20):
+        actions = core.act(episodes, rng.random((64, 1, 18), dtype=np.float32), None)
+        assert all(e.mask[a] for e, a in zip(episodes, actions))
+        for episode in episodes:
+            episode.acted = True
+
+
+def test_legal_actions_replaces_only_the_illegal_ones():
+    mask = np.array([[True, False], [False, True]])
+    assert legal_actions(np.random.default_rng(0), np.array([0, 0]), mask).tolist() == [0, 1]
+
+
+def test_a_mask_that_allows_no_action_is_refused():
+    schema = BatchSchema((mask_rule("mask", ("rows", 3)),))
+    schema.validate({"mask": np.array([[0, 1, 0]], np.uint8)}, {"rows": 4})
+    with pytest.raises(RejectedMessage, match="allows no action") as refused:
+        schema.validate({"mask": np.array([[0, 1, 0], [0, 0, 0]], np.uint8)}, {"rows": 4})
+    assert refused.value.reason == "empty_mask"
+
+
+def test_the_learner_interleaves_policies_by_the_data_each_has_and_checkpoints_each():
+    cfg = config(
+        env={"id": "tests.multiagent_envs:speaker_listener"},
+        multi_agent={"mapping": "per_agent"},
+        apex_dqn={"batch_size": 8, "replay": {"min_size": 8}},
+        actor={"num_envs": 2},
+    )
+    spec = multi_agent_spec(cfg)
+    learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
+    setup = {"num_envs": 2, "seed": 0, **learner.actor_setup(0, 2)}
+    actor = MultiAgentActor(cfg, setup, seed=0, spec=spec)
+    sent = {"speaker": 0, "listener": 0}
+    while min(sent.values()) < 2:
+        batch, _ = actor.act()
+        if batch is not None:
+            policy = actor.batch_info([])["policy"]
+            arrays, _ = learner.cores[policy].schema.validate(batch, learner.policy_limits(policy, 2))
+            learner.cores[policy].insert_many([arrays])
+            sent[policy] += 1
+    trained = [learner.step() for _ in range(6)]
+    assert all(trained)
+    assert {name: core.updates for name, core in learner.cores.items()} == {"speaker": 3, "listener": 3}
+    assert set(learner.weights()) == {f"{p}/{k}" for p in ("speaker", "listener") for k in learner.cores[p].weights()}
+    state = learner.state_dict()
+    learner.check_state(state)
+    with pytest.raises(Exception, match="holds the policies"):
+        learner.check_state({"updates": 6, "policies": {"shared": state["policies"]["speaker"]}})
+    actor.close()
