@@ -38,6 +38,7 @@ class RunCounters:
         (``stats`` then holds the team returns)."""
         self.lock = threading.Lock()
         self.stats = EpisodeStats()
+        self.matches: list[tuple[int, int]] = []  # self-play's, since the learner last took them
         self.policy_stats = {name: EpisodeStats() for name in policies}
         self.env_steps = 0
         self.env_steps_by_host: dict[str, int] = {}
@@ -86,6 +87,7 @@ class _Accepted:
     episodes: list[tuple[float, int, bool]]
     used: int  # of the session's step budget
     teams: list[tuple[float, int, bool]]
+    matches: list[tuple[int, int]]
 
 
 class Ingest:
@@ -100,6 +102,7 @@ class Ingest:
         step_limit: int,
         counters: RunCounters,
         published_version: Callable[[], int],
+        check_matches: Callable[[Any], list[tuple[int, int]]] | None = None,
     ) -> None:
         """``targets``: the learner core of each policy that trains, by the name batches give
         in ``info.policy`` (a single-agent run: one, under None, and batches name none);
@@ -113,6 +116,7 @@ class Ingest:
         self.step_limit = step_limit
         self.counters = counters
         self.published_version = published_version
+        self.check_matches = check_matches  # self-play's (MultiPolicyLearner.check_matches)
         self.internal_errors = 0  # our own bugs met while ingesting: logged with a traceback
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._stop = threading.Event()
@@ -187,6 +191,7 @@ class Ingest:
                         counters.policy_stats[a.policy].add(episode_return, is_eval)
                     for episode_return, _length, is_eval in a.teams:
                         counters.stats.add(episode_return, is_eval)
+                    counters.matches.extend(a.matches)
                 if 0 <= a.msg.fields["weights_version"] <= version:  # an older learner's versions say nothing
                     counters.lags.append(version - a.msg.fields["weights_version"])
 
@@ -221,13 +226,26 @@ class Ingest:
                 step_limit=self.step_limit,
                 max_abs_reward=max_abs_reward,
             )
+        matches = self._matches(info.get("matches"), len(teams)) if "matches" in info else []
         session.step_budget += env_steps - used
-        return _Accepted(msg, policy, arrays, env_steps, episodes, used, teams)
+        return _Accepted(msg, policy, arrays, env_steps, episodes, used, teams, matches)
+
+    def _matches(self, raw: Any, teams: int) -> list[tuple[int, int]]:
+        """A batch's self-play matches: at most one an episode it reports. RejectedMessage."""
+        if self.check_matches is None:
+            raise RejectedMessage("info", "info.matches from a run without self-play")
+        try:
+            matches = self.check_matches(raw)
+        except ValueError as e:
+            raise RejectedMessage("matches", str(e)) from None
+        if len(matches) > teams:
+            raise RejectedMessage("matches", f"{len(matches)} matches with {teams} episodes")
+        return matches
 
     def _target(self, info: Any) -> tuple[str | None, IngestTarget, dict[str, Any]]:
         """(the policy a batch's info names, where it goes, its info). RejectedMessage for an
         info of the wrong shape or a policy this learner does not train."""
-        allowed = {"policy", "episodes", "teams"} if self.multi_agent else {"episodes"}
+        allowed = {"policy", "episodes", "teams", "matches"} if self.multi_agent else {"episodes"}
         if not isinstance(info, dict) or not info.keys() <= allowed:
             shape = '{"policy": name, "episodes": [...], "teams": [...]}' if self.multi_agent else '{"episodes": [...]}'
             raise RejectedMessage("info", f"batch info must be {shape}")

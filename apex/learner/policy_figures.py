@@ -6,6 +6,25 @@ from __future__ import annotations
 from typing import Any
 
 from apex.learner.runtime import TrainingRuntime
+from apex.multiagent.learner import MultiPolicyLearner
+
+
+def policy_metrics(runtime: TrainingRuntime) -> dict[str, Any]:
+    """The learner's metrics (each policy's under ``policies``), self-play's matches counted
+    first, each policy's own returns added."""
+    record_matches(runtime)
+    metrics = runtime.learner.metrics()
+    add_policy_returns(metrics["policies"], runtime)
+    return metrics
+
+
+def record_matches(runtime: TrainingRuntime) -> None:
+    """Hands self-play's matches counted since the last call to the pool (its rates and rating)."""
+    counters, learner = runtime.counters, runtime.learner
+    with counters.lock:
+        matches, counters.matches = counters.matches, []
+    if isinstance(learner, MultiPolicyLearner):
+        learner.record_matches(matches)
 
 
 def add_policy_returns(policies: dict[str, dict[str, Any]], runtime: TrainingRuntime) -> None:

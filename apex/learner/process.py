@@ -24,7 +24,7 @@ from apex.errors import ApexError
 from apex.learner.checkpointing import RunCheckpointer, Saved
 from apex.learner.metrics import MetricsWriter, Rate, say_goodbye, write_summary
 from apex.learner.pace import Clocks, GroupPace, Pace, SoloPace, stop_reason_now
-from apex.learner.policy_figures import add_policy_returns, policy_summary
+from apex.learner.policy_figures import policy_metrics, policy_summary
 from apex.learner.runtime import (
     IDLE_WAIT_S,
     STOP_LINGER_S,
@@ -368,9 +368,7 @@ class LearnerProcess:
                 "train_return_mean_100": stats.train_return_mean,
             }
         row["samples_per_s"] = round(row["updates_per_s"] * self.learner.samples_per_update, 1)
-        row.update(self.learner.metrics())
-        if self.runtime.policies:
-            add_policy_returns(row["policies"], self.runtime)
+        row.update(policy_metrics(self.runtime) if self.runtime.policies else self.learner.metrics())
         row.update(self.times.take())
         if isinstance(self.pace, GroupPace) and self.group is not None:
             row["ranks"] = self.group.world_size

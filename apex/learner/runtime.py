@@ -118,7 +118,8 @@ class TrainingRuntime:
         receiver.lazy = True  # the cores decompress frames themselves, straight into their storage
         self.counters = RunCounters(tuple(self.policies))
         self.version = 0  # of the weights last published (on a group's other ranks: as of the last sync)
-        self.ingest = Ingest(receiver, targets, config, step_limit, self.counters, lambda: self.version)
+        matches = multi.check_matches if isinstance(self.learner, MultiPolicyLearner) and multi.pool else None
+        self.ingest = Ingest(receiver, targets, config, step_limit, self.counters, lambda: self.version, matches)
         self.times = SectionTimes()
         self.wakeup = Wakeup()
         self.prefetch_errors = 0  # our own bugs met while sampling: logged with a traceback

@@ -26,9 +26,13 @@ from apex.envs.multi_agent import MultiAgentEnv, Outcome
 from apex.envs.policy_map import MultiAgentSpec, multi_agent_spec
 from apex.errors import ConfigError, ProtocolError
 from apex.multiagent.learner import WEIGHT_SEPARATOR
+from apex.multiagent.selfplay import LATEST, RANDOM, SNAPSHOT_MARK, OpponentDraw, RandomPlayer, match_outcome
 from apex.wire.protocol import Message
 
-POLICY_SEED_FACTOR = 7919  # each policy's sampling seed apart from the others'
+POLICY_SEED_FACTOR = 7919  # each player's sampling seed apart from the others'
+SHARED = "shared"  # the one policy of a shared mapping: the one self-play trains
+LATEST_PLAYER = "shared:latest"  # self-play opponents on the newest weights, whose experience is not sent
+RANDOM_PLAYER = "random"
 
 
 def per_agent_setup(setup: dict[str, Any], num_envs: int, seats: int) -> dict[str, Any]:
@@ -61,7 +65,11 @@ def setup_problem(
 
 
 class MultiAgentActor:
-    """K multi-agent environments; ``act()`` is one step of all of them (or a batch already made)."""
+    """K multi-agent environments; ``act()`` is one step of all of them (or a batch already made).
+
+    Each agent's episode is played by a *player*: its policy's episode core, or in self-play
+    the opponents' (the newest weights, a snapshot of the pool, the random player), drawn when
+    the episode starts. Only the players of trained policies make batches."""
 
     def __init__(
         self,
@@ -73,15 +81,23 @@ class MultiAgentActor:
     ) -> None:
         self.config = config
         self.spec = spec or multi_agent_spec(config)
-        side = algos.get(config.algo).actor()
+        self._side = algos.get(config.algo).actor()
         k = setup["num_envs"]
-        self.cores: dict[str, EpisodeActorCore] = {}
-        if (problem := setup_problem(setup, self.spec, side.setup_problem)) is not None:
+        if (problem := setup_problem(setup, self.spec, self._side.setup_problem)) is not None:
             raise ProtocolError(f"the welcome's setup is malformed: {problem}")
-        for i, (name, policy) in enumerate(self.spec.policies.items()):
-            seats = len(policy.agents)
-            own = {**setup, **per_agent_setup(setup["policies"][name], k, seats), "num_envs": k * seats}
-            self.cores[name] = side.episode_core(config, own, policy.spec, seed + POLICY_SEED_FACTOR * (i + 1))
+        self._setups = {
+            name: {**setup, **per_agent_setup(setup["policies"][name], k, len(p.agents)), "num_envs": k * len(p.agents)}
+            for name, p in self.spec.policies.items()
+        }
+        self._seed = seed
+        self.players: dict[str, EpisodeActorCore] = {name: self._core(name, name) for name in self.spec.policies}
+        self.self_play = config.multi_agent.self_play if config.multi_agent.self_play.enabled else None
+        self._draw = OpponentDraw(config.multi_agent.self_play, seed)
+        if self.self_play is not None:
+            shared = self.spec.policies[SHARED].spec
+            self.players[RANDOM_PLAYER] = RandomPlayer(shared.num_actions, seed + 1)
+            if not self.self_play.train_opponents:
+                self.players[LATEST_PLAYER] = self._core(SHARED, LATEST_PLAYER)
         # The Ape-X ladder's evaluation rungs are per environment (every agent of one on its rung).
         first = setup["policies"][next(iter(self.spec.policies))]
         self.eval_envs = [bool(e) for e in first.get("eval_envs", [True] * k)]
@@ -89,43 +105,68 @@ class MultiAgentActor:
         for _ in range(k):
             self.envs.append(self.spec.make(config))
             tick()
-        self._seed = seed
         self.steps = 0  # vector steps taken
         self.weights_version = -1
         self._episodes: list[dict[str, Episode]] = [{} for _ in range(k)]
+        self._player_of: list[dict[str, str]] = [{} for _ in range(k)]  # agent -> its player this episode
+        self._seating: list[tuple[str, int]] = [("", LATEST)] * k  # self-play: (learning seat, opponents)
         self._team_length = [0] * k
         self._team_returns: list[dict[str, float]] = [{} for _ in range(k)]
         self._next: list[Outcome] = []
         self._ready: deque[tuple[str, dict[str, np.ndarray], list[EpisodeRecord]]] = deque()
         self._teams: list[EpisodeRecord] = []
+        self._matches: list[list[int]] = []
         self._sending: tuple[str, list[EpisodeRecord]] | None = None  # the policy and records of the batch out
         for i, env in enumerate(self.envs):
-            self._next.append(env.reset(seed=seed + i))
+            self._next.append(self._started(i, env.reset(seed=seed + i)))
             tick()
+
+    def _core(self, policy: str, player: str) -> EpisodeActorCore:
+        """A new episode core of ``policy`` for ``player`` (its own seed)."""
+        offset = POLICY_SEED_FACTOR * (1 + sum(map(ord, player)))
+        return self._side.episode_core(
+            self.config, self._setups[policy], self.spec.policies[policy].spec, self._seed + offset
+        )
 
     @property
     def num_envs(self) -> int:
         return len(self.envs)
 
     def set_weights(self, msg: Message) -> None:
-        """One message holds every policy's weights (``<policy>/<array>``); each core takes its own."""
-        parts: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.cores}
+        """One message holds every policy's weights (``<policy>/<array>``), and in self-play
+        the pool's snapshots (``shared@<id>/<array>``); each player takes its own."""
+        parts: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.spec.policies}
         for key, array in msg.arrays.items():
             name, sep, rest = key.partition(WEIGHT_SEPARATOR)
-            if not sep or name not in parts:
+            policy, mark, _ = name.partition(SNAPSHOT_MARK)
+            if not sep or policy not in self.spec.policies or (mark and self.self_play is None):
                 raise ProtocolError(f"weights for an unknown policy: array {key!r}")
-            parts[name][rest] = array
-        for name, core in self.cores.items():
-            core.set_weights(Message(msg.type, msg.fields, parts[name]))
+            parts.setdefault(name, {})[rest] = array
+        for name, arrays in parts.items():
+            if name not in self.players:
+                self.players[name] = self._core(SHARED, name)  # a snapshot the pool took since
+            self.players[name].set_weights(Message(msg.type, msg.fields, arrays))
+        if LATEST_PLAYER in self.players:
+            self.players[LATEST_PLAYER].set_weights(Message(msg.type, msg.fields, parts[SHARED]))
+        for gone in [n for n in self.players if SNAPSHOT_MARK in n and n not in parts]:
+            del self.players[gone]  # left the pool: the episodes it plays finish with the newest weights
         self.weights_version = msg.fields["version"]
 
+    @property
+    def pool(self) -> list[int]:
+        return sorted(int(name.partition(SNAPSHOT_MARK)[2]) for name in self.players if SNAPSHOT_MARK in name)
+
     def batch_info(self, episodes: list[EpisodeRecord]) -> dict[str, Any]:
-        """The batch just given's policy and its agents' episode records, and the team records
-        ``episodes`` the actor process has gathered since it last sent."""
+        """The batch just given's policy and its agents' episode records, the team records
+        ``episodes`` the actor process has gathered since it last sent, and in self-play the
+        matches played since."""
         if self._sending is None:
             raise RuntimeError("batch_info before act() gave a batch")
         policy, records = self._sending
-        return {"policy": policy, "episodes": records, "teams": episodes}
+        info: dict[str, Any] = {"policy": policy, "episodes": records, "teams": episodes}
+        if self.self_play is not None:
+            info["matches"], self._matches = self._matches, []
+        return info
 
     def act(self) -> tuple[dict[str, np.ndarray] | None, list[EpisodeRecord]]:
         """A batch made earlier, or one step of every environment: (a batch to send or None,
@@ -145,19 +186,12 @@ class MultiAgentActor:
             for turn in outcome.turns:
                 episode = self._episode(k, turn.agent)
                 episode.mask = turn.mask
-                turns.setdefault(self.spec.policy_of[turn.agent], []).append((k, episode, turn.frame))
+                turns.setdefault(self._player_of[k][turn.agent], []).append((k, episode, turn.frame))
         actions: list[dict[str, Any]] = [{} for _ in self.envs]
-        for name, acting in turns.items():
-            policy = self.spec.policies[name].spec
+        for player, acting in turns.items():
             episodes = [episode for _, episode, _ in acting]
-            obs = stack_frames(
-                episodes,
-                np.stack([frame for _, _, frame in acting]),
-                policy.stack,
-                policy.frame_shape,
-                policy.frame_dtype,
-            )
-            chosen = self.cores[name].act(episodes, obs, None)
+            frames = np.stack([frame for _, _, frame in acting])
+            chosen = self.players[player].act(episodes, self._stacked(acting[0][1].id, episodes, frames), None)
             for (k, episode, _), action in zip(acting, chosen):
                 actions[k][episode.id] = action
                 if episode.acted:
@@ -170,10 +204,26 @@ class MultiAgentActor:
                 self._next[k] = self._outcome(k, env.step(actions[k]))
         self.steps += 1
         for name in self.spec.trained:
-            for batch, records in self.cores[name].take():
+            for batch, records in self.players[name].take():
                 self._ready.append((name, batch, records))
-        for name in set(self.cores) - set(self.spec.trained):
-            self.cores[name].take()  # acting only: what it makes is not sent
+        for name in set(self.players) - set(self.spec.trained):
+            self.players[name].take()  # acting only: what it makes is not sent
+
+    def _stacked(self, agent: str, episodes: list[Episode], frames: np.ndarray) -> np.ndarray:
+        policy = self.spec.policies[self.spec.policy_of[agent]].spec
+        return stack_frames(episodes, frames, policy.stack, policy.frame_shape, policy.frame_dtype)
+
+    def _started(self, k: int, outcome: Outcome) -> Outcome:
+        """A new episode in environment k: its players drawn (self-play), then its first turns."""
+        if self.self_play is not None:
+            seat, opponent = self._draw.draw(list(self.spec.agents), self.pool)
+            self._seating[k] = (seat, opponent)
+            other = {RANDOM: RANDOM_PLAYER, LATEST: SHARED if self.self_play.train_opponents else LATEST_PLAYER}
+            opponents = other.get(opponent, f"{SHARED}{SNAPSHOT_MARK}{opponent}")
+            self._player_of[k] = {agent: SHARED if agent == seat else opponents for agent in self.spec.agents}
+        else:
+            self._player_of[k] = dict(self.spec.policy_of)
+        return outcome
 
     def _episode(self, k: int, agent: str) -> Episode:
         """Agent ``agent``'s episode in environment k, begun on its own slot at its first turn."""
@@ -182,7 +232,10 @@ class MultiAgentActor:
             policy = self.spec.policies[self.spec.policy_of[agent]]
             slot = k * len(policy.agents) + policy.agents.index(agent)
             episode = Episode(agent, slot, 0.0)
-            self.cores[policy.name].begin(episode)
+            player = self._player_of[k][agent]
+            if player not in self.players:  # its snapshot left the pool before the episode began
+                player = self._player_of[k][agent] = SHARED
+            self.players[player].begin(episode)
             self._episodes[k][agent] = episode
         return episode
 
@@ -197,25 +250,33 @@ class MultiAgentActor:
             if episode is None:
                 continue
             if episode.acted:
-                name = self.spec.policy_of[ended.agent]
-                policy = self.spec.policies[name].spec
-                obs = stack_frames([episode], ended.frame[None], policy.stack, policy.frame_shape, policy.frame_dtype)
-                self.cores[name].end([episode], obs, np.array([ended.terminated]), np.array([ended.truncated]))
+                frames = self._stacked(ended.agent, [episode], ended.frame[None])
+                player = self.players[self._player_of[k][ended.agent]]
+                player.end([episode], frames, np.array([ended.terminated]), np.array([ended.truncated]))
             self._team_returns[k][ended.agent] = episode.episode_return + episode.reward
         if not outcome.done:
             return outcome
         for agent, episode in episodes.items():  # gone without an ending (an environment that drops agents)
-            self.cores[self.spec.policy_of[agent]].abandon(episode)
+            self.players[self._player_of[k][agent]].abandon(episode)
             self._team_returns[k][agent] = episode.episode_return + episode.reward
         episodes.clear()
-        returns = self._team_returns[k]
-        if returns and self._team_length[k]:
-            self._teams.append([float(np.mean(list(returns.values()))), self._team_length[k], self.eval_envs[k]])
-        self._team_returns[k], self._team_length[k] = {}, 0
+        self._episode_over(k)
         outcome = self.envs[k].reset()
         if outcome.done:
             raise ConfigError(f"env.id {self.config.env.id!r} has no agent to act right after a reset")
-        return self._outcome(k, outcome)
+        return self._outcome(k, self._started(k, outcome))
+
+    def _episode_over(self, k: int) -> None:
+        """The team's record, and in self-play the match's outcome for the learning seat."""
+        returns = self._team_returns[k]
+        if returns and self._team_length[k]:
+            self._teams.append([float(np.mean(list(returns.values()))), self._team_length[k], self.eval_envs[k]])
+            if self.self_play is not None:
+                seat, opponent = self._seating[k]
+                if seat in returns:
+                    others = [r for agent, r in returns.items() if agent != seat]
+                    self._matches.append([opponent, match_outcome(returns[seat], others)])
+        self._team_returns[k], self._team_length[k] = {}, 0
 
     def close(self) -> None:
         for env in self.envs:

@@ -20,6 +20,7 @@ from apex import algos
 from apex.config import Config
 from apex.envs.policy_map import MultiAgentSpec
 from apex.errors import CorruptCheckpoint
+from apex.multiagent.selfplay import SnapshotPool, check_matches
 
 if TYPE_CHECKING:
     from apex.core import LearnerCore
@@ -46,6 +47,9 @@ class MultiPolicyLearner:
         self.prefetch_batches = first.prefetch_batches
         self.last_metrics: dict[str, dict[str, float]] = {name: {} for name in self.cores}
         self._turn = 0  # the policy asked first for the next batch
+        self_play = config.multi_agent.self_play
+        # (validation holds self-play to the shared mapping: its one policy is the one that plays itself)
+        self.pool = SnapshotPool(next(iter(self.cores)), self_play) if self_play.enabled else None
 
     def seats(self, policy: str) -> int:
         """Agents of ``policy`` in each environment: an actor's rows (or rungs) for it per environment."""
@@ -116,6 +120,8 @@ class MultiPolicyLearner:
             (metrics,) = self.cores[name].finish([item])
             if metrics:
                 self.last_metrics[name] = metrics
+            if self.pool is not None and name == self.pool.policy:
+                self.pool.maybe_snapshot(self.cores[name].updates, self.cores[name].weights())
             results.append({f"{name}.{key}": value for key, value in metrics.items()})
         return results
 
@@ -127,11 +133,25 @@ class MultiPolicyLearner:
     # -- weights, metrics, state
 
     def weights(self) -> dict[str, np.ndarray]:
+        """Every policy's, and the self-play pool's snapshots."""
         return {
-            f"{name}{WEIGHT_SEPARATOR}{key}": array
-            for name, core in self.cores.items()
-            for key, array in core.weights().items()
+            **{
+                f"{name}{WEIGHT_SEPARATOR}{key}": array
+                for name, core in self.cores.items()
+                for key, array in core.weights().items()
+            },
+            **(self.pool.weights() if self.pool is not None else {}),
         }
+
+    def check_matches(self, raw: Any) -> list[tuple[int, int]]:
+        """A batch's self-play matches (``info.matches``), checked; ValueError if malformed."""
+        if self.pool is None:
+            raise ValueError("this run plays no self-play matches")
+        return check_matches(raw, self.pool.known)
+
+    def record_matches(self, matches: list[tuple[int, int]]) -> None:
+        if self.pool is not None:
+            self.pool.record(matches)
 
     def metrics(self) -> dict[str, Any]:
         """Each policy's figures under ``policies.<name>``."""
@@ -141,11 +161,19 @@ class MultiPolicyLearner:
             own.update({key: round(value, 5) for key, value in self.last_metrics[name].items()})
             own["updates"] = core.updates
             own["trained"] = name in self.trained
+            if self.pool is not None and name == self.pool.policy:
+                own.update(self.pool.metrics())
             policies[name] = own
         return {"policies": policies}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"updates": self.updates, "policies": {name: core.state_dict() for name, core in self.cores.items()}}
+        state: dict[str, Any] = {
+            "updates": self.updates,
+            "policies": {name: core.state_dict() for name, core in self.cores.items()},
+        }
+        if self.pool is not None:
+            state["self_play_pool"] = self.pool.state_dict()
+        return state
 
     def check_state(self, state: dict[str, Any]) -> None:
         saved = state.get("policies") if isinstance(state, dict) else None
@@ -157,7 +185,11 @@ class MultiPolicyLearner:
             )
         for name, core in self.cores.items():
             core.check_state(saved[name])
+        if self.pool is not None and "self_play_pool" in state:  # (a run that starts self-play has none)
+            self.pool.check_state(state["self_play_pool"], set(self.cores[self.pool.policy].weights()))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, core in self.cores.items():
             core.load_state_dict(state["policies"][name])
+        if self.pool is not None and "self_play_pool" in state:
+            self.pool.load_state_dict(state["self_play_pool"])
