@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from apex import config as config_module
+from apex.algos.masks import legal_actions
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
 from apex.system.files import RefusedFile, open_regular, read_regular
 
 if TYPE_CHECKING:
-    import gymnasium as gym
+    pass
 
 MAX_SUMMARY_BYTES = 1 << 20
 MAX_METRICS_BYTES = 1 << 40  # a run's whole metrics.jsonl: a regular file, read a piece at a time
@@ -178,84 +179,125 @@ class _MetricsTail:
 
 class Policy:
     """A trained policy: ``act(obs)`` for one observation or a batch of them, greedy unless
-    ``epsilon`` says otherwise. An observation is what the network sees: the environment's
-    observation as apex makes it (``env_config``: its id, kwargs and wrappers), with
-    ``stack`` frames stacked on a new first axis where ``stack`` > 1 (Atari, images).
+    ``epsilon`` says otherwise. An observation is the environment's own (a ``gym.make`` of
+    its id: a Dict, Tuple or Discrete one, a single image frame; a multi-agent agent's, its
+    ``action_mask`` included) or what ``make_env()`` adapts it to (``stack`` frames stacked
+    on a new first axis where ``stack`` > 1, Atari and images). Image frames given one at a
+    time are stacked here, between calls; an action mask restricts the action.
 
     A recurrent policy (``recurrent``: model.recurrent lstm) carries its core's state from
     one ``act`` to the next, a row per observation of the batch: call ``reset()`` when
-    episodes start (a batch of another size starts afresh too)."""
+    episodes start (a batch of another size starts afresh too), as for the frame stack.
 
-    def __init__(self, state: dict[str, Any], source: Path, allow_imports: Collection[str] = ()) -> None:
+    A multi-agent checkpoint holds a policy for each name of its mapping: ``policy`` is the
+    one this acts with (``name``), for any of its agents (``agents``); one that sees the
+    agent's index (multi_agent.agent_id_input) needs ``act(obs, agent=...)``."""
+
+    def __init__(
+        self, state: dict[str, Any], source: Path, allow_imports: Collection[str] = (), policy: str | None = None
+    ) -> None:
+        from apex.envs.multi_agent import is_multi_agent
         from apex.run.evaluation import network_from_checkpoint
 
-        self.config, self.spec, self._net = network_from_checkpoint(state, allow_imports, f"checkpoint {source}")
+        self.config, self.spec, self._net = network_from_checkpoint(
+            state, allow_imports, f"checkpoint {source}", policy
+        )
         self.source = source
         self.env_config = self.config.env
         self.stack = self.spec.stack
         self.recurrent = self.config.model.recurrent != "none"
+        self.multi_agent = is_multi_agent(self.config.env)
+        self.name: str | None = None
+        self.agents: tuple[str, ...] = ()
+        self._reader = self._observation_reader(policy)
         self._rng = np.random.default_rng()
         self._core: Any = None  # the recurrent core's state after the last act (the algorithm's)
 
-    def reset(self) -> None:
-        """Episodes start: a recurrent policy forgets what it has seen (no-op otherwise)."""
-        self._core = None
+    def _observation_reader(self, policy: str | None) -> Any:
+        from apex.envs.make import observation_plan_of
+        from apex.run.observations import ObservationReader
 
-    def make_env(self, seed: int | None = None, render_mode: str | None = None) -> gym.Env[Any, Any]:
-        """The environment as apex made it for training (its kwargs and wrappers, and the
-        adapter that turns Discrete, Dict, Tuple and image observations into what the
-        network takes): its observations go to ``act`` as they are (stacked, for images)."""
+        if not self.multi_agent:
+            return ObservationReader(self.spec, observation_plan_of(self.env_config), expected="an observation")
+        from apex.envs.policy_map import multi_agent_spec
+
+        spec = multi_agent_spec(self.config)
+        own = spec.policies[policy] if policy is not None else next(iter(spec.policies.values()))
+        self.name, self.agents = own.name, own.agents
+
+        def agent_frame(obs: Any, agent: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+            if agent is None and own.agent_id_input:
+                raise ValueError(f"policy {own.name} sees the agent's index: act(obs, agent=one of {own.agents})")
+            agent = agent or own.agents[0]
+            if agent not in own.agents:
+                raise ValueError(f"agent {agent!r} does not act with policy {own.name} ({', '.join(own.agents)} do)")
+            view = spec.views[agent]
+            return own.frame(agent, view.frame(obs)), view.mask(obs, None)
+
+        return ObservationReader(self.spec, None, agent_frame, expected=f"an observation of agent {own.agents[0]}")
+
+    def reset(self) -> None:
+        """Episodes start: a recurrent policy forgets what it has seen, the frame stack empties."""
+        self._core = None
+        self._reader.reset()
+
+    def make_env(self, seed: int | None = None, render_mode: str | None = None) -> Any:
+        """The environment as apex made it for training (its kwargs and wrappers, and for a
+        Gymnasium one the adapter that turns Discrete, Dict, Tuple and image observations
+        into frames); a multi-agent one is the PettingZoo environment itself."""
+        if self.multi_agent:
+            from apex.envs.multi_agent import make_pettingzoo
+
+            return make_pettingzoo(self.env_config)[0]
         from apex.envs.make import make_env
 
         return make_env(self.env_config, seed, render_mode)
 
     @property
     def observation_shape(self) -> tuple[int, ...]:
-        frame = tuple(self.spec.frame_shape)
-        return (self.stack, *frame) if self.stack > 1 else frame
+        return self._reader.observation_shape  # type: ignore[no-any-return]
 
-    def act(self, obs: Any, epsilon: float = 0.0) -> int | np.ndarray:
+    def act(self, obs: Any, epsilon: float = 0.0, agent: str | None = None) -> int | np.ndarray:
         """The action for one observation (an int; a MultiDiscrete action: an array of its
-        components), or for a batch (an array, one row per observation)."""
+        components), or for a batch (an array, one row per observation); a legal one where
+        the observation holds an action mask. ``agent``: whose observation it is (multi-agent)."""
         import torch
 
         from apex.run.evaluation import greedy_actions
 
         if not 0 <= epsilon <= 1:
             raise ApexError(f"epsilon must be in [0, 1], got {epsilon}")
-        obs = np.asarray(obs, dtype=self.spec.frame_dtype)
-        single = obs.shape == self.observation_shape
-        if not single and obs.shape[1:] != self.observation_shape:
-            raise ApexError(
-                f"act takes an observation of shape {self.observation_shape} or a batch of them, got shape {obs.shape}"
-            )
-        batch = obs[None] if single else obs
-        if self.stack == 1:
-            batch = batch[:, None]  # the networks take a stack axis
+        batch, mask, single = self._reader.read(obs, agent)
         if self._core is not None and len(self._core[0]) != len(batch):
             self._core = None
+        legal = None if mask is None else torch.from_numpy(mask)
         with torch.no_grad():
             greedy, self._core = greedy_actions(
-                self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)), self._core
+                self.config, self._net, torch.from_numpy(np.ascontiguousarray(batch)), self._core, legal
             )
         actions = greedy.numpy()
         if epsilon > 0:
             explore = self._rng.random(len(actions)) < epsilon
             actions[explore] = self.spec.random_actions(self._rng, int(explore.sum()))
+            actions = legal_actions(self._rng, actions, mask)
         return self.spec.env_action(actions[0]) if single else actions
 
 
-def load_policy(path: str | Path, which: str = "best", *, allow_imports: Iterable[str] = ()) -> Policy:
+def load_policy(
+    path: str | Path, which: str = "best", *, policy: str | None = None, allow_imports: Iterable[str] = ()
+) -> Policy:
     """The policy of a checkpoint: a ckpt-*.pt file, or a run directory's best (by
-    return_mean_100; the newest where none was scored) or newest checkpoint. Its config may
-    import only the modules of ``allow_imports`` (and APEX_ALLOW_IMPORTS): a checkpoint
-    may come from elsewhere, and importing a module runs its code (apex.config.trust)."""
+    return_mean_100; the newest where none was scored) or newest checkpoint; of a
+    multi-agent one, the policy named ``policy`` (where it has one only, that one). Its
+    config may import only the modules of ``allow_imports`` (and APEX_ALLOW_IMPORTS): a
+    checkpoint may come from elsewhere, and importing a module runs its code
+    (apex.config.trust)."""
     from apex.config.trust import allowed_imports
     from apex.run.evaluation import load_state
 
     allowed = allowed_imports(_names(allow_imports))
     state, source, _ = load_state(path, which)
-    return Policy(state, source, allowed)
+    return Policy(state, source, allowed, policy)
 
 
 def evaluate(
@@ -265,6 +307,7 @@ def evaluate(
     which: str = "best",
     epsilon: float = 0.0,
     seed: int = 12345,
+    policy: str | None = None,
     allow_imports: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Plays ``episodes`` episodes of a checkpoint (as ``apex eval``); returns what it prints:
@@ -273,7 +316,8 @@ def evaluate(
     from apex.config.trust import allowed_imports
     from apex.run.evaluation import evaluate as play
 
-    return play(path, episodes, epsilon, seed, which=which, allow_imports=allowed_imports(_names(allow_imports)))
+    allowed = allowed_imports(_names(allow_imports))
+    return play(path, episodes, epsilon, seed, which=which, allow_imports=allowed, policy=policy)
 
 
 def _names(modules: Iterable[str]) -> list[str]:

@@ -270,6 +270,7 @@ def evaluate(args: argparse.Namespace) -> int:
         args.video,
         which=args.which,
         allow_imports=allowed_imports(args.allow_imports),
+        policy=args.policy,
     )
     print(f"{result['checkpoint']} ({result['which']})")
     print(
@@ -277,6 +278,9 @@ def evaluate(args: argparse.Namespace) -> int:
         f"{result['return_mean']:.1f} +- {result['return_std']:.1f} over {result['episodes']} episodes "
         f"(epsilon {result['epsilon']}, mean length {result['length_mean']:.0f})"
     )
+    if "policies" in result:  # a multi-agent checkpoint's
+        of = f"policy {result['policy']}'s agents" if result["policy"] else "the team (the mean over its agents)"
+        print(f"returns above are {of}; by policy: " + ", ".join(f"{k} {v:.2f}" for k, v in result["policies"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -141,6 +141,12 @@ def add_eval(commands: Subcommands) -> None:
     evaluate.add_argument("--seed", type=int, default=12345, help="environment seed (default: 12345)")
     evaluate.add_argument("--video", metavar="DIR", help="also record every episode to DIR (needs moviepy)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the result to FILE")
+    evaluate.add_argument(
+        "--policy",
+        metavar="NAME",
+        help="a multi-agent checkpoint's policy whose agents' returns to report (default: the team's, "
+        "the mean over an episode's agents); every agent acts with its own policy",
+    )
     add_allow_import(evaluate, "the checkpoint's")
     evaluate.set_defaults(handler=cmd.evaluate)
 

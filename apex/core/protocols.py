@@ -124,8 +124,9 @@ class Policy(Generic[NetworkT]):
     checkpoint_key: str  # e.g. "online": the state dict in a checkpoint
     description: str  # e.g. "the online Q network", for errors
     network: Callable[[EnvSpec, ModelConfig], NetworkT]
-    # (net, obs [B, ...], core state or None) -> (actions [B(, components)], the next core state or None)
-    greedy: Callable[[NetworkT, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+    # (net, obs [B, ...], core state or None, legal actions [B, A] bool or None)
+    #   -> (actions [B(, components)], the next core state or None)
+    greedy: Callable[[NetworkT, torch.Tensor, Any, torch.Tensor | None], tuple[torch.Tensor, Any]]
 
 
 @dataclass(frozen=True)

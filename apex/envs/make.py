@@ -242,6 +242,13 @@ def _make(
     return env, obs, act
 
 
+def observation_plan_of(config: EnvConfig) -> spaces.ObservationPlan:
+    """How ``config``'s environment's own observations become frames (one is made and closed)."""
+    env, obs, _ = _make(config)
+    env.close()
+    return obs
+
+
 def env_spec(config: EnvConfig, algo: str | None = None) -> EnvSpec:
     """The spec of ``config``'s environments (one is made and closed); with ``algo``, also a
     ConfigError naming a fix when that algorithm cannot act in its action space."""

@@ -29,7 +29,10 @@ from apex.checkpoint import (
 )
 from apex.config.trust import from_elsewhere
 from apex.envs.make import EnvSpec, FrameStacker, env_spec, make_env
+from apex.envs.multi_agent import is_multi_agent
+from apex.envs.policy_map import multi_agent_spec
 from apex.errors import ApexError
+from apex.run.multi_agent_eval import play_multi_agent
 
 
 def load_checkpoint(path: str | Path, which: str = "best") -> dict[str, Any]:
@@ -70,21 +73,30 @@ def _loaded(checkpoint: Checkpoint) -> tuple[dict[str, Any], Path, float | None]
 
 
 def network_from_checkpoint(
-    state: dict[str, Any], allow_imports: Collection[str] = (), source: str = "the checkpoint"
+    state: dict[str, Any],
+    allow_imports: Collection[str] = (),
+    source: str = "the checkpoint",
+    policy: str | None = None,
 ) -> tuple[config_module.Config, EnvSpec, torch.nn.Module]:
     """(config, env spec, the network the policy acts with, in eval mode); ApexError (one
     line) if the state lacks its algorithm's network or the network does not fit, or if its
-    config (from ``source``) would import a module ``allow_imports`` does not allow."""
+    config (from ``source``) would import a module ``allow_imports`` does not allow. A
+    multi-agent checkpoint's ``policy`` (where it has one only, that one)."""
     config = from_elsewhere(state["config"], allow_imports, source)
-    spec = env_spec(config.env)
-    policy = algos.get(config.algo).learner().policy
-    key, what = policy.checkpoint_key, policy.description
+    if is_multi_agent(config.env):
+        spec, state = policy_state(config, state, policy, source)
+    elif policy is not None:
+        raise ApexError(f"{source} is a single-agent run's, which has no policies by name: leave out --policy")
+    else:
+        spec = env_spec(config.env)
+    algorithm_policy = algos.get(config.algo).learner().policy
+    key, what = algorithm_policy.checkpoint_key, algorithm_policy.description
     if not isinstance(state.get(key), dict):
         raise ApexError(
             f"the checkpoint has no {key!r} ({what} of an {config.algo} checkpoint): "
             "pass a ckpt-*.pt written by apex learner"
         )
-    net = policy.network(spec, config.model)
+    net = algorithm_policy.network(spec, config.model)
     try:
         net.load_state_dict(state[key])
     except (RuntimeError, KeyError, TypeError, ValueError) as e:
@@ -95,23 +107,49 @@ def network_from_checkpoint(
     return config, spec, net.eval()
 
 
+def policy_state(
+    config: config_module.Config, state: dict[str, Any], policy: str | None, source: str
+) -> tuple[EnvSpec, dict[str, Any]]:
+    """(the spec, the learner state) of a multi-agent checkpoint's ``policy`` (None: its only
+    one); ApexError naming the policies there are."""
+    policies = state.get("policies")
+    names = sorted(policies) if isinstance(policies, dict) else []
+    if policy is None and len(names) == 1:
+        policy = names[0]
+    if policy is None or policy not in names:
+        given = "no --policy" if policy is None else f"--policy {policy}"
+        raise ApexError(
+            f"{source} holds the policies {', '.join(names) or 'none'} and got {given}: name one with --policy"
+        )
+    spec = multi_agent_spec(config).policies[policy].spec
+    part = policies[policy] if isinstance(policies, dict) else {}
+    return spec, part
+
+
 def greedy_actions(
-    config: config_module.Config, net: torch.nn.Module, obs: torch.Tensor, state: Any = None
+    config: config_module.Config,
+    net: torch.nn.Module,
+    obs: torch.Tensor,
+    state: Any = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Any]:
     """The most valuable (Ape-X) or most likely (IMPALA: the mean of a Gaussian) action of
-    each observation in a batch: [B], [B, components] for MultiDiscrete, [B, D] for
-    continuous; and a recurrent core's next state (``state``: where the last call left it,
-    None at episodes' starts), else None."""
-    return algos.get(config.algo).learner().policy.greedy(net, obs, state)
+    each observation in a batch, among the legal ones where ``mask`` [B, A] says: [B],
+    [B, components] for MultiDiscrete, [B, D] for continuous; and a recurrent core's next
+    state (``state``: where the last call left it, None at episodes' starts), else None."""
+    return algos.get(config.algo).learner().policy.greedy(net, obs, state, mask)
 
 
 def policy_from_checkpoint(
-    state: dict[str, Any], allow_imports: Collection[str] = (), source: str = "the checkpoint"
+    state: dict[str, Any],
+    allow_imports: Collection[str] = (),
+    source: str = "the checkpoint",
+    policy: str | None = None,
 ) -> tuple[config_module.Config, EnvSpec, Callable[[torch.Tensor, Any], tuple[int | np.ndarray, Any]]]:
     """(config, spec, act) where act(obs [1, ...] uint8/float32, core state) -> (an action
     as the (adapted) environment takes it, the next core state; pass None at an episode's
     start); ApexError (one line) as ``network_from_checkpoint``."""
-    config, spec, net = network_from_checkpoint(state, allow_imports, source)
+    config, spec, net = network_from_checkpoint(state, allow_imports, source, policy)
 
     def act(obs: torch.Tensor, core: Any = None) -> tuple[int | np.ndarray, Any]:
         actions, core = greedy_actions(config, net, obs, core)
@@ -134,6 +172,7 @@ def evaluate(
     video_dir: str | None = None,
     which: str = "best",
     allow_imports: Collection[str] = (),
+    policy: str | None = None,
 ) -> dict[str, Any]:
     """Plays ``episodes`` episodes of ``checkpoint`` (a ckpt-*.pt file, or a run directory's
     best or newest checkpoint: ``which``), its config importing only what ``allow_imports``
@@ -145,7 +184,24 @@ def evaluate(
     if not 0 <= epsilon <= 1:
         raise ApexError(f"--epsilon must be in [0, 1], got {epsilon}")
     state, source, recorded = _load(Path(checkpoint), which)
-    config, spec, act = policy_from_checkpoint(state, allow_imports, f"checkpoint {source}")
+    config = from_elsewhere(state["config"], allow_imports, f"checkpoint {source}")
+    played = {
+        "checkpoint": str(source),
+        "which": which if Path(checkpoint).is_dir() else "file",
+        "recorded_return_mean_100": recorded,
+        "env": config.env.id,
+        "algo": config.algo,
+        "updates": state.get("updates"),
+        "episodes": episodes,
+        "epsilon": epsilon,
+    }
+    if is_multi_agent(config.env):
+        if video_dir is not None:
+            raise ApexError("--video records Gymnasium environments; this checkpoint is of a PettingZoo one")
+        result = play_multi_agent(state, config, f"checkpoint {source}", episodes, epsilon, seed, policy, allow_imports)
+        returns = result.pop("returns")
+        return {**played, **result, **_return_figures(returns)}
+    config, spec, act = policy_from_checkpoint(state, allow_imports, f"checkpoint {source}", policy)
     if video_dir is None:
         env = make_env(config.env, seed)
     else:  # the same environment, rendered and recorded
@@ -174,20 +230,11 @@ def evaluate(
         raise ApexError(f"--video: {e}") from None
     finally:
         env.close()
-    return {
-        "checkpoint": str(source),
-        "which": which if Path(checkpoint).is_dir() else "file",
-        "recorded_return_mean_100": recorded,
-        "env": config.env.id,
-        "algo": config.algo,
-        "updates": state.get("updates"),
-        "episodes": episodes,
-        "epsilon": epsilon,
-        "return_mean": float(np.mean(returns)),
-        "return_std": float(np.std(returns)),
-        "length_mean": float(np.mean(lengths)),
-        "returns": returns,
-    }
+    return {**played, "length_mean": float(np.mean(lengths)), **_return_figures(returns)}
+
+
+def _return_figures(returns: list[float]) -> dict[str, Any]:
+    return {"return_mean": float(np.mean(returns)), "return_std": float(np.std(returns)), "returns": returns}
 
 
 def _recorder(env: gym.Env[Any, Any], video_dir: str) -> gym.Env[Any, Any]:

@@ -364,8 +364,11 @@ class ApexDqnLearner:
         }
 
 
-def _greedy(net: QNetwork, obs: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]:
-    return net(obs).argmax(dim=1), None
+def _greedy(
+    net: QNetwork, obs: torch.Tensor, state: None = None, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, None]:
+    q = net(obs)
+    return (q if mask is None else q.masked_fill(~mask, -torch.inf)).argmax(dim=1), None
 
 
 # `apex eval` and apex.load_policy act with the online network, epsilon-greedy (0 by default).

@@ -327,10 +327,10 @@ class ImpalaLearner:
 
 
 def _greedy(
-    net: PolicyValueNetwork, obs: torch.Tensor, state: State | None = None
+    net: PolicyValueNetwork, obs: torch.Tensor, state: State | None = None, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, State | None]:
     params, _, state = net(obs, state)
-    return net.greedy(params), state
+    return net.greedy(params if mask is None else params.masked_fill(~mask, MASKED_LOGIT)), state
 
 
 # `apex eval` and apex.load_policy take the policy's most likely action.
