@@ -197,7 +197,7 @@ class Policy:
         self, state: dict[str, Any], source: Path, allow_imports: Collection[str] = (), policy: str | None = None
     ) -> None:
         from apex.envs.multi_agent import is_multi_agent
-        from apex.run.evaluation import network_from_checkpoint
+        from apex.run.checkpoint_policy import network_from_checkpoint
 
         self.config, self.spec, self._net = network_from_checkpoint(
             state, allow_imports, f"checkpoint {source}", policy
@@ -263,7 +263,7 @@ class Policy:
         the observation holds an action mask. ``agent``: whose observation it is (multi-agent)."""
         import torch
 
-        from apex.run.evaluation import greedy_actions
+        from apex.run.checkpoint_policy import greedy_actions
 
         if not 0 <= epsilon <= 1:
             raise ApexError(f"epsilon must be in [0, 1], got {epsilon}")

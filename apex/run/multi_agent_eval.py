@@ -28,7 +28,7 @@ def play_multi_agent(
 ) -> dict[str, Any]:
     """Plays ``episodes`` episodes; returns the returns (the team's or ``policy``'s agents'),
     each policy's mean return (``policies``) and the mean length in steps."""
-    from apex.run.evaluation import network_from_checkpoint
+    from apex.run.checkpoint_policy import network_from_checkpoint
 
     spec = multi_agent_spec(config)
     if policy is not None and policy not in spec.policies:
@@ -65,7 +65,7 @@ def _episode(
     seed: int,
 ) -> tuple[dict[str, float], int]:
     """One episode: (each agent's return, the environment's steps)."""
-    from apex.run.evaluation import greedy_actions
+    from apex.run.checkpoint_policy import greedy_actions
 
     totals: dict[str, float] = {}
     stacks: dict[str, np.ndarray] = {}  # each agent's last frames, for policies of stacked images
