@@ -13,11 +13,13 @@ from typing import Any
 
 import msgpack
 
-from apex.checkpoint import Checkpoint, CheckpointWriter, CorruptCheckpoint, first_loadable
+from apex.checkpoint import Checkpoint, CheckpointWriter, CorruptCheckpoint, find, first_loadable, read_state
+from apex.checkpoint.state import check_state
 from apex.config import Config
 from apex.errors import ApexError
 from apex.learner.metrics import EpisodeStats
 from apex.learner.runtime import TrainingRuntime, all_finite
+from apex.multiagent.learner import MultiPolicyLearner
 from apex.system.logs import RateLimitedLog
 from apex.training.distributed import LearnerGroup
 
@@ -44,6 +46,46 @@ class RunCheckpointer:
         self._bad_log = RateLimitedLog(log)
 
     # -- resuming
+
+    def start(self, resume: Checkpoint | None, step_limit: int) -> None:
+        """Resumes from ``resume``; a new multi-agent run starts its policies from the
+        checkpoint that multi_agent.init names, where it names one."""
+        if resume is not None:
+            self.resume(resume, step_limit)
+        elif self.config.multi_agent.init and isinstance(self.runtime.learner, MultiPolicyLearner):
+            self._start_policies_from(Path(self.config.multi_agent.init), self.runtime.learner)
+
+    def _start_policies_from(self, path: Path, learner: MultiPolicyLearner) -> None:
+        """Loads each policy of the checkpoint at ``path`` (a file, or a run directory's
+        newest) that this run has by name: networks, optimizer, counts; the others start afresh."""
+        if path.is_dir():
+            state = find(path, "newest").load_state()
+        elif path.is_file():
+            try:
+                state = check_state(read_state(path), path.name)
+            except CorruptCheckpoint as e:
+                raise ApexError(f"multi_agent.init {path}: {e}") from None
+        else:
+            raise ApexError(f"multi_agent.init {path}: no such checkpoint file or run directory")
+        found = state.get("policies")
+        policies: dict[str, Any] = found if isinstance(found, dict) else {}
+        shared = sorted(set(policies) & set(learner.cores))
+        if not shared:
+            names = ", ".join(sorted(policies)) or "none (a single-agent run's?)"
+            raise ApexError(
+                f"multi_agent.init {path} holds the policies {names}, and this run's are "
+                f"{', '.join(learner.cores)}: none to start from"
+            )
+        for name in shared:
+            core = learner.cores[name]
+            try:
+                core.check_state(policies[name])
+                core.load_state_dict(policies[name])
+            except (CorruptCheckpoint, KeyError, RuntimeError, ValueError) as e:
+                raise ApexError(
+                    f"multi_agent.init {path}: policy {name} does not fit this run's ({str(e).splitlines()[0]})"
+                ) from None
+        log.info("policies %s start from %s", ", ".join(shared), path)
 
     def resume(self, newest: Checkpoint, step_limit: int) -> None:
         """Restores the newest checkpoint that loads; one that cannot be loaded (forged,

@@ -113,8 +113,7 @@ class LearnerProcess:
         self._bad_log = RateLimitedLog(log)
         self._signals = StopSignals()
         self.checkpointer = RunCheckpointer(self.config, self.runtime, self.logdir, group)
-        if resume is not None:
-            self.checkpointer.resume(resume, self.ingest.step_limit)
+        self.checkpointer.start(resume, self.ingest.step_limit)
         if group is not None:  # the other ranks start from this one's state (and its checkpoint's shards)
             buffer = io.BytesIO()
             torch.save(self.learner.state_dict(), buffer)
