@@ -101,6 +101,9 @@ class MultiAgentActor:
         # The Ape-X ladder's evaluation rungs are per environment (every agent of one on its rung).
         first = setup["policies"][next(iter(self.spec.policies))]
         self.eval_envs = [bool(e) for e in first.get("eval_envs", [True] * k)]
+        self._yardstick: list[bool | None] = (
+            [bool(e) for e in first["eval_envs"]] if "eval_envs" in first else [None] * k
+        )
         self.envs: list[MultiAgentEnv] = []
         for _ in range(k):
             self.envs.append(self.spec.make(config))
@@ -216,7 +219,7 @@ class MultiAgentActor:
     def _started(self, k: int, outcome: Outcome) -> Outcome:
         """A new episode in environment k: its players drawn (self-play), then its first turns."""
         if self.self_play is not None:
-            seat, opponent = self._draw.draw(list(self.spec.agents), self.pool)
+            seat, opponent = self._draw.draw(list(self.spec.agents), self.pool, self._yardstick[k])
             self._seating[k] = (seat, opponent)
             other = {RANDOM: RANDOM_PLAYER, LATEST: SHARED if self.self_play.train_opponents else LATEST_PLAYER}
             opponents = other.get(opponent, f"{SHARED}{SNAPSHOT_MARK}{opponent}")
@@ -269,13 +272,14 @@ class MultiAgentActor:
     def _episode_over(self, k: int) -> None:
         """The team's record, and in self-play the match's outcome for the learning seat."""
         returns = self._team_returns[k]
-        if returns and self._team_length[k]:
+        if self.self_play is not None:  # the learning seat's return, evaluated against the random player
+            seat, opponent = self._seating[k]
+            if seat in returns and self._team_length[k]:
+                self._teams.append([returns[seat], self._team_length[k], opponent == RANDOM])
+                others = [r for agent, r in returns.items() if agent != seat]
+                self._matches.append([opponent, match_outcome(returns[seat], others)])
+        elif returns and self._team_length[k]:
             self._teams.append([float(np.mean(list(returns.values()))), self._team_length[k], self.eval_envs[k]])
-            if self.self_play is not None:
-                seat, opponent = self._seating[k]
-                if seat in returns:
-                    others = [r for agent, r in returns.items() if agent != seat]
-                    self._matches.append([opponent, match_outcome(returns[seat], others)])
         self._team_returns[k], self._team_length[k] = {}, 0
 
     def close(self) -> None:

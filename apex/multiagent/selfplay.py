@@ -8,8 +8,11 @@ every weights message carries the pool beside the newest weights, each snapshot'
 
 Actors draw the opponents of each episode when it starts (``OpponentDraw``), never inside one:
 one seat, drawn at random, is the learning one; the others play a uniformly random legal
-player (RANDOM_SHARE of the episodes: the evaluation against a fixed yardstick), the newest
-weights (``latest_prob``), or one snapshot from the pool. Only the learning seat's experience
+player (the evaluation against a fixed yardstick: Ape-X's evaluation rungs, a RANDOM_SHARE of
+IMPALA's episodes), the newest weights (``latest_prob``), or one snapshot from the pool. The
+run's return (``return_mean_100``, what ``--stop-return`` and the best checkpoint go by) is
+the learning seat's return in those evaluation episodes: a zero-sum game's team return says
+nothing. Only the learning seat's experience
 trains (and the newest weights' seats with ``train_opponents``). Each episode's outcome for the
 learning seat (1 win, 0 draw, -1 loss: the sign of its return less its opponents' mean) goes
 to the learner as a match (``info.matches``: [opponent, outcome], the opponent a snapshot's
@@ -229,11 +232,13 @@ class OpponentDraw:
         self.config = config
         self.rng = np.random.default_rng(seed)
 
-    def draw(self, agents: list[str], pool: list[int]) -> tuple[str, int]:
-        """(the learning seat, the opponents' player: a snapshot id, LATEST or RANDOM)."""
+    def draw(self, agents: list[str], pool: list[int], evaluating: bool | None = None) -> tuple[str, int]:
+        """(the learning seat, the opponents' player: a snapshot id, LATEST or RANDOM).
+        ``evaluating``: the environment is on an evaluation rung of the ladder (Ape-X), whose
+        episodes play the random player, or not, whose do not; None (IMPALA, which always
+        acts on its own policy): RANDOM_SHARE of them do."""
         seat = agents[int(self.rng.integers(len(agents)))]
-        roll = self.rng.random()
-        if roll < RANDOM_SHARE:
+        if evaluating if evaluating is not None else self.rng.random() < RANDOM_SHARE:
             return seat, RANDOM
         if not pool or self.rng.random() < self.config.latest_prob:
             return seat, LATEST

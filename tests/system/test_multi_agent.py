@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from apex import config as config_module
+from apex import load_policy
 from apex.bench.transport import free_base_port
 from apex.multiagent.actor import MultiAgentActor
 from apex.transport import ActorConnection
@@ -66,6 +68,7 @@ def test_a_shared_policy_learns_a_cooperative_task_that_needs_the_partners_posit
     row = metrics(logdir)[-1]
     assert row["policies"]["shared"]["return_mean_100"] >= 0.6  # each agent's own return
     assert row["rejected_messages"] == 0
+    assert not {"pool_size", "elo", "win_rate_vs_pool"} & row["policies"]["shared"].keys()  # no self-play
 
 
 def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_is_refused(tmp_path):
@@ -165,3 +168,58 @@ def test_batches_for_an_unknown_policy_or_with_a_mask_that_allows_nothing_are_re
         for p in (learner, actor):
             p.communicate(timeout=30)
         kill_leftovers([learner, actor])
+
+
+def test_tictactoe_by_self_play_beats_a_random_player_and_resumes_with_every_policy_and_its_pool(tmp_path):
+    logdir = tmp_path / "run"
+    self_play = ["--env", "pettingzoo.classic:tictactoe_v3", "--set", "multi_agent.self_play.enabled=true"]
+    pool = ["--set", "multi_agent.self_play.snapshot_every_updates=400", "--set", "multi_agent.self_play.pool_size=4"]
+    out = run(tmp_path, *self_play, *pool, "--stop-seconds", "75", "--logdir", str(logdir))
+    assert out.returncode == 0, out.stderr
+    written = metrics(logdir)
+    before = written[-1]
+    shared = before["policies"]["shared"]
+    assert shared["pool_size"] == 4 and shared["elo"] > 1000  # it beats its own past
+    assert {"win_rate_vs_pool", "win_rate_vs_random"} <= shared.keys()
+    saved = torch.load(sorted((logdir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+    snapshots = [s["id"] for s in saved["self_play_pool"]["snapshots"]]
+
+    resumed = run(tmp_path, "--resume", str(logdir), "--stop-seconds", "8", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    at_resume = metrics(logdir)[len(written)]  # the row the resumed learner writes first
+    assert at_resume["learner_updates"] == before["learner_updates"]  # the policy's updates, restored
+    assert at_resume["policies"]["shared"]["pool_size"] == 4
+    assert at_resume["policies"]["shared"]["elo"] == shared["elo"]
+    after = torch.load(sorted((logdir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+    kept = [s["id"] for s in after["self_play_pool"]["snapshots"]]
+    # the same pool, gone on (a pool started afresh would number its snapshots from 0 again)
+    assert len(set(snapshots) & set(kept)) >= 3 and max(kept) >= max(snapshots)
+
+    wins, losses, illegal = play_random(load_policy(logdir, which="newest", policy="shared"), games=200)
+    assert illegal == 0
+    assert losses <= 20, (wins, losses)  # at most 10% lost, 100 games in each seat
+
+
+def play_random(policy, games: int) -> tuple[int, int, int]:
+    """(wins, losses, illegal moves) of ``policy`` against a uniformly random legal player,
+    half the games in each seat."""
+    from pettingzoo.classic import tictactoe_v3
+
+    rng = np.random.default_rng(0)
+    wins = losses = illegal = 0
+    for game in range(games):
+        env = tictactoe_v3.env()
+        env.reset(seed=game)
+        me = "player_1" if game < games // 2 else "player_2"
+        for agent in env.agent_iter():
+            obs, reward, terminated, truncated, _ = env.last()
+            if terminated or truncated:
+                if agent == me:
+                    wins, losses = wins + (reward > 0), losses + (reward < 0)
+                env.step(None)
+                continue
+            legal = np.flatnonzero(obs["action_mask"])
+            action = int(policy.act(obs)) if agent == me else int(rng.choice(legal))
+            illegal += agent == me and action not in legal
+            env.step(action)
+    return wins, losses, illegal
