@@ -111,8 +111,7 @@ class Ingest:
         lag of each batch)."""
         self.receiver, self.targets, self.config = receiver, targets, config
         self.multi_agent = None not in targets
-        # a single-agent run's one core: what waits for room
-        self._room = _AnyRoom(targets)
+        self._room = _AnyRoom(targets)  # the thread takes a batch once some core has room for it
         self.step_limit = step_limit
         self.counters = counters
         self.published_version = published_version

@@ -141,10 +141,12 @@ class MultiAgentActor:
         parts: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.spec.policies}
         for key, array in msg.arrays.items():
             name, sep, rest = key.partition(WEIGHT_SEPARATOR)
-            policy, mark, _ = name.partition(SNAPSHOT_MARK)
-            if not sep or policy not in self.spec.policies or (mark and self.self_play is None):
+            policy, mark, snapshot = name.partition(SNAPSHOT_MARK)
+            if not sep or policy not in self.spec.policies or (mark and not self._snapshot_name(policy, snapshot)):
                 raise ProtocolError(f"weights for an unknown policy: array {key!r}")
             parts.setdefault(name, {})[rest] = array
+        if self.self_play is not None and len(parts) - len(self.spec.policies) > self.self_play.pool_size:
+            raise ProtocolError(f"weights for more snapshots than the pool holds ({self.self_play.pool_size})")
         for name, arrays in parts.items():
             if name not in self.players:
                 self.players[name] = self._core(SHARED, name)  # a snapshot the pool took since
@@ -154,6 +156,10 @@ class MultiAgentActor:
         for gone in [n for n in self.players if SNAPSHOT_MARK in n and n not in parts]:
             del self.players[gone]  # left the pool: the episodes it plays finish with the newest weights
         self.weights_version = msg.fields["version"]
+
+    def _snapshot_name(self, policy: str, snapshot: str) -> bool:
+        """Whether ``policy@snapshot`` can name a snapshot of this run's self-play pool."""
+        return self.self_play is not None and policy == SHARED and snapshot.isdigit() and len(snapshot) <= 15
 
     @property
     def pool(self) -> list[int]:

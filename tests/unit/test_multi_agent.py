@@ -207,3 +207,36 @@ def test_the_learner_interleaves_policies_by_the_data_each_has_and_checkpoints_e
     with pytest.raises(Exception, match="holds the policies"):
         learner.check_state({"updates": 6, "policies": {"shared": state["policies"]["speaker"]}})
     actor.close()
+
+
+def test_a_self_play_actor_takes_the_pool_from_the_weights_and_refuses_forged_snapshots():
+    from apex.errors import ProtocolError
+    from apex.wire.protocol import Message
+
+    cfg = config(
+        env={"id": TICTACTOE},
+        multi_agent={"self_play": {"enabled": True, "pool_size": 2}},
+        actor={"num_envs": 2},
+    )
+    spec = multi_agent_spec(cfg)
+    learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
+    actor = MultiAgentActor(cfg, {"num_envs": 2, "seed": 0, **learner.actor_setup(0, 2)}, seed=0, spec=spec)
+    own = learner.cores["shared"].weights()
+
+    def message(*snapshots: str) -> Message:
+        arrays = {f"shared/{k}": v for k, v in own.items()}
+        for snapshot in snapshots:
+            arrays.update({f"shared@{snapshot}/{k}": v for k, v in own.items()})
+        return Message("weights", {"version": 1}, arrays)
+
+    actor.set_weights(message("3", "4"))
+    assert actor.pool == [3, 4]
+    actor.set_weights(message("4", "5"))
+    assert actor.pool == [4, 5]  # 3 left the pool
+    with pytest.raises(ProtocolError, match="more snapshots than the pool holds"):
+        actor.set_weights(message("6", "7", "8"))
+    with pytest.raises(ProtocolError, match="unknown policy"):
+        actor.set_weights(message("x"))
+    for _ in range(50):  # episodes against the pool's snapshots and the others play on
+        actor.act()
+    actor.close()
