@@ -79,6 +79,24 @@ TASKS = {
         15.0,
         "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
     ),
+    # Multi-agent (PettingZoo): the run's return_mean_100 is the team's (simple_spread) or,
+    # in self-play, the learning seat's against a uniformly random player (tictactoe).
+    "tictactoe": Task(
+        "pettingzoo.classic:tictactoe_v3",
+        _both(0.9),
+        _both(None),
+        5.0,
+        "a uniformly random player scores 0.0 against another over both seats; perfect play "
+        "against one about 0.95 (1 a win, -1 a loss)",
+    ),
+    "simple_spread": Task(
+        "mpe2:simple_spread_v3",
+        _both(-20.0),
+        _both(None),
+        10.0,
+        "team return, mpe2 1.1.1 defaults: a uniformly random team -27.9, agent i steering to "
+        "landmark i -12.7 (both measured here)",
+    ),
     **{
         f"minatar_{game}": Task(
             f"MinAtar/{MINATAR_IDS[game]}-v1",

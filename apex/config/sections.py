@@ -52,7 +52,9 @@ def wrapper_problem(wrapper: Any) -> str | None:
 class EnvConfig:
     id: str = "CartPole-v1"
     """Any Gymnasium id, or ``module:EnvId`` (the module is imported first, as gym.make
-    does); ``ALE/...`` ids get the standard Atari preprocessing."""
+    does); ``ALE/...`` ids get the standard Atari preprocessing. A PettingZoo environment is
+    ``module:attr``: a PettingZoo module (``pettingzoo.classic:tictactoe_v3``) or a callable
+    returning a ParallelEnv or AECEnv (see the multi_agent section)."""
     imports: list[str] = field(default_factory=list)
     """Modules imported before the environment is made, in the learner and in every actor
     (e.g. the one that registers your ids); each must be importable on every actor host."""
