@@ -5,10 +5,11 @@ algorithm's schema and their session's limits, inserted into the learner core, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from apex.config import Config
@@ -78,7 +79,7 @@ class IngestTarget:
     seats: int = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class _Accepted:
     msg: Message
     policy: str | None
@@ -86,8 +87,8 @@ class _Accepted:
     env_steps: int
     episodes: list[tuple[float, int, bool]]
     used: int  # of the session's step budget
-    teams: list[tuple[float, int, bool]]
-    matches: list[tuple[int, int]]
+    teams: list[tuple[float, int, bool]] = field(default_factory=list)
+    matches: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Ingest:
@@ -116,6 +117,9 @@ class Ingest:
         self.counters = counters
         self.published_version = published_version
         self.check_matches = check_matches  # self-play's (MultiPolicyLearner.check_matches)
+        self._episodes = functools.partial(
+            check_episodes, step_limit=step_limit, max_abs_reward=config.transport.max_abs_reward
+        )
         self.internal_errors = 0  # our own bugs met while ingesting: logged with a traceback
         self._bug_log = RateLimitedLog(log, interval_s=10.0)
         self._stop = threading.Event()
@@ -199,33 +203,27 @@ class Ingest:
         ProtocolError."""
         session: Session = msg.session
         info = msg.fields["info"]
-        policy, target, info = self._target(info)
-        if policy not in session.limits:
-            session.limits[policy] = target.core.batch_limits(session.num_envs * target.seats)
-        if not session.step_budget_set:
-            # Episodes under way when the session began were partly played before it.
-            session.step_budget = session.num_envs * self.step_limit * sum(t.seats for t in self.targets.values())
-            session.step_budget_set = True
-        arrays, sizes = target.core.schema.validate(msg.arrays, session.limits[policy], msg.layout)
+        policy, target = self._target(info) if self.multi_agent else (None, self.targets[None])
+        limits = session.limits.get(policy)
+        if limits is None:
+            limits = session.limits[policy] = target.core.batch_limits(session.num_envs * target.seats)
+            if not session.step_budget_set:
+                # Episodes under way when the session began were partly played before it.
+                seats = sum(t.seats for t in self.targets.values())
+                session.step_budget, session.step_budget_set = session.num_envs * self.step_limit * seats, True
+        arrays, sizes = target.core.schema.validate(msg.arrays, limits, msg.layout)
         env_steps = target.core.env_steps(sizes)
-        max_abs_reward = self.config.transport.max_abs_reward
-        episodes, used = check_episodes(
-            {"episodes": info.get("episodes", [])},
-            max_episodes=env_steps,
-            step_budget=session.step_budget + env_steps,
-            step_limit=self.step_limit,
-            max_abs_reward=max_abs_reward,
+        budget = session.step_budget + env_steps
+        if policy is None:  # a single-agent batch's info is its episode records alone
+            episodes, used = self._episodes(info, max_episodes=env_steps, step_budget=budget)
+            session.step_budget += env_steps - used
+            return _Accepted(msg, None, arrays, env_steps, episodes, used)
+        episodes, used = self._episodes(
+            {"episodes": info.get("episodes", [])}, max_episodes=env_steps, step_budget=budget
         )
-        teams: list[tuple[float, int, bool]] = []
-        if policy is not None:  # a team's episode is as long as the steps of its agents (an AEC env's: one a move)
-            teams, _ = check_episodes(
-                {"episodes": info.get("teams", [])},
-                max_episodes=env_steps,
-                step_budget=session.step_budget + env_steps,
-                step_limit=self.step_limit,
-                max_abs_reward=max_abs_reward,
-            )
-        matches = self._matches(info.get("matches"), len(teams)) if "matches" in info else []
+        # A team's episode is as long as the steps of its agents (an AEC env's: one a move).
+        teams, _ = self._episodes({"episodes": info.get("teams", [])}, max_episodes=env_steps, step_budget=budget)
+        matches = self._matches(info["matches"], len(teams)) if "matches" in info else []
         session.step_budget += env_steps - used
         return _Accepted(msg, policy, arrays, env_steps, episodes, used, teams, matches)
 
@@ -241,22 +239,21 @@ class Ingest:
             raise RejectedMessage("matches", f"{len(matches)} matches with {teams} episodes")
         return matches
 
-    def _target(self, info: Any) -> tuple[str | None, IngestTarget, dict[str, Any]]:
-        """(the policy a batch's info names, where it goes, its info). RejectedMessage for an
-        info of the wrong shape or a policy this learner does not train."""
-        allowed = {"policy", "episodes", "teams", "matches"} if self.multi_agent else {"episodes"}
-        if not isinstance(info, dict) or not info.keys() <= allowed:
-            shape = '{"policy": name, "episodes": [...], "teams": [...]}' if self.multi_agent else '{"episodes": [...]}'
+    def _target(self, info: Any) -> tuple[str, IngestTarget]:
+        """(the policy a multi-agent batch's info names, where it goes). RejectedMessage for
+        an info of the wrong shape or a policy this learner does not train."""
+        if not isinstance(info, dict) or not info.keys() <= {"policy", "episodes", "teams", "matches"}:
+            shape = '{"policy": name, "episodes": [...], "teams": [...], "matches": [...]}'
             raise RejectedMessage("info", f"batch info must be {shape}")
         policy = info.get("policy")
-        target = self.targets.get(policy) if isinstance(policy, str) or policy is None else None
-        if target is None:
+        target = self.targets.get(policy) if isinstance(policy, str) else None
+        if target is None or not isinstance(policy, str):
             shown = repr(policy)[:80]
             raise RejectedMessage(
                 "unknown_policy",
                 f"a batch for policy {shown}, and this learner trains {', '.join(map(str, self.targets))}",
             )
-        return policy, target, info
+        return policy, target
 
 
 class _AnyRoom:
