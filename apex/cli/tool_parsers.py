@@ -88,8 +88,8 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         metavar="T,T,...",
         help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
         "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra), "
-        "and with continuous actions (IMPALA only) pendulum, lunarlandercontinuous (Box2D) "
-        "(default: all)",
+        "with continuous actions (IMPALA only) pendulum, lunarlandercontinuous (Box2D), and "
+        "multi-agent tictactoe (self-play), simple_spread (multiagent extra) (default: all)",
     )
     learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
     learn.add_argument(

@@ -71,10 +71,13 @@ def test_a_shared_policy_learns_a_cooperative_task_that_needs_the_partners_posit
     assert not {"pool_size", "elo", "win_rate_vs_pool"} & row["policies"]["shared"].keys()  # no self-play
 
 
-def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_is_refused(tmp_path):
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_is_refused(tmp_path, algo):
     logdir = tmp_path / "run"
     out = run(
         tmp_path,
+        "--algo",
+        algo,
         "--env",
         "tests.multiagent_envs:speaker_listener",
         "--set",
@@ -93,7 +96,7 @@ def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_
     assert sorted(policies) == ["listener", "speaker"]
     assert all(p["learner_updates"] > 0 and p["trained"] for p in policies.values())
 
-    refused = run(tmp_path, "--env", "tests.multiagent_envs:speaker_listener", "--stop-seconds", "5", timeout=60)
+    refused = run(tmp_path, "--algo", algo, "--env", "tests.multiagent_envs:speaker_listener", "--stop-seconds", "5")
     assert refused.returncode == 2
     error = refused.stderr.strip().splitlines()[-1]
     assert "'speaker' and 'listener'" in error and "observation spaces differ" in error and "per_agent" in error
