@@ -26,7 +26,7 @@ from apex.config.sections import Config, EnvConfig
 from apex.errors import ConfigError
 
 ALLOW_IMPORTS_ENV = "APEX_ALLOW_IMPORTS"
-PETTINGZOO_FAMILY = re.compile(r"pettingzoo\.(atari|butterfly|classic|mpe|sisl)")
+PETTINGZOO_FAMILY = re.compile(r"pettingzoo\.(atari|butterfly|classic|mpe|sisl)|mpe2")
 PETTINGZOO_ENV = re.compile(r"[a-z][a-z0-9_]*_v[0-9]+")
 
 
@@ -56,8 +56,9 @@ def named_modules(env: EnvConfig, mapping_function: str | None = None) -> list[t
 
 def is_pettingzoo_env_id(env_id: str) -> bool:
     """Whether ``env_id`` names one of PettingZoo's own environments (``pettingzoo.classic:
-    tictactoe_v3``): a module of the installed package whose ``env()``/``parallel_env()`` are
-    all that is called, so it needs no allowance, like a Gymnasium id."""
+    tictactoe_v3``, or Farama's MPE package's, ``mpe2:simple_spread_v3``): a module of the
+    installed package whose ``env()``/``parallel_env()`` are all that is called, so it needs
+    no allowance, like a Gymnasium id."""
     module, _, name = env_id.partition(":")
     return bool(PETTINGZOO_FAMILY.fullmatch(module) and PETTINGZOO_ENV.fullmatch(name))
 

@@ -70,6 +70,8 @@ class MultiPolicyLearner:
     def actor_setup(self, actor_index: int, num_envs: int) -> dict[str, Any]:
         """Each policy's part, for ``num_envs`` environments (the actor gives each of a
         policy's seats in an environment that environment's part: ``per_agent_setup``)."""
+        for name, core in self.cores.items():  # what one batch of all its seats needs (IMPALA: room in the queue)
+            core.actor_setup(actor_index, num_envs * self.seats(name))
         return {"policies": {name: core.actor_setup(actor_index, num_envs) for name, core in self.cores.items()}}
 
     def policy_limits(self, policy: str, num_envs: int) -> dict[str, int]:

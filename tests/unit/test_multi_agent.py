@@ -240,3 +240,13 @@ def test_a_self_play_actor_takes_the_pool_from_the_weights_and_refuses_forged_sn
     for _ in range(50):  # episodes against the pool's snapshots and the others play on
         actor.act()
     actor.close()
+
+
+def test_an_actor_is_refused_when_one_batch_of_all_its_seats_would_not_fit_impalas_queue():
+    from apex.errors import ApexError
+
+    cfg = config(algo="impala", env={"id": "tests.multiagent_envs:meet"}, impala={"queue_size": 8, "batch_unrolls": 8})
+    learner = MultiPolicyLearner(cfg, multi_agent_spec(cfg), torch.device("cpu"))
+    learner.actor_setup(0, 4)  # 4 environments x 2 seats: 8 unrolls a batch
+    with pytest.raises(ApexError, match="queue_size"):
+        learner.actor_setup(0, 5)
