@@ -204,3 +204,43 @@ class MaskedChoice(ParallelEnv):  # type: ignore[misc]
 
 def masked_choice(marker: str = "") -> MaskedChoice:
     return MaskedChoice(marker)
+
+
+class Relay(ParallelEnv):  # type: ignore[misc]
+    """Agent ``early`` acts in steps 1-3 and ends; agent ``late`` joins after step 2 and acts
+    in steps 3-6: three transitions and four. Each step pays every agent that acts in it 1."""
+
+    metadata: ClassVar[dict[str, Any]] = {"name": "relay_v0"}
+
+    def __init__(self) -> None:
+        self.possible_agents = ["early", "late"]
+        self.agents: list[str] = []
+        self.t = 0
+
+    def observation_space(self, agent: str) -> spaces.Space[Any]:
+        return spaces.Box(0.0, 10.0, (1,), np.float32)
+
+    def action_space(self, agent: str) -> spaces.Space[Any]:
+        return spaces.Discrete(2)
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict, dict]:
+        self.t = 0
+        self.agents = ["early"]
+        return {"early": np.zeros(1, np.float32)}, {"early": {}}
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        assert set(actions) == set(self.agents), (actions, self.agents)  # only the agents playing act
+        self.t += 1
+        playing = list(self.agents)
+        obs = {a: np.full(1, self.t, np.float32) for a in playing}
+        done = {a: (a == "early" and self.t == 3) or (a == "late" and self.t == 6) for a in playing}
+        rewards = dict.fromkeys(playing, 1.0)
+        self.agents = [a for a in playing if not done[a]]
+        if self.t == 2:  # joins: its first observation now, its first action next step
+            self.agents.append("late")
+            obs["late"] = np.full(1, self.t, np.float32)
+        return obs, rewards, done, dict.fromkeys(obs, False), {a: {} for a in obs}
+
+
+def relay() -> Relay:
+    return Relay()

@@ -250,3 +250,25 @@ def test_an_actor_is_refused_when_one_batch_of_all_its_seats_would_not_fit_impal
     learner.actor_setup(0, 4)  # 4 environments x 2 seats: 8 unrolls a batch
     with pytest.raises(ApexError, match="queue_size"):
         learner.actor_setup(0, 5)
+
+
+def test_an_agent_that_ends_early_stops_making_transitions_and_one_that_joins_later_starts_its_own():
+    cfg = config(
+        env={"id": "tests.multiagent_envs:relay"},
+        multi_agent={"mapping": "per_agent"},
+        apex_dqn={"n_step": 1, "chunk_transitions": 1000, "eval_envs": 1},
+        actor={"num_envs": 1},
+    )
+    spec = multi_agent_spec(cfg)
+    learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
+    actor = MultiAgentActor(cfg, {"num_envs": 1, "seed": 0, **learner.actor_setup(0, 1)}, seed=0, spec=spec)
+    teams = []
+    for _ in range(6):  # one episode (the relay's asserts check that only the agents playing act)
+        teams += actor.act()[1]
+    made = {name: actor.players[name].take(flush=True) for name in ("early", "late")}
+    transitions = {name: sum(len(b["action"]) for b, _ in batches) for name, batches in made.items()}
+    assert transitions == {"early": 3, "late": 4}
+    records = {name: [r for _, rs in batches for r in rs] for name, batches in made.items()}
+    assert records == {"early": [[3.0, 3, True]], "late": [[4.0, 4, True]]}
+    assert teams == [[3.5, 6, True]]  # the mean of the agents' returns; the environment's 6 steps
+    actor.close()
