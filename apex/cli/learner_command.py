@@ -35,7 +35,9 @@ def learner(args: argparse.Namespace) -> int:
     if args.ranks is not None and args.ranks > 1:
         from apex.run.launch import run_ranks
 
-        port = args.port if args.port is not None else load_config(args, resume_checkpoint(args)).transport.port
+        config = load_config(args, resume_checkpoint(args))
+        check_env(config, args.ranks)
+        port = args.port if args.port is not None else config.transport.port
         return run_ranks(args.argv, args.ranks, port)
     if rank is not None and rank.world_size == 1:
         rank = None
@@ -49,7 +51,7 @@ def learner(args: argparse.Namespace) -> int:
     config = load_config(args, resume)
     stop = stop_conditions(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
-    check_env(config)  # a wrong env id or space is said before torch is imported (2 s on 2 cores)
+    check_env(config, rank.world_size if rank else 1)  # said before torch is imported (2 s on 2 cores)
     from apex.learner.process import LearnerProcess
 
     group = _join_group(args, config, rank, logdir) if rank is not None else None

@@ -226,3 +226,10 @@ def play_random(policy, games: int) -> tuple[int, int, int]:
             illegal += agent == me and action not in legal
             env.step(action)
     return wins, losses, illegal
+
+
+def test_a_learner_group_of_a_multi_agent_run_is_refused_in_one_line_before_anything_starts(tmp_path):
+    out = run(tmp_path, "--env", "tests.multiagent_envs:meet", "--actors", "2", "--ranks", "2", "--stop-seconds", "5")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].endswith("run one learner (without --ranks or --rank)")
+    assert "Traceback" not in out.stderr
