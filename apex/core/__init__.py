@@ -1,7 +1,6 @@
 """The seam: the protocols every algorithm's learner and actor cores satisfy, and the names of
 the algorithms. Imports nothing else of apex at run time (annotations only)."""
 
-from apex.core.episode import Episode, stack_frames
 from apex.core.protocols import (
     ActorCore,
     ActorSide,
@@ -20,12 +19,10 @@ __all__ = [
     "ALGOS",
     "ActorCore",
     "ActorSide",
-    "Episode",
     "EpisodeActorCore",
     "EpisodeRecord",
     "LearnerCore",
     "LearnerSide",
     "Policy",
     "TrainingCore",
-    "stack_frames",
 ]
