@@ -11,6 +11,7 @@ MAPPING_FORMS = ("shared", "per_agent")
 # weights messages: a short plain word.
 POLICY_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,63}\Z")
 MAX_POLICIES = 64
+WEIGHT_SEPARATOR = "/"  # a weights message's arrays are named <policy>/<array>: no policy name holds one
 
 
 def policy_name_problem(name: object) -> str | None:

@@ -20,12 +20,12 @@ import numpy as np
 
 from apex import algos
 from apex.config import Config
+from apex.config.multi_agent import WEIGHT_SEPARATOR
 from apex.core import EpisodeActorCore, EpisodeRecord
 from apex.core.episode import Episode, stack_frames
 from apex.envs.multi_agent import MultiAgentEnv, Outcome
 from apex.envs.policy_map import MultiAgentSpec, multi_agent_spec
 from apex.errors import ConfigError, ProtocolError
-from apex.multiagent.learner import WEIGHT_SEPARATOR
 from apex.multiagent.selfplay import LATEST, RANDOM, SNAPSHOT_MARK, OpponentDraw, RandomPlayer, match_outcome
 from apex.wire.protocol import Message
 

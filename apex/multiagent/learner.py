@@ -18,6 +18,7 @@ import torch
 
 from apex import algos
 from apex.config import Config
+from apex.config.multi_agent import WEIGHT_SEPARATOR
 from apex.envs.policy_map import MultiAgentSpec
 from apex.errors import CorruptCheckpoint
 from apex.multiagent.selfplay import SnapshotPool, check_matches
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from apex.replay import StackedReplay
     from apex.training.distributed import GradientAllReduce
     from apex.training.pipeline import Pending, Staged
-
-WEIGHT_SEPARATOR = "/"  # <policy>/<array>: policy names hold no slash (apex.config.multi_agent)
 
 
 class MultiPolicyLearner:
