@@ -42,30 +42,26 @@ def summary(logdir: Path) -> dict:
     return json.loads((logdir / "summary.json").read_text())
 
 
+def learned(tmp_path: Path, algo: str, env: str, stop_return: float, *extra: str, seconds: int = 150) -> dict:
+    """`apex run` of ``env`` with ``algo`` until ``stop_return``: its summary, once it has
+    reached it (over a full window of evaluation episodes)."""
+    logdir = tmp_path / "run"
+    args = ["--algo", algo, "--env", env, *extra, "--stop-return", str(stop_return), "--stop-seconds", str(seconds)]
+    out = run(tmp_path, *args, "--logdir", str(logdir))
+    assert out.returncode == 0, out.stderr
+    result = summary(logdir)
+    assert_reached(result, stop_return)
+    return result
+
+
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_a_shared_policy_learns_a_cooperative_task_that_needs_the_partners_position(tmp_path, algo):
     """meet: going towards the partner gets 0.9, acting at random -0.4, and a policy blind to
     where its partner is cannot get near 0.75."""
-    logdir = tmp_path / "run"
-    out = run(
-        tmp_path,
-        "--algo",
-        algo,
-        "--env",
-        "tests.multiagent_envs:meet",
-        "--stop-return",
-        "0.75",
-        "--stop-seconds",
-        "150",
-        "--logdir",
-        str(logdir),
-    )
-    assert out.returncode == 0, out.stderr
-    result = summary(logdir)
-    assert_reached(result, 0.75)
+    result = learned(tmp_path, algo, "tests.multiagent_envs:meet", 0.75)
     assert list(result["policies"]) == ["shared"]
     assert result["policies"]["shared"]["learner_updates"] == result["learner_updates"] > 0
-    row = metrics(logdir)[-1]
+    row = metrics(tmp_path / "run")[-1]
     assert row["policies"]["shared"]["return_mean_100"] >= 0.6  # each agent's own return
     assert row["rejected_messages"] == 0
     assert not {"pool_size", "elo", "win_rate_vs_pool"} & row["policies"]["shared"].keys()  # no self-play
@@ -73,25 +69,10 @@ def test_a_shared_policy_learns_a_cooperative_task_that_needs_the_partners_posit
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
 def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_is_refused(tmp_path, algo):
-    logdir = tmp_path / "run"
-    out = run(
-        tmp_path,
-        "--algo",
-        algo,
-        "--env",
-        "tests.multiagent_envs:speaker_listener",
-        "--set",
-        "multi_agent.mapping=per_agent",
-        "--stop-return",
-        "0.95",
-        "--stop-seconds",
-        "150",
-        "--logdir",
-        str(logdir),
+    # chance is 0.25: the two learn one code between them
+    result = learned(
+        tmp_path, algo, "tests.multiagent_envs:speaker_listener", 0.95, "--set", "multi_agent.mapping=per_agent"
     )
-    assert out.returncode == 0, out.stderr
-    result = summary(logdir)
-    assert_reached(result, 0.95)  # chance is 0.25: the two learned one code between them
     policies = result["policies"]
     assert sorted(policies) == ["listener", "speaker"]
     assert all(p["learner_updates"] > 0 and p["trained"] for p in policies.values())
@@ -107,26 +88,9 @@ def test_agents_with_different_spaces_learn_with_a_policy_each_and_a_shared_one_
 def test_a_masked_action_is_never_taken_though_it_would_pay_the_most(tmp_path, algo):
     """masked_choice: action 0 would pay 10 and is always illegal; taking it writes a marker."""
     marker = tmp_path / "illegal"
-    logdir = tmp_path / "run"
-    out = run(
-        tmp_path,
-        "--algo",
-        algo,
-        "--env",
-        "tests.multiagent_envs:masked_choice",
-        "--set",
-        f"env.kwargs={{marker: {marker}}}",
-        "--set",
-        f"{algo}.publish_interval=1",
-        "--stop-return",
-        "0.98",
-        "--stop-seconds",
-        "90",
-        "--logdir",
-        str(logdir),
-    )
-    assert out.returncode == 0, out.stderr
-    assert_reached(summary(logdir), 0.98)  # the legal optimum (1 then 1)
+    kwargs, publish = f"env.kwargs={{marker: {marker}}}", f"{algo}.publish_interval=1"
+    env = "tests.multiagent_envs:masked_choice"
+    learned(tmp_path, algo, env, 0.98, "--set", kwargs, "--set", publish, seconds=90)  # the legal optimum, 1 then 1
     assert not marker.exists()
 
 
