@@ -103,6 +103,7 @@ class Ingest:
         step_limit: int,
         counters: RunCounters,
         published_version: Callable[[], int],
+        wait_to_insert: Callable[[float], bool],
         check_matches: Callable[[Any], list[tuple[int, int]]] | None = None,
     ) -> None:
         """``targets``: the learner core of each policy that trains, by the name batches give
@@ -112,7 +113,8 @@ class Ingest:
         lag of each batch)."""
         self.receiver, self.targets, self.config = receiver, targets, config
         self.multi_agent = None not in targets
-        self._room = _AnyRoom(targets)  # the thread takes a batch once some core has room for it
+        # TrainingCore.wait_to_insert: a batch is taken once some core has room for it
+        self.wait_to_insert = wait_to_insert
         self.step_limit = step_limit
         self.counters = counters
         self.published_version = published_version
@@ -146,7 +148,7 @@ class Ingest:
     def _ingest_some(self) -> None:
         receiver = self.receiver
         while not self._stop.is_set():
-            if not self._room.wait_to_insert(timeout=INGEST_WAIT_S):
+            if not self.wait_to_insert(INGEST_WAIT_S):
                 continue
             msg = receiver.recv(timeout_ms=int(INGEST_WAIT_S * 1000))
             if msg is None:
@@ -254,14 +256,3 @@ class Ingest:
                 f"a batch for policy {shown}, and this learner trains {', '.join(map(str, self.targets))}",
             )
         return policy, target
-
-
-class _AnyRoom:
-    """Waits until some policy's core has room: a full one must not hold the others back."""
-
-    def __init__(self, targets: dict[str | None, IngestTarget]) -> None:
-        self.cores = [target.core for target in targets.values()]
-
-    def wait_to_insert(self, timeout: float) -> bool:
-        share = timeout / max(1, len(self.cores))
-        return any(core.wait_to_insert(share) for core in self.cores)

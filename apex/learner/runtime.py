@@ -119,7 +119,16 @@ class TrainingRuntime:
         self.counters = RunCounters(tuple(self.policies))
         self.version = 0  # of the weights last published (on a group's other ranks: as of the last sync)
         matches = multi.check_matches if isinstance(self.learner, MultiPolicyLearner) and multi.pool else None
-        self.ingest = Ingest(receiver, targets, config, step_limit, self.counters, lambda: self.version, matches)
+        self.ingest = Ingest(
+            receiver,
+            targets,
+            config,
+            step_limit,
+            self.counters,
+            lambda: self.version,
+            self.learner.wait_to_insert,
+            matches,
+        )
         self.times = SectionTimes()
         self.wakeup = Wakeup()
         self.prefetch_errors = 0  # our own bugs met while sampling: logged with a traceback

@@ -282,3 +282,26 @@ def test_the_actor_side_of_multi_agent_runs_imports_no_torch():
     code = "import sys, apex.actor.process, apex.multiagent.actor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_forged_self_play_matches_are_refused_and_honest_ones_move_the_rating():
+    from apex.config.multi_agent import SelfPlayConfig
+    from apex.multiagent.selfplay import LATEST, RANDOM, SnapshotPool, check_matches
+
+    pool = SnapshotPool("shared", SelfPlayConfig(enabled=True, snapshot_every_updates=10, pool_size=2))
+    assert pool.maybe_snapshot(10, {"w": np.ones(2, np.float32)})
+    known = pool.known
+    assert known == {LATEST, RANDOM, 0}
+    for forged in (
+        [[7, 1]],  # a snapshot the pool never held
+        [[0, 2]],  # an outcome past a win
+        [[0, True]],  # a bool is no outcome
+        [[0, 1, 1]],
+        "matches",
+        [[0, 1]] * 5000,  # more than a batch may hold
+    ):
+        with pytest.raises(ValueError):
+            check_matches(forged, known)
+    pool.record(check_matches([[0, 1], [0, 1], [RANDOM, -1]], known))
+    assert pool.rating > 1000
+    assert pool.metrics()["win_rate_vs_pool"] == 1.0 and pool.metrics()["loss_rate_vs_random"] == 1.0
