@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     # A wrong env id fails here, in a second, not in every child process after its imports.
     from apex.envs.policy_map import check_env
 
-    check_env(config, args.ranks)
+    check_env(config)
     return launch.run(
         config,
         args.actors,

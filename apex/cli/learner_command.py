@@ -36,7 +36,7 @@ def learner(args: argparse.Namespace) -> int:
         from apex.run.launch import run_ranks
 
         config = load_config(args, resume_checkpoint(args))
-        check_env(config, args.ranks)
+        check_env(config)
         port = args.port if args.port is not None else config.transport.port
         return run_ranks(args.argv, args.ranks, port)
     if rank is not None and rank.world_size == 1:
@@ -51,7 +51,7 @@ def learner(args: argparse.Namespace) -> int:
     config = load_config(args, resume)
     stop = stop_conditions(args)
     logdir = Path(args.logdir) if args.logdir else resume.logdir if resume else run_logdir(args, config)
-    check_env(config, rank.world_size if rank else 1)  # said before torch is imported (2 s on 2 cores)
+    check_env(config)  # said before torch is imported (2 s on 2 cores)
     from apex.learner.process import LearnerProcess
 
     group = _join_group(args, config, rank, logdir) if rank is not None else None

@@ -92,6 +92,17 @@ def _register_atari() -> None:
     gym.register_envs(ale_py)
 
 
+# The extra that installs a package of environments apex knows by name.
+EXTRA_OF = {"mpe2": "mpe", "pettingzoo": "multiagent", "ale_py": "atari", "minatar": "minatar", "Box2D": "box2d"}
+
+
+def not_installed(error: ModuleNotFoundError, extras: dict[str, str] = EXTRA_OF) -> str:
+    """What a missing module means, and the extra that installs it where apex knows one."""
+    extra = extras.get((error.name or "").partition(".")[0])
+    fix = f"pip install 'apex-rl[{extra}]'" if extra else f"install {error.name}"
+    return f"{error.name!r} is not installed: {fix}"
+
+
 def import_env_modules(config: EnvConfig) -> None:
     """Imports env.imports and the module of a ``module:EnvId`` id; ConfigError naming the
     module that cannot be imported."""
@@ -104,6 +115,13 @@ def import_env_modules(config: EnvConfig) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.partition(".")[0] not in EXTRA_OF:
+                raise ConfigError(
+                    f"cannot import {name!r} (from env.imports or env.id): {type(e).__name__}: {e}; "
+                    "install it, or make it importable here (PYTHONPATH, the working directory)"
+                ) from None
+            raise ConfigError(f"env {config.id!r}: {not_installed(e)}") from None
         except Exception as e:  # its own import errors too: any of them means the env cannot be made
             raise ConfigError(
                 f"cannot import {name!r} (from env.imports or env.id): {type(e).__name__}: {e}; "

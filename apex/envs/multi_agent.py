@@ -25,7 +25,7 @@ from gymnasium import spaces as gym_spaces
 
 from apex.config import EnvConfig
 from apex.config.trust import is_pettingzoo_env_id
-from apex.envs import spaces
+from apex.envs import make, spaces
 from apex.envs.make import EnvSpec, import_env_modules, resolve, spec_of
 from apex.errors import ConfigError
 
@@ -46,6 +46,14 @@ def is_multi_agent(env: EnvConfig) -> bool:
     return attr not in gym.registry
 
 
+# PettingZoo's classic and butterfly games import pygame.
+EXTRA_OF = {**make.EXTRA_OF, "pygame": "multiagent"}
+
+
+def _not_installed(env_id: str, error: ModuleNotFoundError) -> ConfigError:
+    return ConfigError(f"env {env_id!r}: {make.not_installed(error, EXTRA_OF)}")
+
+
 def _factory(env_id: str) -> Callable[..., Any]:
     """What ``env.id`` names: a callable returning a ParallelEnv or AECEnv (ConfigError if none)."""
     module_name, _, attr = env_id.partition(":")
@@ -53,13 +61,15 @@ def _factory(env_id: str) -> Callable[..., Any]:
         raise ConfigError(f"env.id {env_id!r}: {attr!r} is private; name a public function or module")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise _not_installed(env_id, e) from None
     except Exception as e:
         raise ConfigError(f"env.id {env_id!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from None
     try:  # a PettingZoo family's environments are its submodules (the family's own getattr warns)
         target: Any = importlib.import_module(f"{module_name}.{attr}")
     except ModuleNotFoundError as e:
         if e.name != f"{module_name}.{attr}":
-            raise ConfigError(f"env.id {env_id!r} needs {e.name!r}: install it ({e})") from None
+            raise _not_installed(env_id, e) from None
         target = getattr(module, attr, None)
     except Exception as e:
         raise ConfigError(f"env.id {env_id!r}: importing it failed: {type(e).__name__}: {e}") from None

@@ -157,19 +157,12 @@ def _policy_spec(name: str, agents: list[str], views: dict[str, AgentView], conf
     return PolicySpec(name, tuple(agents), spec, low, high, add_id, first.masked)
 
 
-def check_env(config: Config, ranks: int = 1) -> EnvSpec | MultiAgentSpec:
+def check_env(config: Config) -> EnvSpec | MultiAgentSpec:
     """The spec of config's environment, a Gymnasium or a PettingZoo one: what every command
-    makes first, so that a wrong id or space is one line before any process starts (and a
-    multi-agent run in a learner group of ``ranks``, which is not supported yet)."""
+    makes first, so that a wrong id or space is one line before any process starts."""
     from apex.envs.make import env_spec
     from apex.envs.multi_agent import is_multi_agent
 
     if not is_multi_agent(config.env):
         return env_spec(config.env, config.algo)
-    spec = multi_agent_spec(config)
-    if ranks > 1:
-        raise ConfigError(
-            f"a learner group (--ranks {ranks}) trains single-agent runs, and {config.env.id} is a multi-agent "
-            "one: run one learner (without --ranks or --rank)"
-        )
-    return spec
+    return multi_agent_spec(config)

@@ -30,6 +30,7 @@ from apex.config import Config
 from apex.learner.ingest import RunCounters
 from apex.learner.metrics import EpisodeStats
 from apex.learner.pace import GroupPace
+from apex.learner.policy_figures import replay_size
 from apex.learner.runtime import IDLE_WAIT_S, TrainingRuntime, learner_runtime
 from apex.system.signals import StopSignals
 from apex.training.distributed import GroupBroken, LearnerGroup
@@ -59,6 +60,8 @@ class RankCounts:
         """Keeps ``counters``' episodes until rank 0 has been told of them."""
         self.counters = counters
         self.stats = counters.stats = RecordedStats()
+        self.policy_stats = {name: RecordedStats() for name in counters.policy_stats}
+        counters.policy_stats = dict(self.policy_stats)  # what ingest adds each policy's episodes to
         self.rejected = rejected
         self._sent_steps = 0
         self._sent_by_host: dict[str, int] = {}
@@ -69,6 +72,10 @@ class RankCounts:
         with c.lock:
             steps, by_host = c.env_steps, dict(c.env_steps_by_host)
             episodes, self.stats.unsent = self.stats.unsent, []
+            by_policy = {name: stats.unsent for name, stats in self.policy_stats.items()}
+            for stats in self.policy_stats.values():
+                stats.unsent = []
+            matches, c.matches = c.matches, []  # rank 0's self-play pool rates them
             lags = c.take_lags()
         rejected = self.rejected.by_reason()
         report = {
@@ -77,6 +84,8 @@ class RankCounts:
                 h: n - self._sent_by_host.get(h, 0) for h, n in by_host.items() if n != self._sent_by_host.get(h, 0)
             },
             "episodes": episodes,
+            "policy_episodes": by_policy,
+            "matches": matches,
             "lags": lags,
             "rejected": {
                 r: n - self._sent_rejected.get(r, 0) for r, n in rejected.items() if n != self._sent_rejected.get(r, 0)
@@ -134,7 +143,7 @@ class FollowerProcess:
                     if agreed.stop:
                         stopped_together = True
                         break
-                    self.pace.train(agreed.steps)
+                    self.pace.train(agreed)
                     self.runtime.pipeline.results()
                     if agreed.checkpoint:  # where rank 0 writes its part: after the steps
                         self._checkpoint()
@@ -214,7 +223,7 @@ class FollowerProcess:
         self.group.gather(
             self.counts.take(
                 {
-                    "replay_size": self.learner.metrics().get("replay_size", 0),
+                    "replay_size": replay_size(self.learner.metrics()),
                     "steps_without_batch": self.pace.steps_without_batch,
                 }
             )

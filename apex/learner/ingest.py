@@ -50,6 +50,20 @@ class RunCounters:
         lags, self.lags = self.lags, []
         return lags
 
+    def add_rank_report(self, report: dict[str, Any]) -> None:
+        """What another rank of a learner group counted since its last report
+        (``apex.learner.follower.RankCounts``; call with ``lock`` held)."""
+        self.env_steps += report["env_steps"]
+        for host, steps in report["by_host"].items():
+            self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + steps
+        for episode_return, is_eval in report["episodes"]:
+            self.stats.add(episode_return, is_eval)
+        for name, episodes in report["policy_episodes"].items():
+            for episode_return, is_eval in episodes:
+                self.policy_stats[name].add(episode_return, is_eval)
+        self.matches.extend((opponent, outcome) for opponent, outcome in report["matches"])
+        self.lags.extend(report["lags"])
+
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint (call with ``lock`` held)."""
         state = {

@@ -7,6 +7,7 @@ whether to stop, checkpoint or sync); and when it publishes, writes metrics and 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -14,8 +15,9 @@ from apex.config import Config, StopConditions
 from apex.core import TrainingCore
 from apex.learner.ingest import RunCounters
 from apex.learner.runtime import GROUP_SYNC_S
+from apex.multiagent.learner import MultiPolicyLearner
 from apex.training.distributed import Agreement, LearnerGroup, train_steps
-from apex.training.pipeline import Pipeline
+from apex.training.pipeline import Pipeline, Staged
 
 
 class Pace(Protocol):
@@ -23,7 +25,7 @@ class Pace(Protocol):
         """This loop's steps, and whether to stop now and to checkpoint after the steps."""
         ...
 
-    def train(self, steps: int) -> None:
+    def train(self, agreed: Agreement) -> None:
         """Trains the agreed steps (handing their results to the pipeline)."""
         ...
 
@@ -39,8 +41,8 @@ class SoloPace:
     def agree(self, staged: int, *, stop: bool, checkpoint: bool) -> Agreement:
         return Agreement(min(1, staged), stop, checkpoint, False)
 
-    def train(self, steps: int) -> None:
-        for _ in range(steps):
+    def train(self, agreed: Agreement) -> None:
+        for _ in range(agreed.steps):
             # (taken: `steps` were staged, and only this thread takes them)
             if (staged := self.pipeline.take()) is not None:
                 self.pipeline.submit(self.core.train(staged))  # written back by the prefetch thread
@@ -50,7 +52,9 @@ class GroupPace:
     """A rank of a learner group: every rank takes the most steps any has staged (a rank
     without a batch steps without one, adding no gradient, and counts it); any rank's stop
     or checkpoint is every rank's; every GROUP_SYNC_S the ranks sync (``on_sync``: rank 0
-    takes in the others' counts, they hear rank 0's news)."""
+    takes in the others' counts, they hear rank 0's news). With several policies the ranks
+    agree on each policy's steps (``StagedByPolicy``): a step all-reduces one network's
+    gradients, so every rank must step the same policy at the same time."""
 
     def __init__(
         self,
@@ -64,19 +68,54 @@ class GroupPace:
         self.group, self.pipeline, self.core, self.on_sync = group, pipeline, core, on_sync
         self.asks_sync = asks_sync
         self.steps_without_batch = 0  # the group's steps this rank took without a batch of its own
+        self.by_policy = StagedByPolicy(pipeline, core) if isinstance(core, MultiPolicyLearner) else None
         self._next_sync = time.monotonic()
 
     def agree(self, staged: int, *, stop: bool, checkpoint: bool) -> Agreement:
         now = time.monotonic()
         sync = self.asks_sync and now >= self._next_sync
-        agreed = self.group.agree(staged, stop=stop, checkpoint=checkpoint, sync=sync)
+        counts = self.by_policy.counts() if self.by_policy is not None else staged
+        agreed = self.group.agree(counts, stop=stop, checkpoint=checkpoint, sync=sync)
         if agreed.sync:
             self._next_sync = now + GROUP_SYNC_S
             self.on_sync()
         return agreed
 
-    def train(self, steps: int) -> None:
-        self.steps_without_batch += train_steps(self.pipeline, self.core, steps)
+    def train(self, agreed: Agreement) -> None:
+        if self.by_policy is not None:
+            self.steps_without_batch += self.by_policy.train(agreed.by_policy)
+        else:
+            self.steps_without_batch += train_steps(self.pipeline, self.core, agreed.steps)
+
+
+class StagedByPolicy:
+    """A multi-policy rank's staged batches sorted by policy, for a group that agrees on each
+    policy's steps: every loop the pipeline's staged batches move here (``counts``), and the
+    agreed steps go policy by policy in the learner's order of trained policies, each on this
+    rank's batch of that policy while it has one, then without (``train``). Every loop
+    trains at least what was counted, so nothing stays here from one loop to the next."""
+
+    def __init__(self, pipeline: Pipeline, learner: MultiPolicyLearner) -> None:
+        self.pipeline, self.learner = pipeline, learner
+        self.held: dict[str, deque[Staged]] = {name: deque() for name in learner.trained}
+
+    def counts(self) -> list[int]:
+        """Each trained policy's batches staged on this rank, in the learner's order."""
+        while (staged := self.pipeline.take()) is not None:
+            self.held[self.learner.policy_of(staged)].append(staged)
+        return [len(batches) for batches in self.held.values()]
+
+    def train(self, steps: tuple[int, ...]) -> int:
+        """The agreed steps of each policy; returns how many had no batch of this rank's."""
+        without = 0
+        for (name, batches), count in zip(self.held.items(), steps, strict=True):
+            for _ in range(count):
+                if batches:
+                    self.pipeline.submit(self.learner.train(batches.popleft()))
+                else:
+                    without += 1
+                    self.pipeline.submit(self.learner.train_without_batch(name))
+        return without
 
 
 class Clocks:
@@ -132,7 +171,7 @@ def stop_reason_now(stop: StopConditions, counters: RunCounters, elapsed: float)
     with counters.lock:
         mean, full = counters.stats.return_mean, counters.stats.full_window
     if stop.return_mean is not None and full and mean is not None and mean >= stop.return_mean:
-        return f"return_mean_100 {mean:.1f} >= {stop.return_mean}"
+        return f"return_mean_100 {mean:.4g} >= {stop.return_mean}"
     if stop.seconds is not None and elapsed >= stop.seconds:
         return f"{stop.seconds} seconds"
     if stop.env_steps is not None and counters.env_steps >= stop.env_steps:

@@ -54,3 +54,11 @@ def policy_summary(runtime: TrainingRuntime) -> dict[str, dict[str, Any]]:
             figures[name]["best_return_mean_100"] = stats.best_return_mean if stats.full_window else None
             figures[name]["episodes"] = stats.episodes
     return figures
+
+
+def replay_size(metrics: dict[str, Any]) -> int:
+    """What a learner's replay (or queue) holds, from its metrics: its policies' together in a
+    multi-agent run."""
+    if "policies" in metrics:
+        return sum(int(figures.get("replay_size", 0)) for figures in metrics["policies"].values())
+    return int(metrics.get("replay_size", 0))

@@ -24,7 +24,7 @@ from apex.errors import ApexError
 from apex.learner.checkpointing import RunCheckpointer, Saved
 from apex.learner.metrics import MetricsWriter, Rate, say_goodbye, write_summary
 from apex.learner.pace import Clocks, GroupPace, Pace, SoloPace, stop_reason_now
-from apex.learner.policy_figures import policy_metrics, policy_summary
+from apex.learner.policy_figures import policy_metrics, policy_summary, replay_size
 from apex.learner.runtime import (
     IDLE_WAIT_S,
     STOP_LINGER_S,
@@ -37,7 +37,7 @@ from apex.learner.runtime import (
 )
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
-from apex.training.distributed import GroupBroken, LearnerGroup
+from apex.training.distributed import Agreement, GroupBroken, LearnerGroup
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, is_loopback
 from apex.transport.sessions import SessionSigner
 from apex.wire.protocol import Message
@@ -220,7 +220,7 @@ class LearnerProcess:
             )
             if agreed.stop:
                 return stop_reason or "another rank of the group was told to stop", True
-            self._step(agreed.steps)
+            self._step(agreed)
             if clocks.publish_due(self.learner.updates):
                 started = time.perf_counter()
                 self._publish(self.learner.updates)
@@ -235,15 +235,15 @@ class LearnerProcess:
                 clocks.checkpointed(now, self.learner.updates)
             checkpoint_asked = due and not agreed.checkpoint and not self.checkpointer.writer.busy
 
-    def _step(self, steps: int) -> None:
+    def _step(self, agreed: Agreement) -> None:
         """Trains the agreed steps, or sleeps until there is work when there are none."""
         started = time.perf_counter()
-        if not steps:
+        if not agreed.steps:
             self.runtime.wait_for_work(lambda wake_fd: self.endpoint.wait(int(IDLE_WAIT_S * 1000), wake_fd))
             self.times.add("idle", time.perf_counter() - started)
         else:
-            self.pace.train(steps)
-            self.times.steps += steps
+            self.pace.train(agreed)
+            self.times.steps += agreed.steps
             self.times.add("train", time.perf_counter() - started)
         for step_metrics in self.runtime.pipeline.results():
             self._last = step_metrics or self._last  # {}: the update was skipped as non-finite
@@ -318,12 +318,7 @@ class LearnerProcess:
         counters = self.runtime.counters
         with counters.lock:
             for report in reports:
-                counters.env_steps += report["env_steps"]
-                for host, steps in report["by_host"].items():
-                    counters.env_steps_by_host[host] = counters.env_steps_by_host.get(host, 0) + steps
-                for episode_return, is_eval in report["episodes"]:
-                    counters.stats.add(episode_return, is_eval)
-                counters.lags.extend(report["lags"])
+                counters.add_rank_report(report)
         for report in reports:
             for reason, count in report["rejected"].items():
                 self.endpoint.rejected.add(reason, count)
@@ -371,7 +366,7 @@ class LearnerProcess:
         row.update(self.times.take())
         if isinstance(self.pace, GroupPace) and self.group is not None:
             row["ranks"] = self.group.world_size
-            row["group_replay_size"] = self.group_replay_size + row.get("replay_size", 0)
+            row["group_replay_size"] = self.group_replay_size + replay_size(row)
             row["steps_without_batch_by_rank"] = [self.pace.steps_without_batch, *self.others_steps_without_batch]
         checkpoints = self.checkpointer.writer
         row.update(

@@ -96,11 +96,6 @@ class TrainingRuntime:
         self.learner: TrainingCore
         self.core: LearnerCore | None  # a single-agent run's one core (what a group's ranks and replays need)
         if isinstance(spec, MultiAgentSpec):
-            if world_size is not None:
-                raise ApexError(
-                    "a learner group (--ranks) trains one policy, and this multi-agent run has "
-                    f"{len(spec.policies)}: run one learner (without --ranks)"
-                )
             multi = MultiPolicyLearner(config, spec, device)
             self.learner, self.policies, self.core = multi, multi.cores, None
             # Each batch to its policy's core, whose limits are for that policy's seats.

@@ -34,8 +34,6 @@ class MultiPolicyLearner:
     """One learner core a policy of a ``MultiAgentSpec``, behind the ``TrainingCore`` seam (the
     ingest thread feeds each policy's ``LearnerCore`` itself)."""
 
-    all_reduce: GradientAllReduce | None = None  # learner groups train one policy: refused before
-
     def __init__(self, config: Config, spec: MultiAgentSpec, device: torch.device) -> None:
         core = algos.get(config.algo).learner().core
         self.spec = spec
@@ -49,6 +47,17 @@ class MultiPolicyLearner:
         self_play = config.multi_agent.self_play
         # (validation holds self-play to the shared mapping: its one policy is the one that plays itself)
         self.pool = SnapshotPool(next(iter(self.cores)), self_play) if self_play.enabled else None
+
+    @property
+    def all_reduce(self) -> GradientAllReduce | None:
+        """A learner group's gradient all-reduce, each policy's core's (the ranks step the
+        same policy at the same time: ``apex.learner.pace.StagedByPolicy``)."""
+        return next(iter(self.cores.values())).all_reduce
+
+    @all_reduce.setter
+    def all_reduce(self, value: GradientAllReduce | None) -> None:
+        for core in self.cores.values():
+            core.all_reduce = value
 
     def seats(self, policy: str) -> int:
         """Agents of ``policy`` in each environment: an actor's rows (or rungs) for it per environment."""
@@ -109,10 +118,19 @@ class MultiPolicyLearner:
         pending.context = (name, pending.context)
         return pending
 
-    def train_without_batch(self) -> Pending:
-        # A group's ranks would have to agree on the policy of each step (an all-reduce of
-        # one network's gradients); `apex learner --ranks` refuses a multi-agent run first.
-        raise RuntimeError("a learner group of several policies is not supported")
+    def policy_of(self, staged: Staged) -> str:
+        """The policy a batch staged by ``prepare`` is for."""
+        name: str = staged.context[0]
+        return name
+
+    def train_without_batch(self, policy: str | None = None) -> Pending:
+        """A learner group's step of ``policy`` on a rank without a batch of it (the group
+        agreed which policy steps: ``apex.learner.pace.StagedByPolicy``)."""
+        if policy is None:
+            raise ValueError("a step without a batch of a multi-agent run names its policy")
+        pending = self.cores[policy].train_without_batch()
+        pending.context = (policy, pending.context)
+        return pending
 
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
         results: list[dict[str, float]] = []

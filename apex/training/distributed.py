@@ -25,7 +25,7 @@ import datetime
 import os
 import re
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,8 @@ class Agreement:
     stop: bool
     checkpoint: bool
     sync: bool  # exchange counts and sessions (``LearnerGroup.gather`` / ``broadcast``)
+    # Several policies: each one's steps, in the order of the counts agreed on (``steps`` their sum).
+    by_policy: tuple[int, ...] = ()
 
 
 class LearnerGroup:
@@ -240,14 +242,19 @@ class LearnerGroup:
     def world_size(self) -> int:
         return self.rank.world_size
 
-    def agree(self, staged: int, *, stop: bool = False, checkpoint: bool = False, sync: bool = False) -> Agreement:
+    def agree(
+        self, staged: int | Sequence[int], *, stop: bool = False, checkpoint: bool = False, sync: bool = False
+    ) -> Agreement:
         """One collective: the most batches staged on any rank (a rank with none, e.g. whose
         actors are silent, does not hold the others back: it steps without), and whether any
-        rank asks to stop, checkpoint or sync."""
-        flags = torch.tensor([staged, int(stop), int(checkpoint), int(sync)], dtype=torch.int64)
+        rank asks to stop, checkpoint or sync. ``staged`` as a sequence: each policy's batches
+        (every rank gives the same policies in the same order), agreed policy by policy."""
+        counts = [staged] if isinstance(staged, int) else list(staged)
+        flags = torch.tensor([*counts, int(stop), int(checkpoint), int(sync)], dtype=torch.int64)
         self._collective(dist.all_reduce, flags, op=dist.ReduceOp.MAX)
-        steps, stop_flag, checkpoint_flag, sync_flag = flags.tolist()
-        return Agreement(steps, stop_flag > 0, checkpoint_flag > 0, sync_flag > 0)
+        *steps, stop_flag, checkpoint_flag, sync_flag = flags.tolist()
+        by_policy = () if isinstance(staged, int) else tuple(steps)
+        return Agreement(sum(steps), stop_flag > 0, checkpoint_flag > 0, sync_flag > 0, by_policy)
 
     def gather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, on every rank, in rank order."""

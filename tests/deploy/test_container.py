@@ -207,6 +207,7 @@ def wheelhouse(engine, say) -> Path:
             *project["project"]["dependencies"],
             *extras["atari"],
             *extras["serve"],
+            *extras["multiagent"],
             *project["build-system"]["requires"],
             "wheel",
         ]
@@ -332,16 +333,27 @@ class Compose:
     through --env-file (every variable of .env.example, so that a deploy/.env of a user's does
     not count), its containers found by compose's labels."""
 
-    def __init__(self, cli: list[str], image: str, workdir: Path, run_name: str, learner_flags: list[str]):
+    def __init__(
+        self,
+        cli: list[str],
+        image: str,
+        workdir: Path,
+        run_name: str,
+        learner_flags: list[str],
+        settings: dict[str, str] | None = None,
+    ):
         self.project = f"apex-test-{RUN_ID}-{run_name}"
         self.runs = workdir / "runs"
         self.runs.mkdir(parents=True)
         self.runs.chmod(0o777)  # the containers write as uid 10001
         self.logdir = self.runs / run_name
-        settings = dict(
-            line.split("=", 1)
-            for line in (DEPLOY / ".env.example").read_text().splitlines()
-            if line and not line.startswith("#")
+        given, settings = (
+            settings or {},
+            dict(
+                line.split("=", 1)
+                for line in (DEPLOY / ".env.example").read_text().splitlines()
+                if line and not line.startswith("#")
+            ),
         )
         first = free_ports()
         settings.update(
@@ -352,6 +364,7 @@ class Compose:
             APEX_PUBLISH_HOST="127.0.0.1",
             APEX_ACTORS="2",
         )
+        settings.update(given)
         env_file = workdir / "compose.env"
         env_file.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
         # The learner's command as the compose file has it, plus this test's flags.
@@ -456,8 +469,8 @@ def project(compose_cli, image, tmp_path, say):
     """Makes Compose projects; every one is taken down at the end, also on failure."""
     made = []
 
-    def make(run_name: str, learner_flags: list[str]) -> Compose:
-        made.append(Compose(compose_cli, image, tmp_path / run_name, run_name, learner_flags))
+    def make(run_name: str, learner_flags: list[str], settings: dict[str, str] | None = None) -> Compose:
+        made.append(Compose(compose_cli, image, tmp_path / run_name, run_name, learner_flags, settings))
         return made[-1]
 
     yield make
@@ -471,27 +484,43 @@ def joined(log: str) -> collections.Counter:
     return collections.Counter(int(n) for n in re.findall(r"\bactor (\d+) joined\b", log))
 
 
+def run_to_the_end(compose: Compose) -> str:
+    """Brings the project up and waits until the learner and both actors have exited, each
+    with 0 (the actors told to stop, not crashed); the learner's log."""
+    compose("up", "-d", "--no-build")
+    containers = [compose.learner(), *compose.containers("actor")]
+    assert len(containers) == 3, containers
+    wait_for(
+        "the learner and the actors to exit",
+        lambda: all(state(c)["Status"] == "exited" for c in containers),
+        240,
+        compose,
+    )
+    for container in containers:
+        assert state(container)["ExitCode"] == 0, compose.logs(container)[-3000:]
+    return compose.logs(containers[0])
+
+
 def test_compose_trains_to_a_summary(project, say):
     compose = project("train", ["--stop-env-steps", "20000"])
     with phase(say, "compose: keygen, learner and 2 actors to 20k env steps"):
-        compose("up", "-d", "--no-build")
-        containers = [compose.learner(), *compose.containers("actor")]
-        assert len(containers) == 3, containers
-        wait_for(
-            "the learner and the actors to exit",
-            lambda: all(state(c)["Status"] == "exited" for c in containers),
-            240,
-            compose,
-        )
-    learner_log = compose.logs(containers[0])
-    assert state(containers[0])["ExitCode"] == 0, learner_log[-3000:]
-    for actor in containers[1:]:
-        assert state(actor)["ExitCode"] == 0, compose.logs(actor)[-3000:]  # told to stop, not crashed
+        learner_log = run_to_the_end(compose)
     summary = json.loads((compose.logdir / "summary.json").read_text())
     assert summary["env_steps"] >= 20000 and "env steps" in summary["stop_reason"], summary
     assert summary["learner_updates"] > 0
     # Each actor answered once at its hello, although the actors start with the learner.
     assert joined(learner_log) == {0: 1, 1: 1}, learner_log[-3000:]
+
+
+def test_compose_trains_a_multi_agent_run(project, say):
+    """The image has PettingZoo: compose runs tictactoe's self-play preset as it is."""
+    compose = project("tictactoe", ["--stop-env-steps", "5000"], {"APEX_CONFIG": "tictactoe_apex"})
+    with phase(say, "compose: tictactoe self-play, learner and 2 actors to 5k env steps"):
+        learner_log = run_to_the_end(compose)
+    summary = json.loads((compose.logdir / "summary.json").read_text())
+    assert summary["env_steps"] >= 5000 and summary["policies"]["shared"]["learner_updates"] > 0, summary
+    assert joined(learner_log) == {0: 1, 1: 1}, learner_log[-3000:]
+    assert compose.metrics()[-1]["rejected_messages"] == 0
 
 
 def test_compose_learner_comes_back_after_a_crash(project, image, say):

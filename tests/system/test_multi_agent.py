@@ -192,8 +192,33 @@ def play_random(policy, games: int) -> tuple[int, int, int]:
     return wins, losses, illegal
 
 
-def test_a_learner_group_of_a_multi_agent_run_is_refused_in_one_line_before_anything_starts(tmp_path):
-    out = run(tmp_path, "--env", "tests.multiagent_envs:meet", "--actors", "2", "--ranks", "2", "--stop-seconds", "5")
-    assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].endswith("run one learner (without --ranks or --rank)")
-    assert "Traceback" not in out.stderr
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_a_learner_group_trains_every_policy_on_each_ranks_batches_and_resumes(tmp_path, algo):
+    """`apex run --ranks 2` of a run with two policies: the ranks agree on each policy's steps
+    (a rank without a batch of that policy steps without one), rank 1 trains on its actor's
+    batches, and its agents' returns reach rank 0's figures of each policy."""
+    logdir = tmp_path / "run"
+    per_agent = ["--set", "multi_agent.mapping=per_agent", "--actors", "2", "--ranks", "2"]
+    result = learned(tmp_path, algo, "tests.multiagent_envs:speaker_listener", 0.95, *per_agent)
+    assert result["stop_reason"].startswith("return_mean_100")
+    rows = metrics(logdir)
+    assert all(row["ranks"] == 2 for row in rows)
+    policies = result["policies"]
+    assert all(p["learner_updates"] > 0 for p in policies.values())
+    # One agent a policy: each policy has an episode for every team episode, rank 1's
+    # included (without them, about half; each policy's batches come in on their own).
+    assert rows[-1]["episodes"] > 1000
+    assert all(row["policies"][name]["episodes"] >= 0.9 * row["episodes"] for row in rows for name in policies)
+    if algo == "apex_dqn":  # rank 1's replays hold its actor's transitions
+        own = [sum(p["replay_size"] for p in row["policies"].values()) for row in rows]
+        assert max(row["group_replay_size"] - mine for row, mine in zip(rows, own)) > 0
+    assert rows[-1]["rejected_messages"] == 0
+
+    trusted = ["--allow-import", "tests.multiagent_envs", "--actors", "2", "--ranks", "2"]
+    resumed = run(tmp_path, "--resume", str(logdir), *trusted, "--stop-seconds", "3", timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    at_resume = metrics(logdir)[len(rows)]
+    assert at_resume["ranks"] == 2
+    assert {n: p["updates"] for n, p in at_resume["policies"].items()} == {
+        n: p["learner_updates"] for n, p in policies.items()
+    }

@@ -4,6 +4,8 @@ interleaving of policies and its checkpoint state."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from apex.algos.masks import legal_actions
 from apex.config import load_dict
 from apex.config.trust import check_imports, is_pettingzoo_env_id
 from apex.core.episode import Episode
-from apex.envs.multi_agent import is_multi_agent
+from apex.envs.multi_agent import is_multi_agent, make_pettingzoo
 from apex.envs.policy_map import multi_agent_spec, policy_mapper
 from apex.errors import ConfigError, RejectedMessage
 from apex.multiagent.actor import MultiAgentActor, per_agent_setup
@@ -71,6 +73,17 @@ def test_gymnasium_ids_stay_single_agent_and_pettingzoo_ones_are_told_apart_by_w
     assert not is_multi_agent(config(env={"id": "tests.envs:apex-test/Recall-v0"}).env)
     assert is_multi_agent(config(env={"id": TICTACTOE}).env)
     assert is_multi_agent(config(env={"id": "tests.multiagent_envs:meet"}).env)
+
+
+def test_a_missing_package_of_environments_is_one_line_naming_the_extra_that_installs_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpe2", None)  # as if mpe2 were not installed
+    with pytest.raises(ConfigError, match=r"'mpe2' is not installed: pip install 'apex-rl\[mpe\]'"):
+        make_pettingzoo(config(env={"id": "mpe2:simple_spread_v3"}).env)
+    monkeypatch.setitem(sys.modules, "pygame", None)  # classic's games import pygame
+    monkeypatch.delitem(sys.modules, "pettingzoo.classic.tictactoe_v3", raising=False)
+    monkeypatch.delitem(sys.modules, "pettingzoo.classic.tictactoe.tictactoe", raising=False)
+    with pytest.raises(ConfigError, match=r"'pygame' is not installed: pip install 'apex-rl\[multiagent\]'"):
+        make_pettingzoo(config(env={"id": TICTACTOE}).env)
 
 
 def test_an_aec_environment_steps_one_agent_at_a_time_and_hands_each_its_reward_and_mask():
