@@ -52,9 +52,18 @@ def _impala_actor() -> ActorSide:
     return ActorSide(impala_actor.ImpalaActor, impala_actor.ImpalaEpisodeActor, impala_actor.setup_problem)
 
 
+@functools.cache
+def _appo_learner() -> LearnerSide:
+    from apex.algos.appo import learner as appo
+
+    return LearnerSide(appo.AppoLearner, appo.POLICY)
+
+
 REGISTRY: dict[str, Algorithm] = {
     "apex_dqn": Algorithm("apex_dqn", _apex_dqn_learner, _apex_dqn_actor, ("online", "target", "optimizer")),
     "impala": Algorithm("impala", _impala_learner, _impala_actor, ("net", "optimizer")),
+    # APPO's actors are IMPALA's: the same unrolls, behaviour log-probabilities and policies.
+    "appo": Algorithm("appo", _appo_learner, _impala_actor, ("net", "target", "optimizer")),
 }
 
 

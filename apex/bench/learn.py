@@ -292,7 +292,7 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
         raise ApexError("apex bench learn --plot needs matplotlib: pip install 'apex-rl[plot]'") from None
     tasks = list(dict.fromkeys(r["task"] for r in runs))
     fig, axes = plt.subplots(len(tasks), 2, figsize=(11, 3.2 * len(tasks)), squeeze=False)
-    colors = {"apex_dqn": "tab:blue", "impala": "tab:orange"}
+    colors = {"apex_dqn": "tab:blue", "impala": "tab:orange", "appo": "tab:green"}
     for row, task in enumerate(tasks):
         for col, (x, label) in enumerate(((0, "wall time of the run (s)"), (1, "env steps"))):
             ax = axes[row][col]

@@ -19,8 +19,8 @@ class Task:
     reference: str  # a published figure to compare with, and its source
 
 
-def _both(value: T) -> dict[str, T]:
-    return {"apex_dqn": value, "impala": value}
+def _every(value: T) -> dict[str, T]:
+    return {"apex_dqn": value, "impala": value, "appo": value}
 
 
 # MinAtar's DQN at 5M frames, read off the learning curves of kenjyoung/MinAtar's README
@@ -38,44 +38,44 @@ MINATAR_IDS = {
 TASKS = {
     "cartpole": Task(
         "CartPole-v1",
-        _both(475.0),
-        {"apex_dqn": 12.0, "impala": 8.0},
+        _every(475.0),
+        {"apex_dqn": 12.0, "impala": 8.0, "appo": 8.0},
         2.0,
         "CleanRL DQN 488.7 at 500k steps (CleanRL benchmark, dqn.py on CartPole-v1)",
     ),
     "acrobot": Task(
         "Acrobot-v1",
-        {"apex_dqn": -75.0, "impala": -100.0},
-        {"apex_dqn": 30.0, "impala": 60.0},
+        {"apex_dqn": -75.0, "impala": -100.0, "appo": -100.0},
+        {"apex_dqn": 30.0, "impala": 60.0, "appo": 60.0},
         2.0,
         "CleanRL DQN -91.5 at 500k steps; rl-zoo DQN -76.6 at 100k",
     ),
     "mountaincar": Task(
         "MountainCar-v0",
-        _both(-110.0),
-        {"apex_dqn": 60.0, "impala": None},
+        _every(-110.0),
+        {"apex_dqn": 60.0, "impala": None, "appo": None},
         5.0,
         "CleanRL DQN -194.95 at 500k steps; rl-zoo DQN -101 at 120k",
     ),
     "lunarlander": Task(
         "LunarLander-v3",
-        _both(200.0),
-        _both(300.0),
+        _every(200.0),
+        _every(300.0),
         5.0,
         "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)",
     ),
-    # Continuous actions: IMPALA only (a Gaussian policy); issue 18's targets.
+    # Continuous actions: IMPALA and APPO (a Gaussian policy); issue 18's targets.
     "pendulum": Task(
         "Pendulum-v1",
-        {"impala": -250.0},
-        {"impala": 300.0},
+        {"impala": -250.0, "appo": -250.0},
+        {"impala": 300.0, "appo": 300.0},
         5.0,
         "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)",
     ),
     "lunarlandercontinuous": Task(
         "LunarLanderContinuous-v3",
-        {"impala": 200.0},
-        {"impala": 900.0},
+        {"impala": 200.0, "appo": 200.0},
+        {"impala": 900.0, "appo": 900.0},
         15.0,
         "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
     ),
@@ -83,16 +83,16 @@ TASKS = {
     # in self-play, the learning seat's against a uniformly random player (tictactoe).
     "tictactoe": Task(
         "pettingzoo.classic:tictactoe_v3",
-        _both(0.9),
-        _both(None),
+        _every(0.9),
+        _every(None),
         5.0,
         "a uniformly random player scores 0.0 against another over both seats; perfect play "
         "against one about 0.95 (1 a win, -1 a loss)",
     ),
     "simple_spread": Task(
         "mpe2:simple_spread_v3",
-        _both(-20.0),
-        _both(None),
+        _every(-20.0),
+        _every(None),
         10.0,
         "team return, mpe2 1.1.1 defaults: a uniformly random team -27.9, agent i steering to "
         "landmark i -12.7 (both measured here)",
@@ -100,13 +100,13 @@ TASKS = {
     **{
         f"minatar_{game}": Task(
             f"MinAtar/{MINATAR_IDS[game]}-v1",
-            _both(score),
-            _both(1200.0),
+            _every(score),
+            _every(1200.0),
             20.0,
             f"MinAtar DQN {score:g} at 5M frames (Young & Tian 2019; README curves)",
         )
         for game, score in MINATAR_DQN.items()
     },
 }
-ALGOS = ("apex_dqn", "impala")
-PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala"}
+ALGOS = ("apex_dqn", "impala", "appo")
+PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala", "appo": "appo"}

@@ -39,7 +39,9 @@ def add_bench(commands: Subcommands) -> None:
 
 def _add_e2e_options(bench: argparse.ArgumentParser) -> None:
     e2e = bench.add_argument_group("e2e options")
-    e2e.add_argument("--algo", choices=["apex_dqn", "impala"], default="apex_dqn", help="algorithm (default: apex_dqn)")
+    e2e.add_argument(
+        "--algo", choices=["apex_dqn", "impala", "appo"], default="apex_dqn", help="algorithm (default: apex_dqn)"
+    )
     e2e.add_argument("--env", metavar="ID", help="Gymnasium id (default: the config's, CartPole-v1)")
     e2e.add_argument(
         "--actors",
@@ -91,7 +93,7 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         "with continuous actions (IMPALA only) pendulum, lunarlandercontinuous (Box2D), and "
         "multi-agent tictactoe (self-play), simple_spread (multiagent extra) (default: all)",
     )
-    learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala (default: both)")
+    learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala, appo (default: every one)")
     learn.add_argument(
         "--seeds",
         type=int,

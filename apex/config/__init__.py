@@ -6,7 +6,7 @@ The defaults are the embedded CartPole Ape-X run (``apex run`` with no ``--confi
 ConfigError that lists them all.
 """
 
-from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig, ReplayConfig
+from apex.config.algorithms import AlgoConfig, ApexDqnConfig, AppoConfig, ImpalaConfig, ReplayConfig
 from apex.config.loading import (
     from_dict,
     load,
@@ -41,6 +41,7 @@ __all__ = [
     "ActorConfig",
     "AlgoConfig",
     "ApexDqnConfig",
+    "AppoConfig",
     "Config",
     "ConfigError",
     "EnvConfig",

@@ -255,5 +255,74 @@ class ImpalaConfig:
         return [message for ok, message in checks if not ok]
 
 
-# Every algorithm's section has lr, gamma, grad_clip, publish_interval and weights_update_steps.
+@dataclass(frozen=True)
+class AppoConfig:
+    """APPO (asynchronous PPO; Luo et al. 2020, "IMPACT"): IMPALA's actors, unrolls and learner
+    (everything of the ``impala`` section: unrolls, batch, queue, optimizer, gamma, V-trace's
+    truncation, costs, publishing) with PPO's clipped surrogate against a target ("old")
+    policy network, several passes over each batch and unrolls reused from a circular buffer."""
+
+    clip: float = 0.2
+    """The surrogate's clip: the ratio pi / pi_old is held within [1 - clip, 1 + clip]."""
+    target_update_every: int = 2
+    """Updates (optimizer steps) between copies of the network into the target network, the
+    pi_old of the ratio and of V-trace (2: once a batch with the default epochs and
+    minibatches, as PPO)."""
+    kl_coeff: float = 0.0
+    """Weight of the KL(pi_old || pi) penalty (0: none; the clip alone holds the step)."""
+    kl_target: float | None = 0.01
+    """With a KL penalty: the KL its weight adapts to (doubled above twice this, halved below
+    half of it, as PPO's adaptive penalty); null: the weight stays kl_coeff."""
+    advantages: str = "vtrace"
+    """``vtrace``: V-trace advantages against pi_old, corrected for the actors' lag (IMPACT);
+    ``gae``: generalized advantage estimation on the network's values, uncorrected (Sample
+    Factory's with_vtrace: false)."""
+    gae_lambda: float = 0.95
+    """GAE's lambda (advantages: gae)."""
+    normalize_advantages: bool = True
+    """Scale each minibatch's advantages to mean 0 and standard deviation 1 (PPO's reference
+    implementations, Sample Factory): the entropy bonus and the clip then mean the same
+    whatever the rewards' scale."""
+    value_clip: float | None = None
+    """PPO's value clipping: the new value is held within this of the target network's, and
+    the larger of the two errors is taken (null: no clipping). In units of the return."""
+    epochs: int = 1
+    """Passes over each batch (more: more updates a batch, and a policy lag as many times
+    longer in updates; on CartPole with 2 actors, 2 passes let the policy collapse)."""
+    minibatches: int = 2
+    """Minibatches (of unrolls) each pass splits a batch into: an update each."""
+    replay_ratio: int = 1
+    """Batches each unroll may be part of: above 1, a batch is topped up from the circular
+    buffer of unrolls already trained on (uniformly) when too few new ones wait, and an unroll
+    leaves the buffer after this many (impala.queue_size bounds the buffer)."""
+
+    def problems(self, batch_unrolls: int) -> list[str]:
+        """Every value out of range."""
+        s = "appo"
+        checks = (
+            (0 < self.clip < 1, f"{s}.clip must be in (0, 1), got {self.clip}"),
+            (self.target_update_every >= 1, f"{s}.target_update_every must be >= 1, got {self.target_update_every}"),
+            (self.kl_coeff >= 0, f"{s}.kl_coeff must be >= 0, got {self.kl_coeff}"),
+            (
+                self.kl_target is None or self.kl_target > 0,
+                f"{s}.kl_target must be > 0 or null (a fixed kl_coeff), got {self.kl_target}",
+            ),
+            (self.advantages in ("vtrace", "gae"), f"{s}.advantages must be vtrace or gae, got {self.advantages!r}"),
+            (0 <= self.gae_lambda <= 1, f"{s}.gae_lambda must be in [0, 1], got {self.gae_lambda}"),
+            (
+                self.value_clip is None or self.value_clip > 0,
+                f"{s}.value_clip must be > 0 or null (no clipping), got {self.value_clip}",
+            ),
+            (1 <= self.epochs <= 100, f"{s}.epochs must be in 1..100, got {self.epochs}"),
+            (
+                1 <= self.minibatches <= batch_unrolls,
+                f"{s}.minibatches must be in 1..impala.batch_unrolls ({batch_unrolls}), got {self.minibatches}",
+            ),
+            (1 <= self.replay_ratio <= 100, f"{s}.replay_ratio must be in 1..100, got {self.replay_ratio}"),
+        )
+        return [message for ok, message in checks if not ok]
+
+
+# Every algorithm's section has lr, gamma, grad_clip, publish_interval and weights_update_steps
+# (APPO's are in `impala`).
 AlgoConfig = ApexDqnConfig | ImpalaConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from apex.core import ALGOS
+from apex.core import ALGO_SECTIONS, ALGOS
 from apex.errors import ConfigError
 
 log = logging.getLogger("apex.config")
@@ -56,7 +56,7 @@ def newer_key(key: str, algo: str, moved: list[str]) -> str:
     if section in MOVED_SECTIONS:
         new = f"{MOVED_SECTIONS[section]}.{rest}" if rest else MOVED_SECTIONS[section]
     elif (section, rest) in MOVED_KEYS:
-        new = MOVED_KEYS[(section, rest)].format(algo=algo)
+        new = MOVED_KEYS[(section, rest)].format(algo=ALGO_SECTIONS[algo][0])  # (APPO's lr is IMPALA's)
     else:
         return key
     moved.append(f"{key} -> {new}")

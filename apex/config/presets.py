@@ -12,7 +12,7 @@ import yaml
 
 from apex.config import algorithms, multi_agent, network, sections
 from apex.config.sections import Config
-from apex.core import ALGOS
+from apex.core import ALGO_SECTIONS, ALGOS
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
@@ -100,7 +100,7 @@ def tuned_settings(config: Config) -> dict[str, Any]:
     and ``--env`` alone give for its algorithm and environment: what a preset tunes for its
     task. The sections of the other algorithms, and the seed, are left out."""
     plain = Config(algo=config.algo, env=dataclasses.replace(Config().env, id=config.env.id))
-    others = {name for name in ALGOS if name != config.algo}
+    others = {section for name in ALGOS for section in ALGO_SECTIONS[name]} - set(ALGO_SECTIONS[config.algo])
     defaults = _flatten(plain.to_dict())
     return {
         key: value

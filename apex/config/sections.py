@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from apex.config.algorithms import AlgoConfig, ApexDqnConfig, ImpalaConfig
+from apex.config.algorithms import AlgoConfig, ApexDqnConfig, AppoConfig, ImpalaConfig
 from apex.config.multi_agent import MultiAgentConfig
 from apex.config.network import ServeConfig, TransportConfig
 from apex.core import ALGOS
@@ -166,8 +166,8 @@ class ModelConfig:
                 f"model.lstm_size must be in 1..{MAX_LSTM_SIZE}, got {self.lstm_size}",
             ),
             (
-                self.recurrent == "none" or algo == "impala",
-                f"model.recurrent {self.recurrent} needs algo impala (Ape-X DQN is feed-forward): "
+                self.recurrent == "none" or algo in ("impala", "appo"),
+                f"model.recurrent {self.recurrent} needs algo impala or appo (Ape-X DQN is feed-forward): "
                 "use --algo impala or model.recurrent: none",
             ),
         )
@@ -256,7 +256,8 @@ class StopConditions:
 @dataclass(frozen=True)
 class Config:
     algo: str = "apex_dqn"
-    """``apex_dqn`` or ``impala``: its hyperparameters are in the section of that name."""
+    """``apex_dqn``, ``impala`` or ``appo``: its hyperparameters are in the section of that
+    name (APPO's: ``impala`` and ``appo``)."""
     seed: int = 0
     """Seed for the learner and (offset by actor and env index) the actors."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -265,6 +266,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     apex_dqn: ApexDqnConfig = field(default_factory=ApexDqnConfig)
     impala: ImpalaConfig = field(default_factory=ImpalaConfig)
+    appo: AppoConfig = field(default_factory=AppoConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
@@ -273,7 +275,7 @@ class Config:
     def algo_config(self) -> AlgoConfig:
         """The section of the run's algorithm (its lr, gamma, grad_clip, publish_interval,
         weights_update_steps, and its own settings)."""
-        return self.impala if self.algo == "impala" else self.apex_dqn
+        return self.impala if self.algo in ("impala", "appo") else self.apex_dqn
 
     def validate(self) -> None:
         """Raises one ConfigError listing every value out of range."""
@@ -286,6 +288,7 @@ class Config:
             *self.actor.problems(),
             *self.apex_dqn.problems(self.actor.num_envs),
             *self.impala.problems(),
+            *self.appo.problems(self.impala.batch_unrolls),
             *self.transport.problems(),
             *self.serve.problems(),
             *self.multi_agent.problems(),

@@ -54,7 +54,11 @@ LAYOUTS = ("hwc", "chw", "hw", "vector")
 
 _FLATTENABLE = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete, spaces.Tuple, spaces.Dict)
 
-ALGO_ACTIONS = {"apex_dqn": ("Discrete",), "impala": ("Discrete", "MultiDiscrete", "Box")}
+ALGO_ACTIONS = {
+    "apex_dqn": ("Discrete",),
+    "impala": ("Discrete", "MultiDiscrete", "Box"),
+    "appo": ("Discrete", "MultiDiscrete", "Box"),
+}
 """The action spaces each algorithm's network and batches handle (after ``action_plan``)."""
 
 

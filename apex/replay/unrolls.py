@@ -1,4 +1,6 @@
-"""UnrollQueue: IMPALA's bounded FIFO of unrolls between the ingest thread and the train loop."""
+"""Unrolls between the ingest thread and the train loop: IMPALA's bounded FIFO (``UnrollQueue``)
+and APPO's circular buffer, whose unrolls may be trained on a bounded number of times
+(``UnrollRing``)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,87 @@ class UnrollQueue:
             items = [self._items.popleft() for _ in range(min(n, len(self._items)))]
             self._cond.notify_all()
         return items
+
+
+class UnrollRing:
+    """A bounded buffer of unrolls each trained on at most ``max_uses`` times (APPO's
+    ``replay_ratio``; RLlib's circular buffer): ``take`` gives the unrolls never trained on
+    first, oldest first, and tops the batch up with unrolls drawn uniformly from those trained
+    on fewer than ``max_uses`` times; an unroll leaves once used that often. Room for new
+    unrolls is made by evicting the used ones, least recently used first, so that an unroll
+    never trained on is only dropped where the policy says so (``block`` false: the oldest).
+    With ``max_uses`` 1 it is ``UnrollQueue``."""
+
+    def __init__(self, capacity: int, block: bool, max_uses: int, seed: int = 0) -> None:
+        if capacity < 1 or max_uses < 1:
+            raise ValueError(f"capacity and max_uses must be positive, got {capacity}, {max_uses}")
+        self.capacity, self.block, self.max_uses = capacity, block, max_uses
+        self._fresh: deque[Unroll] = deque()
+        self._used: deque[tuple[Unroll, int]] = deque()  # (unroll, times used), least recently used first
+        self._cond = threading.Condition()
+        self._rng = np.random.default_rng(seed)
+        self.inserted = 0
+        self.dropped = 0  # never trained on
+        self.reused = 0  # draws of an unroll trained on before
+        self.retired = 0  # left after max_uses, or evicted to make room
+
+    def __len__(self) -> int:
+        return len(self._fresh) + len(self._used)
+
+    def bytes_per_transition(self, steps_per_item: int) -> float:
+        with self._cond:
+            items = [*self._fresh, *(u for u, _ in self._used)]
+        if not items:
+            return 0.0
+        return sum(a.nbytes for item in items for a in item.values()) / (len(items) * steps_per_item)
+
+    def wait_for_room(self, timeout: float) -> bool:
+        """Room while fewer than ``capacity`` unrolls wait untrained (used ones make way)."""
+        if not self.block:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._fresh) < self.capacity, timeout)
+
+    def put(self, items: list[Unroll]) -> None:
+        with self._cond:
+            self._fresh.extend(items)
+            self.inserted += len(items)
+            self._evict_used()
+            while not self.block and len(self._fresh) > self.capacity:
+                self._fresh.popleft()
+                self.dropped += 1
+            self._cond.notify_all()
+
+    def _evict_used(self) -> None:
+        """Used unrolls make way, least recently used first, while over capacity (call locked)."""
+        while len(self) > self.capacity and self._used:
+            self._used.popleft()
+            self.retired += 1
+
+    def wait_for(self, n: int, timeout: float) -> bool:
+        """Whether a batch of ``n`` can be taken (within ``timeout``): at least one new unroll
+        among ``n`` in all, so that the learner never goes over old data alone."""
+        with self._cond:
+            return self._cond.wait_for(lambda: bool(self._fresh) and len(self) >= n, timeout)
+
+    def take(self, n: int) -> list[Unroll]:
+        """``n`` unrolls (fewer if there are not that many): new ones first, oldest first, the
+        rest drawn uniformly without replacement from the used ones; each use counted."""
+        with self._cond:
+            taken = [(self._fresh.popleft(), 0) for _ in range(min(n, len(self._fresh)))]
+            more = min(n - len(taken), len(self._used))
+            if more:
+                picks = set(self._rng.choice(len(self._used), size=more, replace=False).tolist())
+                kept: deque[tuple[Unroll, int]] = deque()
+                for i, item in enumerate(self._used):
+                    (taken if i in picks else kept).append(item)
+                self._used = kept
+                self.reused += more
+            for unroll, uses in taken:
+                if uses + 1 < self.max_uses:
+                    self._used.append((unroll, uses + 1))
+                else:
+                    self.retired += 1
+            self._evict_used()
+            self._cond.notify_all()
+        return [unroll for unroll, _ in taken]

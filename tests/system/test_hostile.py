@@ -195,7 +195,7 @@ def impala_run(tmp_path_factory):
 # -- 1, 2: poison
 
 
-@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala", "appo"])
 def test_poisoned_batches_never_reach_the_weights_and_the_run_resumes(tmp_path, algo):
     # Observations up to float32's limit let in (the default, the space's bounds and 1e6, refuses
     # them: test_finite_poison_is_refused_by_the_learner_and_by_apex_serve): the defence behind
@@ -266,6 +266,32 @@ def test_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_tra
         run.wait_rejected("fields", 1)
         for _ in range(3):
             send(peer, {**batch, "core_c": np.full_like(batch["core_c"], 1e30)})
+        trains_on_with_finite_weights(run, peer)
+    finally:
+        run.stop()
+
+
+def test_an_appo_learner_refuses_forged_actions_and_densities_and_trains_on(tmp_path):
+    """APPO's batches are IMPALA's unrolls: an action out of CartPole's two, a behaviour
+    log-probability above 0 (a forged density, which would shrink every importance weight), a
+    NaN reward are refused and counted by reason; the learner trains on with finite weights."""
+    run = Run(tmp_path, "appo")
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        assert {"behaviour_logp", "obs_frame"} <= set(batch)
+
+        def forged(name: str, value) -> dict:
+            array = batch[name].copy()
+            array.flat[0] = value
+            return {**batch, name: array}
+
+        send(peer, forged("reward", np.nan))
+        run.wait_rejected("nonfinite", 1)
+        for name, value in (("action", 2), ("action", -1), ("behaviour_logp", 1.0)):
+            send(peer, forged(name, value))
+        run.wait_rejected("out_of_range", 3)
+        assert {"kl", "clip_fraction"} <= run.row().keys()
         trains_on_with_finite_weights(run, peer)
     finally:
         run.stop()

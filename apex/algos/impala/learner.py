@@ -26,7 +26,7 @@ from apex.envs.make import EnvSpec
 from apex.errors import ApexError, ProtocolError
 from apex.nets.gaussian import LOG_2PI, LOG_STD_MIN
 from apex.nets.torch_nets import PolicyValueNetwork, State, check_fits, numpy_weights
-from apex.replay import UnrollQueue
+from apex.replay import UnrollQueue, UnrollRing
 from apex.replay.unrolls import Unroll
 from apex.training import optim
 from apex.training.distributed import NO_BATCH, GradientAllReduce, step_without_batch
@@ -124,7 +124,7 @@ class ImpalaLearner:
             alpha=im.rmsprop_alpha,
             fused=adam,
         )
-        self.queue = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
+        self.queue: UnrollQueue | UnrollRing = UnrollQueue(im.queue_size, block=im.queue_policy == "block")
         self.stager = DeviceStager(device)
         self.prefetch_batches = 1  # the unrolls' age is the policy lag: none staged further ahead
         self.all_reduce: GradientAllReduce | None = (

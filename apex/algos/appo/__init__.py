@@ -1,0 +1,1 @@
+"""APPO: asynchronous PPO on IMPALA's architecture (``learner``, ``loss``)."""
