@@ -61,7 +61,7 @@ def run(
         base = Path(runs_dir) if runs_dir else Path(tmp)
         base.mkdir(parents=True, exist_ok=True)
         for name in names:
-            for algo in (a for a in algo_names if a in TASKS[name].thresholds):  # continuous tasks: IMPALA only
+            for algo in (a for a in algo_names if a in TASKS[name].thresholds):  # continuous tasks: not Ape-X
                 for seed in range(seeds):
                     task_limit_s = limit_s if limit_s is not None else TASKS[name].minutes * 60
                     runs.append(_recorded_or_run(name, algo, seed, task_limit_s, base, keep=runs_dir is not None))
@@ -93,7 +93,7 @@ def _checked(
         if not any(algo in TASKS[name].thresholds for algo in algo_names):
             raise ApexError(
                 f"--tasks {name} runs with --algos {', '.join(TASKS[name].thresholds)} only "
-                "(continuous actions: IMPALA's Gaussian policy)"
+                "(continuous actions: the Gaussian policy of IMPALA and APPO)"
             )
     limit_s = seconds if seconds is not None else None if minutes is None else minutes * 60
     if limit_s is not None and limit_s <= 0:

@@ -90,7 +90,7 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         metavar="T,T,...",
         help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
         "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra), "
-        "with continuous actions (IMPALA only) pendulum, lunarlandercontinuous (Box2D), and "
+        "with continuous actions (IMPALA, APPO) pendulum, lunarlandercontinuous (Box2D), and "
         "multi-agent tictactoe (self-play), simple_spread (multiagent extra) (default: all)",
     )
     learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala, appo (default: every one)")
