@@ -44,8 +44,10 @@ def test_bench_learn_writes_figures_for_every_run_and_a_plot(tmp_path):
     assert [(r["task"], r["algo"]) for r in report["runs"]] == [
         ("cartpole", "apex_dqn"),
         ("cartpole", "impala"),
+        ("cartpole", "appo"),
         ("acrobot", "apex_dqn"),
         ("acrobot", "impala"),
+        ("acrobot", "appo"),
     ]
     for run in report["runs"]:
         assert run["env_steps"] > 0 and run["updates_per_s"] > 0
@@ -65,18 +67,20 @@ def test_bench_learn_names_unknown_tasks_and_algos():
         learn.run(tasks="cartpole,pong")
     with pytest.raises(ApexError, match="--algos"):
         learn.run(algos="ppo")
-    with pytest.raises(ApexError, match="--tasks pendulum runs with --algos impala only"):
+    with pytest.raises(ApexError, match="--tasks pendulum runs with --algos impala, appo only"):
         learn.run(tasks="pendulum", algos="apex_dqn")
 
 
-def test_bench_learn_runs_continuous_tasks_with_impala_only(tmp_path, monkeypatch):
+def test_bench_learn_runs_continuous_tasks_with_the_gaussian_policies_only(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
     learn.run(tasks="cartpole,pendulum", seeds=1, seconds=30, runs_dir=str(tmp_path))
     assert [(task, algo) for task, algo, _, _ in calls] == [
         ("cartpole", "apex_dqn"),
         ("cartpole", "impala"),
+        ("cartpole", "appo"),
         ("pendulum", "impala"),
+        ("pendulum", "appo"),
     ]
 
 
