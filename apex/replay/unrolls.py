@@ -13,6 +13,13 @@ import numpy as np
 Unroll = dict[str, np.ndarray]
 
 
+def bytes_per_step(items: list[Unroll], steps_per_item: int) -> float:
+    """Bytes of the items' arrays per step they hold (0 for none)."""
+    if not items:
+        return 0.0
+    return sum(a.nbytes for item in items for a in item.values()) / (len(items) * steps_per_item)
+
+
 class UnrollQueue:
     """A bounded FIFO of unrolls between the ingest thread and the train loop (IMPALA).
 
@@ -37,9 +44,7 @@ class UnrollQueue:
         """Bytes of the queued items' arrays per step they hold (0 when empty)."""
         with self._cond:
             items = list(self._items)
-        if not items:
-            return 0.0
-        return sum(a.nbytes for item in items for a in item.values()) / (len(items) * steps_per_item)
+        return bytes_per_step(items, steps_per_item)
 
     def wait_for_room(self, timeout: float) -> bool:
         if not self.block:
@@ -98,9 +103,7 @@ class UnrollRing:
     def bytes_per_transition(self, steps_per_item: int) -> float:
         with self._cond:
             items = [*self._fresh, *(u for u, _ in self._used)]
-        if not items:
-            return 0.0
-        return sum(a.nbytes for item in items for a in item.values()) / (len(items) * steps_per_item)
+        return bytes_per_step(items, steps_per_item)
 
     def wait_for_room(self, timeout: float) -> bool:
         """Room while fewer than ``capacity`` unrolls wait untrained (used ones make way)."""
