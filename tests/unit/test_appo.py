@@ -158,12 +158,14 @@ def cartpole_learner(**appo) -> tuple[AppoLearner, ImpalaActor]:
     return learner, ImpalaActor(config, {"num_envs": 8, "seed": 0}, seed=0)
 
 
-def feed(learner: AppoLearner, actor: ImpalaActor) -> None:
+def feed(learner: AppoLearner, actor: ImpalaActor, *others: AppoLearner) -> None:
+    """One batch from the actor into the learner (and the same batch into the others)."""
     batch = None
     while batch is None:
         batch, _ = actor.act()
-    arrays, _ = learner.schema.validate(batch, learner.batch_limits(8))
-    learner.insert(arrays)
+    for each in (learner, *others):
+        arrays, _ = each.schema.validate(batch, each.batch_limits(8))
+        each.insert(arrays)
 
 
 def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -190,6 +192,36 @@ def test_the_target_network_is_the_network_as_of_every_target_update_every_updat
     assert all(torch.equal(learner.target.state_dict()[k], as_of_6[k]) for k in as_of_6)
     assert not same(learner.target, learner.net)  # steps 7 and 8 moved the network since
     assert not all(torch.equal(initial[k], as_of_6[k]) for k in initial)
+
+
+def test_skipping_the_target_pass_while_it_holds_the_network_changes_no_update():
+    """The target's forward pass is skipped while it holds the network's weights; a learner
+    that always runs it must end with the same weights, bit for bit."""
+    skipping, actor = cartpole_learner(target_update_every=2, epochs=2, minibatches=2)
+    always, other = cartpole_learner(target_update_every=2, epochs=2, minibatches=2)
+    other.close()
+    passes = {"always": 0}
+    run_target = always.target.unroll
+
+    def counted(*args):
+        passes["always"] += 1
+        return run_target(*args)
+
+    always.target.unroll = counted
+    original = always._stepped
+
+    def never_skip() -> None:
+        original()
+        always._target_is_net = False
+
+    always._target_is_net = False
+    always._stepped = never_skip
+    for _ in range(2):
+        feed(skipping, actor, always)
+        assert skipping.step() and always.step()
+    actor.close()
+    assert passes["always"] == 8
+    assert same(skipping.net, always.net) and same(skipping.target, always.target)
 
 
 def test_the_kl_weight_adapts_towards_its_target_or_stays_fixed():

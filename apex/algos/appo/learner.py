@@ -60,6 +60,9 @@ class AppoLearner(ImpalaLearner):
         self.ring = UnrollRing(im.queue_size, im.queue_policy == "block", ap.replay_ratio, seed=config.seed)
         self.queue = self.ring
         self.target = copy.deepcopy(self.net).requires_grad_(False)
+        # True while the target holds the network's weights: its outputs are then the network's
+        # own, detached, and its forward pass is skipped (every target_update_every-th update).
+        self._target_is_net = True
         self.settings = surrogate_settings(config)
         self.kl_coeff = ap.kl_coeff  # adapted by finish() where appo.kl_target is set
         self.steps = 0  # optimizer steps taken, skipped ones too: the target network's clock
@@ -88,8 +91,11 @@ class AppoLearner(ImpalaLearner):
     def _update(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         state = (batch["core_h"], batch["core_c"]) if self.recurrent else None
         params, values = self.net.unroll(batch["obs"], batch.get("done"), state)
-        with torch.no_grad():
-            old_params, old_values = self.target.unroll(batch["obs"], batch.get("done"), state)
+        if self._target_is_net:
+            old_params, old_values = params.detach(), values.detach()
+        else:
+            with torch.no_grad():
+                old_params, old_values = self.target.unroll(batch["obs"], batch.get("done"), state)
         if "mask" in batch:  # illegal actions have probability 0 under both policies
             illegal = batch["mask"] == 0
             params = torch.cat([params[:-1].masked_fill(illegal, MASKED_LOGIT), params[-1:]])
@@ -125,7 +131,8 @@ class AppoLearner(ImpalaLearner):
 
     def _stepped(self) -> None:
         self.steps += 1
-        if self.steps % self.config.appo.target_update_every == 0:
+        self._target_is_net = self.steps % self.config.appo.target_update_every == 0
+        if self._target_is_net:
             self.target.load_state_dict(self.net.state_dict())
 
     def train_without_batch(self) -> Pending:
@@ -177,6 +184,7 @@ class AppoLearner(ImpalaLearner):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.target.load_state_dict(state["target"])
+        self._target_is_net = False
         self.kl_coeff = float(state["kl_coeff"])
 
     def check_state(self, state: dict[str, Any]) -> None:
