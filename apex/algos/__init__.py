@@ -59,11 +59,28 @@ def _appo_learner() -> LearnerSide:
     return LearnerSide(appo.AppoLearner, appo.POLICY)
 
 
+@functools.cache
+def _apex_ddpg_learner() -> LearnerSide:
+    from apex.algos.apex_ddpg import learner as apex_ddpg
+
+    return LearnerSide(apex_ddpg.ApexDdpgLearner, apex_ddpg.POLICY)
+
+
+@functools.cache
+def _apex_ddpg_actor() -> ActorSide:
+    from apex.algos.apex_ddpg import actor as apex_ddpg_actor
+
+    return ActorSide(apex_ddpg_actor.ApexDdpgActor, apex_ddpg_actor.ApexDdpgEpisodeActor, apex_ddpg_actor.setup_problem)
+
+
 REGISTRY: dict[str, Algorithm] = {
     "apex_dqn": Algorithm("apex_dqn", _apex_dqn_learner, _apex_dqn_actor, ("online", "target", "optimizer")),
     "impala": Algorithm("impala", _impala_learner, _impala_actor, ("net", "optimizer")),
     # APPO's actors are IMPALA's: the same unrolls, behaviour log-probabilities and policies.
     "appo": Algorithm("appo", _appo_learner, _impala_actor, ("net", "target", "optimizer")),
+    "apex_ddpg": Algorithm(
+        "apex_ddpg", _apex_ddpg_learner, _apex_ddpg_actor, ("online", "target", "policy", "optimizer")
+    ),
 }
 
 

@@ -7,6 +7,7 @@ ConfigError that lists them all.
 """
 
 from apex.config.algorithms import AlgoConfig, ApexDqnConfig, AppoConfig, ImpalaConfig, ReplayConfig
+from apex.config.apex_ddpg import ApexDdpgConfig
 from apex.config.loading import (
     from_dict,
     load,
@@ -40,6 +41,7 @@ __all__ = [
     "RETIRED_KEYS",
     "ActorConfig",
     "AlgoConfig",
+    "ApexDdpgConfig",
     "ApexDqnConfig",
     "AppoConfig",
     "Config",

@@ -31,8 +31,8 @@ class ReplayConfig:
     frame_capacity: int | None = None
     """Frames kept for stacked observations (None: capacity + an eighth + 4096)."""
 
-    def problems(self, batch_size: int) -> list[str]:
-        r = "apex_dqn.replay"
+    def problems(self, batch_size: int, section: str = "apex_dqn") -> list[str]:
+        r = f"{section}.replay"
         return [
             message
             for ok, message in (
@@ -47,7 +47,7 @@ class ReplayConfig:
                 (self.samples_per_insert > 0, f"{r}.samples_per_insert must be > 0, got {self.samples_per_insert}"),
                 (
                     self.rate_slack >= batch_size,
-                    f"{r}.rate_slack must be >= apex_dqn.batch_size ({batch_size}), got {self.rate_slack}",
+                    f"{r}.rate_slack must be >= {section}.batch_size ({batch_size}), got {self.rate_slack}",
                 ),
                 (
                     self.frame_capacity is None or self.frame_capacity >= 1024,

@@ -206,10 +206,12 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type[T], raw: Any, prefix: str, problems: list[str]) -> T:
+def _build(cls: type[T], raw: Any, prefix: str, problems: list[str], default: T | None = None) -> T:
+    """``cls`` from ``raw``, its keys over ``default`` (the field's own default, where a
+    section's defaults differ from its class's: apex_ddpg.replay), else over cls()."""
     if not isinstance(raw, dict):
         problems.append(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {raw!r}")
-        return cls()
+        return default if default is not None else cls()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -226,7 +228,9 @@ def _build(cls: type[T], raw: Any, prefix: str, problems: list[str]) -> T:
             problems.append(f"{name} {number}")
             continue
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # (a hint is a class, never an instance)
-            kwargs[key] = _build(hint, value, f"{name}.", problems)
+            factory = fields[key].default_factory
+            own = factory() if factory is not dataclasses.MISSING else None
+            kwargs[key] = _build(hint, value, f"{name}.", problems, own)
         else:
             converted, ok = _convert(value, hint)
             if ok:
@@ -235,7 +239,7 @@ def _build(cls: type[T], raw: Any, prefix: str, problems: list[str]) -> T:
                 shown = repr(value)
                 shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
                 problems.append(f"{name} must be {_type_name(hint)}, got {shown}")
-    return cls(**kwargs)
+    return dataclasses.replace(default, **kwargs) if default is not None else cls(**kwargs)
 
 
 def _number_problem(value: Any) -> str | None:

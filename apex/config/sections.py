@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from apex.config.algorithms import AlgoConfig, ApexDqnConfig, AppoConfig, ImpalaConfig
+from apex.config.apex_ddpg import ApexDdpgConfig
 from apex.config.multi_agent import MultiAgentConfig
 from apex.config.network import ServeConfig, TransportConfig
 from apex.core import ALGOS
@@ -167,7 +168,7 @@ class ModelConfig:
             ),
             (
                 self.recurrent == "none" or algo in ("impala", "appo"),
-                f"model.recurrent {self.recurrent} needs algo impala or appo (Ape-X DQN is feed-forward): "
+                f"model.recurrent {self.recurrent} needs algo impala or appo (Ape-X DQN and DDPG are feed-forward): "
                 "use --algo impala or model.recurrent: none",
             ),
         )
@@ -256,8 +257,8 @@ class StopConditions:
 @dataclass(frozen=True)
 class Config:
     algo: str = "apex_dqn"
-    """``apex_dqn``, ``impala`` or ``appo``: its hyperparameters are in the section of that
-    name (APPO's: ``impala`` and ``appo``)."""
+    """``apex_dqn``, ``impala``, ``appo`` or ``apex_ddpg``: its hyperparameters are in the
+    section of that name (APPO's: ``impala`` and ``appo``)."""
     seed: int = 0
     """Seed for the learner and (offset by actor and env index) the actors."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -267,14 +268,17 @@ class Config:
     apex_dqn: ApexDqnConfig = field(default_factory=ApexDqnConfig)
     impala: ImpalaConfig = field(default_factory=ImpalaConfig)
     appo: AppoConfig = field(default_factory=AppoConfig)
+    apex_ddpg: ApexDdpgConfig = field(default_factory=ApexDdpgConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
 
     @property
-    def algo_config(self) -> AlgoConfig:
+    def algo_config(self) -> AlgoConfig | ApexDdpgConfig:
         """The section of the run's algorithm (its lr, gamma, grad_clip, publish_interval,
         weights_update_steps, and its own settings)."""
+        if self.algo == "apex_ddpg":
+            return self.apex_ddpg
         return self.impala if self.algo in ("impala", "appo") else self.apex_dqn
 
     def validate(self) -> None:
@@ -289,6 +293,15 @@ class Config:
             *self.apex_dqn.problems(self.actor.num_envs),
             *self.impala.problems(),
             *self.appo.problems(self.impala.batch_unrolls),
+            *self.apex_ddpg.problems(self.actor.num_envs if self.algo == "apex_ddpg" else None),
+            *(
+                [
+                    "env.action_bounds squash would bound apex_ddpg's actions twice (its policy is a tanh into the "
+                    "bounds already): use env.action_bounds: clip"
+                ]
+                if self.algo == "apex_ddpg" and self.env.action_bounds == "squash"
+                else []
+            ),
             *self.transport.problems(),
             *self.serve.problems(),
             *self.multi_agent.problems(),

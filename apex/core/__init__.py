@@ -13,10 +13,15 @@ from apex.core.protocols import (
 )
 
 # The names `algo` takes; apex.algos.REGISTRY maps each to its implementation.
-ALGOS = ("apex_dqn", "impala", "appo")
+ALGOS = ("apex_dqn", "impala", "appo", "apex_ddpg")
 # The config sections each algorithm reads: APPO is IMPALA's architecture (its unrolls, queue,
 # optimizer and V-trace in `impala`) with PPO's surrogate (`appo`).
-ALGO_SECTIONS = {"apex_dqn": ("apex_dqn",), "impala": ("impala",), "appo": ("impala", "appo")}
+ALGO_SECTIONS = {
+    "apex_dqn": ("apex_dqn",),
+    "impala": ("impala",),
+    "appo": ("impala", "appo"),
+    "apex_ddpg": ("apex_ddpg",),
+}
 
 __all__ = [
     "ALGOS",

@@ -46,6 +46,9 @@ class EnvSpec:
     # Each step's legal actions travel with the batches (a multi-agent policy whose agents'
     # observations carry an action_mask): Discrete actions only.
     action_masked: bool = False
+    # A Box's bounds, raveled (inf where it sets none); () for the other kinds.
+    action_low: tuple[float, ...] = ()
+    action_high: tuple[float, ...] = ()
 
     def obs_bound(self, max_abs_obs: float | None) -> np.ndarray:
         """The largest magnitude a batch's frames may hold, per value (transport.max_abs_obs,
@@ -279,7 +282,7 @@ def env_spaces(config: EnvConfig, algo: str | None = None) -> tuple[EnvSpec, np.
     env, obs, act = _make(config)
     try:
         if algo is not None:
-            spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
+            spaces.check_algo_actions(act.kind, act.nvec, algo, config.id, act.finite)
         limit = env.spec.max_episode_steps if env.spec is not None else None
         return spec_of(obs, act, config, config.max_episode_steps or limit)
     finally:
@@ -302,6 +305,8 @@ def spec_of(
         act.nvec if act.kind == "MultiDiscrete" else None,
         act.kind == "Box",
         frame_bound,
+        action_low=act.low,
+        action_high=act.high,
     )
     return spec, np.asarray(obs.space.low), np.asarray(obs.space.high)
 

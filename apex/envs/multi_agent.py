@@ -190,7 +190,7 @@ def agent_view(env: Any, agent: str, config: EnvConfig, algo: str | None = None)
         obs = spaces.observation_plan(space)
         act = spaces.action_plan(action_space, config.id, config.action_bounds)
         if algo is not None:
-            spaces.check_algo_actions(act.kind, act.nvec, algo, config.id)
+            spaces.check_algo_actions(act.kind, act.nvec, algo, config.id, act.finite)
     except ConfigError as e:
         raise ConfigError(f"agent {agent!r}: {e}") from None
     spec, low, high = spec_of(obs, act, config, config.max_episode_steps)

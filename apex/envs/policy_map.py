@@ -141,15 +141,8 @@ def _policy_spec(name: str, agents: list[str], views: dict[str, AgentView], conf
         if spec.is_image:
             raise ConfigError("multi_agent.agent_id_input needs vector observations; this policy's are images")
         count = len(agents)
-        spec = EnvSpec(
-            (spec.frame_shape[0] + count,),
-            spec.frame_dtype,
-            spec.stack,
-            spec.num_actions,
-            spec.max_episode_steps,
-            spec.action_nvec,
-            spec.continuous,
-            (*spec.frame_bound, *([1.0] * count)),
+        spec = dataclasses.replace(
+            spec, frame_shape=(spec.frame_shape[0] + count,), frame_bound=(*spec.frame_bound, *([1.0] * count))
         )
         low, high = np.concatenate([low, np.zeros(count)]), np.concatenate([high, np.ones(count)])
     if first.masked:

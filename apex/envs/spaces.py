@@ -58,6 +58,7 @@ ALGO_ACTIONS = {
     "apex_dqn": ("Discrete",),
     "impala": ("Discrete", "MultiDiscrete", "Box"),
     "appo": ("Discrete", "MultiDiscrete", "Box"),
+    "apex_ddpg": ("Box",),
 }
 """The action spaces each algorithm's network and batches handle (after ``action_plan``)."""
 
@@ -225,6 +226,13 @@ class ActionPlan:
     kind: str  # "Discrete", "MultiDiscrete" or "Box"
     nvec: tuple[int, ...]  # choices per component: (n,) for Discrete; (D,) for a Box of D values
     convert: Callable[[Any], Any] | None  # network action -> environment action; None: the same
+    low: tuple[float, ...] = ()  # a Box's bounds, raveled (inf where it sets none)
+    high: tuple[float, ...] = ()
+
+    @property
+    def finite(self) -> bool:
+        """Whether every bound of a Box is finite (True for the other kinds)."""
+        return bool(np.isfinite(self.low).all() and np.isfinite(self.high).all())
 
 
 def bounded(space: spaces.Box, how: str) -> Callable[[Any], np.ndarray]:
@@ -272,21 +280,39 @@ def action_plan(space: gym.Space[Any], env_id: str, bounds: str = "clip") -> Act
                 f"env.action_bounds squash needs finite bounds, and env.id {env_id!r} has actions "
                 f"{space}: use env.action_bounds: clip"
             )
-        return ActionPlan("Box", (int(np.prod(space.shape)),), bounded(space, bounds))
+        low = tuple(np.asarray(space.low, np.float64).ravel().tolist())
+        high = tuple(np.asarray(space.high, np.float64).ravel().tolist())
+        return ActionPlan("Box", (int(np.prod(space.shape)),), bounded(space, bounds), low, high)
     raise ConfigError(
         f"env.id {env_id!r} has {space} actions: apex needs Discrete (or MultiDiscrete for algo impala); "
         "map them with a gymnasium.ActionWrapper in env.wrappers"
     )
 
 
-def check_algo_actions(plan_kind: str, nvec: tuple[int, ...], algo: str, env_id: str) -> None:
-    """ConfigError when ``algo`` cannot act in the environment's (adapted) action space."""
+def check_algo_actions(
+    plan_kind: str, nvec: tuple[int, ...], algo: str, env_id: str, finite_bounds: bool = True
+) -> None:
+    """ConfigError when ``algo`` cannot act in the environment's (adapted) action space
+    (``finite_bounds``: whether a Box's bounds are all finite)."""
+    if algo == "apex_ddpg":
+        if plan_kind != "Box":
+            raise ConfigError(
+                f"algo apex_ddpg needs continuous (Box) actions, and env.id {env_id!r} has {plan_kind} "
+                f"{list(nvec)}: use --algo apex_dqn (Discrete), impala or appo (Discrete or MultiDiscrete)"
+            )
+        if not finite_bounds:
+            raise ConfigError(
+                f"algo apex_ddpg acts within the action bounds, and env.id {env_id!r} has unbounded actions: "
+                "bound them with env.wrappers: [{type: gymnasium.wrappers.ClipAction}] on a Box with "
+                "finite bounds, or use --algo impala (a Gaussian policy)"
+            )
+        return
     if plan_kind in ALGO_ACTIONS.get(algo, (plan_kind,)):
         return
     if plan_kind == "Box":
         raise ConfigError(
             f"algo {algo} needs Discrete actions, and env.id {env_id!r} has continuous ones: use "
-            "--algo impala (a Gaussian policy), or discretize them with env.wrappers: "
+            "--algo impala or appo (a Gaussian policy) or apex_ddpg, or discretize them with env.wrappers: "
             "[{type: gymnasium.wrappers.DiscretizeAction, kwargs: {bins: 5}}]"
         )
     raise ConfigError(

@@ -81,6 +81,41 @@ def log_probs(logits: np.ndarray, nvec: tuple[int, ...] | None) -> list[np.ndarr
     return out
 
 
+def check_weights(arrays: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """ProtocolError unless ``arrays`` are exactly the named float arrays of ``shapes``, all
+    finite (NaN Q-values or logits would act at random, silently)."""
+    if set(arrays) != set(shapes):
+        missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
+        raise ProtocolError(f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in shapes.items():
+        array = arrays[name]
+        if array.shape != shape or array.dtype.kind != "f":
+            raise ProtocolError(f"weights {name}: {array.dtype}{list(array.shape)}, expected float{list(shape)}")
+        if not np.isfinite(array).all():
+            raise ProtocolError(f"weights {name} hold NaN or infinite values")
+
+
+def linear_shapes(prefix: str, sizes: list[int], in_features: int) -> dict[str, tuple[int, ...]]:
+    """The state-dict shapes of ``apex.nets.torch_nets.MLP`` (Flatten, then Linear + ReLU per
+    size) named ``prefix``.net.1, .3, ..."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, size in enumerate(sizes):
+        shapes[f"{prefix}.net.{2 * i + 1}.weight"] = (size, in_features)
+        shapes[f"{prefix}.net.{2 * i + 1}.bias"] = (size,)
+        in_features = size
+    return shapes
+
+
+def relu_layers(x: np.ndarray, layers: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """An MLP's hidden layers on x [B, in], weights transposed ([in, out])."""
+    x = x.astype(np.float32, copy=False)  # the first matmul makes a new array
+    for weight, bias in layers:
+        x = x @ weight
+        x += bias
+        np.maximum(x, 0.0, out=x)
+    return x
+
+
 class NumpyMLP:
     """``apex.nets.torch_nets.MLP`` (Flatten, then Linear + ReLU per hidden layer) and linear heads on
     its features, with weights loaded from the torch modules' state dict."""
@@ -91,12 +126,8 @@ class NumpyMLP:
         """``heads``: linear layers on the features (a core's, where ``extra`` adds one);
         ``extra``: further arrays by name and shape (an LSTM core, a log-std)."""
         in_features = spec.stack * int(np.prod(spec.frame_shape))
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for i, size in enumerate(config.hidden):
-            # torso.net is Sequential(Flatten, Linear, ReLU, Linear, ReLU, ...)
-            self.shapes[f"torso.net.{2 * i + 1}.weight"] = (size, in_features)
-            self.shapes[f"torso.net.{2 * i + 1}.bias"] = (size,)
-            in_features = size
+        self.shapes = linear_shapes("torso", config.hidden, in_features)
+        in_features = config.hidden[-1] if config.hidden else in_features
         self.shapes.update(extra or {})
         self.extra_names = tuple(extra or ())
         if "core.weight_hh" in self.shapes:
@@ -113,17 +144,7 @@ class NumpyMLP:
         """Takes the learner's weights; a message that does not fit this network (names,
         shapes or dtypes, or non-finite values) is a ProtocolError, and the previous weights
         stay."""
-        if set(arrays) != set(self.shapes):
-            missing, extra = sorted(set(self.shapes) - set(arrays)), sorted(set(arrays) - set(self.shapes))
-            raise ProtocolError(
-                f"weights do not fit this actor's network: missing {missing[:3]}, unexpected {extra[:3]}"
-            )
-        for name, shape in self.shapes.items():
-            array = arrays[name]
-            if array.shape != shape or array.dtype.kind != "f":
-                raise ProtocolError(f"weights {name}: {array.dtype}{list(array.shape)}, expected float{list(shape)}")
-            if not np.isfinite(array).all():  # NaN Q-values or logits would act at random, silently
-                raise ProtocolError(f"weights {name} hold NaN or infinite values")
+        check_weights(arrays, self.shapes)
         # Transposed and contiguous once here, so that each step is one matmul per layer.
         weight = {
             name: np.ascontiguousarray(arrays[name].T, np.float32) for name in self.shapes if name.endswith("weight")
@@ -141,12 +162,7 @@ class NumpyMLP:
         }
 
     def features(self, obs: np.ndarray) -> np.ndarray:
-        x = obs.reshape(len(obs), -1).astype(np.float32, copy=False)  # the first matmul makes a new array
-        for weight, bias in self.layers:
-            x = x @ weight
-            x += bias
-            np.maximum(x, 0.0, out=x)
-        return x
+        return relu_layers(obs.reshape(len(obs), -1), self.layers)
 
     def head(self, name: str, features: np.ndarray) -> np.ndarray:
         weight, bias = self.heads[name]

@@ -93,15 +93,18 @@ class StackedReplay(LockedRing):
         eps: float = 1e-6,
         seed: int | None = None,
         extra_fields: dict[str, tuple[tuple[int, ...], DTypeLike]] | None = None,
+        action_field: tuple[tuple[int, ...], DTypeLike] = ((), np.int64),
     ) -> None:
         """``extra_fields``: per-transition arrays beside TRANSITION_FIELDS, stored as chunks
-        give them and sampled with the rest (a masked policy's ``next_mask``)."""
+        give them and sampled with the rest (a masked policy's ``next_mask``);
+        ``action_field``: one action's shape and dtype (an index by default; Ape-X DDPG's: a
+        float32 vector)."""
         self.stack = int(stack)
         self.extra_fields = tuple(extra_fields or ())
         self.frame_shape = tuple(frame_shape)
         self.frame_dtype = np.dtype(frame_dtype)
         self.frames = FrameRing(frame_capacity, self.frame_shape, self.frame_dtype)
-        fields = {**TRANSITION_FIELDS, **(extra_fields or {})}
+        fields = {**TRANSITION_FIELDS, "action": action_field, **(extra_fields or {})}
         super().__init__(PriorityRing(fields, capacity, alpha=alpha, eps=eps, seed=seed))
         # (end insertion index, first frame id) per chunk still held: which transitions go
         # when their frames are overwritten. Restored by the snapshot code.

@@ -31,9 +31,15 @@ def _run_wrapped_methods_eagerly() -> None:
 
 
 def make(
-    kind: str, params: Iterable[torch.nn.Parameter], lr: float, eps: float, alpha: float = 0.99, fused: bool = False
+    kind: str,
+    params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+    lr: float,
+    eps: float,
+    alpha: float = 0.99,
+    fused: bool = False,
 ) -> torch.optim.Optimizer:
-    """Adam (``fused``: one kernel for all parameters) or RMSProp."""
+    """Adam (``fused``: one kernel for all parameters) or RMSProp; ``params`` may be groups
+    with their own lr (Ape-X DDPG's policy and critics)."""
     _run_wrapped_methods_eagerly()
     if kind == "adam":
         return torch.optim.Adam(params, lr=lr, eps=eps, fused=fused)
