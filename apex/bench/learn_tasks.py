@@ -64,20 +64,28 @@ TASKS = {
         5.0,
         "rl-zoo DQN 154 at 100k steps, PPO 242 at 1M (benchmark.md, LunarLander-v2)",
     ),
-    # Continuous actions: IMPALA and APPO (a Gaussian policy); issue 18's targets.
+    # Continuous actions: IMPALA and APPO (a Gaussian policy; issue 18's targets) and Ape-X
+    # DDPG (issue 33's).
     "pendulum": Task(
         "Pendulum-v1",
-        {"impala": -250.0, "appo": -250.0},
-        {"impala": 300.0, "appo": 300.0},
+        {"impala": -250.0, "appo": -250.0, "apex_ddpg": -200.0},
+        {"impala": 300.0, "appo": 300.0, "apex_ddpg": 120.0},
         5.0,
         "rl-zoo PPO -172 at 100k steps (benchmark.md, Pendulum-v1)",
     ),
     "lunarlandercontinuous": Task(
         "LunarLanderContinuous-v3",
-        {"impala": 200.0, "appo": 200.0},
-        {"impala": 900.0, "appo": 900.0},
+        {"impala": 200.0, "appo": 200.0, "apex_ddpg": 200.0},
+        {"impala": 900.0, "appo": 900.0, "apex_ddpg": 600.0},
         15.0,
         "rl-zoo PPO 270 at 1M steps (benchmark.md, LunarLanderContinuous-v2)",
+    ),
+    "bipedalwalker": Task(
+        "BipedalWalker-v3",
+        {"apex_ddpg": 300.0},
+        {"apex_ddpg": None},
+        20.0,
+        "300 is the environment's own definition of solved (Gymnasium's BipedalWalker docs)",
     ),
     # Multi-agent (PettingZoo): the run's return_mean_100 is the team's (simple_spread) or,
     # in self-play, the learning seat's against a uniformly random player (tictactoe).
@@ -108,5 +116,5 @@ TASKS = {
         for game, score in MINATAR_DQN.items()
     },
 }
-ALGOS = ("apex_dqn", "impala", "appo")
-PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala", "appo": "appo"}
+ALGOS = ("apex_dqn", "impala", "appo", "apex_ddpg")
+PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala", "appo": "appo", "apex_ddpg": "apex_ddpg"}

@@ -6,6 +6,7 @@ import argparse
 
 from apex.cli import commands as cmd
 from apex.cli.flags import Subcommands, add_allow_import
+from apex.core import ALGOS
 
 
 def add_bench(commands: Subcommands) -> None:
@@ -39,9 +40,7 @@ def add_bench(commands: Subcommands) -> None:
 
 def _add_e2e_options(bench: argparse.ArgumentParser) -> None:
     e2e = bench.add_argument_group("e2e options")
-    e2e.add_argument(
-        "--algo", choices=["apex_dqn", "impala", "appo"], default="apex_dqn", help="algorithm (default: apex_dqn)"
-    )
+    e2e.add_argument("--algo", choices=list(ALGOS), default="apex_dqn", help="algorithm (default: apex_dqn)")
     e2e.add_argument("--env", metavar="ID", help="Gymnasium id (default: the config's, CartPole-v1)")
     e2e.add_argument(
         "--actors",
@@ -90,10 +89,11 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         metavar="T,T,...",
         help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
         "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra), "
-        "with continuous actions (IMPALA, APPO) pendulum, lunarlandercontinuous (Box2D), and "
+        "with continuous actions (IMPALA, APPO, Ape-X DDPG) pendulum, lunarlandercontinuous (Box2D), "
+        "bipedalwalker (Box2D; Ape-X DDPG only), and "
         "multi-agent tictactoe (self-play), simple_spread (multiagent extra) (default: all)",
     )
-    learn.add_argument("--algos", metavar="A,A,...", help="apex_dqn, impala, appo (default: every one)")
+    learn.add_argument("--algos", metavar="A,A,...", help=f"{', '.join(ALGOS)} (default: every one)")
     learn.add_argument(
         "--seeds",
         type=int,

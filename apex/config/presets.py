@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from apex.config import algorithms, multi_agent, network, sections
+from apex.config import algorithms, apex_ddpg, multi_agent, network, sections
 from apex.config.sections import Config
 from apex.core import ALGO_SECTIONS, ALGOS
 
@@ -49,7 +49,7 @@ def setting_docs() -> dict[tuple[str, str], str]:
     import inspect
 
     docs = {}
-    modules = (sections, algorithms, network, multi_agent)
+    modules = (sections, algorithms, apex_ddpg, network, multi_agent)
     nodes = [node for module in modules for node in ast.parse(inspect.getsource(module)).body]
     for node in nodes:
         if not isinstance(node, ast.ClassDef):

@@ -26,6 +26,9 @@ class RequestError(ApexError):
         self.reason = reason
 
 
+MAX_ABS_ACTION = 1e6  # a continuous action a client chose (IMPALA's Gaussian samples are held to the same)
+
+
 def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
     """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
 
@@ -38,7 +41,14 @@ def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[st
         return [None if not math.isfinite(v) else float(v) for v in values.ravel()]
 
     action: dict[str, Any]
-    if spec.action_nvec is None:
+    if spec.continuous:
+        action = {
+            "type": "Box",
+            "shape": [spec.num_actions],
+            "low": bounds(np.asarray(spec.action_low)),
+            "high": bounds(np.asarray(spec.action_high)),
+        }
+    elif spec.action_nvec is None:
         action = {"type": "Discrete", "n": spec.num_actions}
     else:
         action = {"type": "MultiDiscrete", "nvec": list(spec.action_nvec)}
@@ -125,6 +135,8 @@ class SpaceChecks:
 
     def actions(self, actions: Any, count: int) -> np.ndarray:
         spec = self.spec
+        if spec.continuous:
+            return self._continuous_actions(actions, count)
         try:
             values = np.asarray(actions)
         except (ValueError, TypeError) as e:
@@ -149,6 +161,23 @@ class SpaceChecks:
                 400, "action", f"actions must be in 0..{limit - 1} (GET /v1/spaces), got {values.tolist()}"[:200]
             )
         return values
+
+    def _continuous_actions(self, actions: Any, count: int) -> np.ndarray:
+        """A Box's actions: finite numbers of its shape, at most ``MAX_ABS_ACTION`` in size
+        (the algorithm bounds them as the environment would)."""
+        try:
+            values = np.asarray(actions, np.float64)
+        except (ValueError, TypeError, OverflowError):
+            raise RequestError(400, "action", f"actions must be numbers, got {str(actions)[:80]!r}") from None
+        shape = (count, self.spec.num_actions)
+        if values.shape == shape[1:] and count == 1:
+            values = values[None]
+        if values.shape != shape:
+            wanted, got = list(shape[1:]), list(values.shape)
+            raise RequestError(400, "action", f"actions must be {wanted} numbers each (GET /v1/spaces), got {got}")
+        if not np.isfinite(values).all() or (np.abs(values) > MAX_ABS_ACTION).any():
+            raise RequestError(400, "action", f"actions must be finite and at most {MAX_ABS_ACTION:g} in size")
+        return values.astype(np.float32)
 
     def rewards(self, rewards: Any, count: int) -> np.ndarray:
         try:

@@ -159,7 +159,7 @@ def checkpoint_is_finite(logdir: Path) -> str:
     """The newest checkpoint's name, after asserting every tensor in it is finite."""
     newest = sorted((logdir / "checkpoints").glob("ckpt-*.pt"))[-1]
     state = torch.load(newest, map_location="cpu", weights_only=True)
-    for key in ("online", "target", "net"):
+    for key in ("online", "target", "net", "policy"):
         for name, tensor in state.get(key, {}).items():
             assert torch.isfinite(tensor).all(), f"{newest.name}: {key}.{name} is not finite"
     return newest.stem
@@ -293,6 +293,47 @@ def test_an_appo_learner_refuses_forged_actions_and_densities_and_trains_on(tmp_
         run.wait_rejected("out_of_range", 3)
         assert {"kl", "clip_fraction"} <= run.row().keys()
         trains_on_with_finite_weights(run, peer)
+    finally:
+        run.stop()
+
+
+def test_an_apex_ddpg_learner_refuses_forged_actions_drops_poison_and_resumes(tmp_path):
+    """Ape-X DDPG on Pendulum: a torque outside [-2, 2], a NaN one, a forged infinite priority
+    are refused and counted by reason; 3e38 observations (let in here) blow up the critics'
+    activations: those updates are skipped and their transitions never sampled again. The
+    learner trains on with finite weights, and its exit checkpoint resumes."""
+    ddpg = ["--set", "env.id=Pendulum-v1", "--set", "apex_ddpg.replay.min_size=500"]
+    ddpg += ["--set", "apex_ddpg.batch_size=64", "--set", "apex_ddpg.replay.samples_per_insert=0.5"]
+    ddpg += ["--set", "transport.max_abs_obs=3.3e38", "--set", "apex_ddpg.eval_envs=1"]
+    run = Run(tmp_path, "apex_ddpg", *ddpg)
+    try:
+        peer = run.session()
+        batch = honest_batch(peer)
+        assert batch["action"].dtype == np.float32 and batch["action"].shape[1:] == (1,)
+
+        def forged(name: str, value) -> dict:
+            array = batch[name].copy()
+            array.flat[0] = value
+            return {**batch, name: array}
+
+        send(peer, forged("action", np.nan))
+        send(peer, forged("priority", np.inf))
+        run.wait_rejected("nonfinite", 2)
+        send(peer, forged("action", 2.5))
+        send(peer, forged("action", -7.0))
+        run.wait_rejected("out_of_range", 2)
+        huge = {**batch, "frames": np.full_like(batch["frames"], 3e38)}
+        huge["priority"] = np.full_like(batch["priority"], 1e30)  # sampled at once (capped, still first)
+        for _ in range(3):
+            send(peer, huge)
+        wait_for(lambda: run.row().get("skipped_updates", 0) >= 1, 30, "a skipped update")
+        assert run.row()["dropped_transitions"] >= 1
+        name = trains_on_with_finite_weights(run, peer)
+        resumed = Run(tmp_path / "resumed", "apex_ddpg", *ddpg, "--resume", str(run.logdir), "--stop-seconds", "600")
+        try:
+            assert f"resumed from {name}" in resumed.learner_log.read_text()
+        finally:
+            resumed.stop()
     finally:
         run.stop()
 

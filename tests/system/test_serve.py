@@ -58,7 +58,9 @@ class Served:
         return self.http("GET", "/v1/health")[1]
 
 
-def start_served(tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] = ()) -> Served:
+def start_served(
+    tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] = (), learner_args: tuple[str, ...] = ()
+) -> Served:
     port, front = free_base_port(), free_base_port()
     (tmp_path / "token").write_text(TOKEN + "\n")
     log = tmp_path / "serve.log"
@@ -77,6 +79,7 @@ def start_served(tmp_path: Path, algo: str = "apex_dqn", extra: tuple[str, ...] 
             "--stop-seconds",
             "300",
             *FAST,
+            *learner_args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=open(tmp_path / "learner.log", "w"),
@@ -548,6 +551,49 @@ def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
         assert status == 409 and "on-policy" in reply["error"]
         steps = play_http(served, 2)
         assert served.health()["env_steps"] == steps
+    finally:
+        stop(served)
+
+
+def test_apex_ddpg_serves_bounded_torques_and_learns_logged_ones(tmp_path):
+    """Ape-X DDPG behind apex serve on Pendulum: the action space is the Box, every action
+    comes back inside its bounds, a client's own action (even one outside them) is taken as
+    logged (clipped into the bounds) and every step reaches the learner."""
+    import gymnasium as gym
+
+    served = start_served(
+        tmp_path, algo="apex_ddpg", learner_args=("--env", "Pendulum-v1", "--set", "apex_ddpg.eval_envs=1")
+    )
+    try:
+        status, spaces = served.http("GET", "/v1/spaces")
+        assert status == 200 and spaces["action"]["type"] == "Box" and spaces["action"]["shape"] == [1]
+        env = gym.make("Pendulum-v1", max_episode_steps=20)
+        steps = 0
+        for seed in range(2):
+            obs, _ = env.reset(seed=seed)
+            _, started = served.http("POST", "/v1/episodes")
+            episode, reward = started["episode_id"], None
+            while True:
+                body = {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})}
+                if steps % 5 == 4:  # the client's own torque, out of bounds: logged, clipped
+                    status, reply = served.http("POST", f"/v1/episodes/{episode}/log_action", {**body, "action": [9.0]})
+                    assert status == 200, reply
+                    action = [2.0]
+                else:
+                    status, reply = served.http("POST", f"/v1/episodes/{episode}/action", body)
+                    assert status == 200, reply
+                    action = reply["action"]
+                    assert len(action) == 1 and -2.0 <= action[0] <= 2.0
+                obs, reward, terminated, truncated, _ = env.step(np.asarray(action, np.float32))
+                steps += 1
+                if terminated or truncated:
+                    end = {"observation": obs.tolist(), "terminated": terminated, "truncated": truncated}
+                    status, reply = served.http("POST", f"/v1/episodes/{episode}/end", {**end, "reward": reward})
+                    assert status == 200, reply
+                    break
+        health = served.health()
+        assert health["algo"] == "apex_ddpg" and health["env_steps"] == steps == 40
+        assert health["episodes_finished"] == 2
     finally:
         stop(served)
 
