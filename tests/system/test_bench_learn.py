@@ -67,11 +67,13 @@ def test_bench_learn_names_unknown_tasks_and_algos():
         learn.run(tasks="cartpole,pong")
     with pytest.raises(ApexError, match="--algos"):
         learn.run(algos="ppo")
-    with pytest.raises(ApexError, match="--tasks pendulum runs with --algos impala, appo only"):
+    with pytest.raises(ApexError, match="--tasks pendulum runs with --algos impala, appo, apex_ddpg only"):
         learn.run(tasks="pendulum", algos="apex_dqn")
+    with pytest.raises(ApexError, match="--tasks cartpole runs with --algos apex_dqn, impala, appo only"):
+        learn.run(tasks="cartpole", algos="apex_ddpg")
 
 
-def test_bench_learn_runs_continuous_tasks_with_the_gaussian_policies_only(tmp_path, monkeypatch):
+def test_bench_learn_runs_each_task_with_the_algorithms_that_take_its_actions(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
     learn.run(tasks="cartpole,pendulum", seeds=1, seconds=30, runs_dir=str(tmp_path))
@@ -81,6 +83,7 @@ def test_bench_learn_runs_continuous_tasks_with_the_gaussian_policies_only(tmp_p
         ("cartpole", "appo"),
         ("pendulum", "impala"),
         ("pendulum", "appo"),
+        ("pendulum", "apex_ddpg"),
     ]
 
 

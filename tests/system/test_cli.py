@@ -83,7 +83,7 @@ def test_bench_ingest_learner_and_e2e_report_their_figures(tmp_path):
             "learner",
             "e2e",
             "--seconds",
-            "4",
+            "2",
             "--actors",
             "1",
             "--ranks",

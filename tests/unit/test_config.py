@@ -206,6 +206,15 @@ def test_each_algorithm_has_its_own_defaults():
     assert not hasattr(impala.learner, "lr") and not hasattr(impala, "replay")
 
 
+def test_a_section_given_in_part_keeps_its_own_defaults_for_the_rest():
+    """apex_ddpg.replay's defaults are not ReplayConfig's: one key set leaves the others its own."""
+    ddpg = config.load(None, ["algo=apex_ddpg", "apex_ddpg.replay.alpha=0.5"])
+    assert ddpg.algo_config is ddpg.apex_ddpg
+    assert (ddpg.apex_ddpg.replay.alpha, ddpg.apex_ddpg.replay.capacity) == (0.5, 1_000_000)
+    assert ddpg.apex_ddpg.replay.samples_per_insert == Config().apex_ddpg.replay.samples_per_insert == 32.0
+    assert config.load(None, ["apex_dqn.replay.alpha=0.5"]).apex_dqn.replay.capacity == 100_000
+
+
 def test_what_a_preset_tunes_for_its_task_is_named():
     tuned = config.tuned_settings(config.load("cartpole_impala"))
     assert {"env.reward_scale", "model.hidden"} <= set(tuned) and not any(k.startswith("apex_dqn") for k in tuned)
