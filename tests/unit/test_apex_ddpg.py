@@ -218,3 +218,40 @@ def test_what_apex_ddpg_cannot_run_is_refused_in_one_line(settings, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         config = load_dict({"algo": "apex_ddpg", **settings})
         env_spec(config.env, "apex_ddpg")
+
+
+def test_pixels_train_through_conv_torsos_and_the_actors_torch_network_takes_the_weights():
+    """Image observations: frames stored once and stacked by the replay, a conv torso for the
+    policy and each critic; an actor's network (torch, one critic) loads what the learner
+    publishes and acts inside the bounds."""
+    from apex.nets.numpy_deterministic import TorchDeterministic, deterministic_network
+
+    spec = EnvSpec((20, 20), np.dtype(np.uint8), 2, 2, continuous=True, action_low=(-1.0, -1.0), action_high=(1.0, 1.0))
+    config = load_dict({"algo": "apex_ddpg", "apex_ddpg": {"batch_size": 16, "replay": {"min_size": 10}}})
+    learner = ApexDdpgLearner(config, spec, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    n = 40
+    chunk = {
+        "frames": rng.integers(0, 256, (n + 2, 20, 20), dtype=np.uint8),
+        "obs_frame": np.arange(n, dtype=np.int32),
+        "next_obs_frame": np.arange(1, n + 1, dtype=np.int32),
+        "action": rng.uniform(-1, 1, (n, 2)).astype(np.float32),
+        "reward": rng.normal(size=n).astype(np.float32),
+        "discount": np.full(n, 0.99, np.float32),
+        "priority": np.ones(n, np.float32),
+    }
+    arrays, _ = learner.schema.validate(chunk, learner.batch_limits(4))
+    learner.insert(arrays)
+    before = [p.detach().clone() for p in learner.online.critics.parameters()]
+    assert "loss" in learner.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.online.critics.parameters()))
+    actor_net = deterministic_network(spec, config.model)
+    assert isinstance(actor_net, TorchDeterministic)
+    actor_net.load(learner.weights())
+    obs = chunk["frames"][None, :2]
+    action = actor_net.policy(obs)
+    assert action.shape == (1, 2) and (np.abs(action) <= 1).all()
+    with torch.no_grad():
+        expected = learner.online(torch.from_numpy(obs)).numpy()
+    np.testing.assert_allclose(action, expected, rtol=1e-5, atol=1e-6)
+    assert actor_net.q(obs, action).shape == (1,)
