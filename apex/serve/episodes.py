@@ -131,7 +131,8 @@ class ExternalEpisodes:
                 409,
                 "log_action",
                 f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
-                "probabilities; ask for actions (action), or run the learner with algo apex_dqn",
+                "probabilities; ask for actions (action), or run the learner with algo apex_dqn (or apex_ddpg "
+                "for continuous actions)",
             )
         self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
