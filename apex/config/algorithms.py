@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_CHUNK_TRANSITIONS = 100_000
 MAX_UNROLL_LENGTH = 10_000
@@ -56,6 +57,42 @@ class ReplayConfig:
             )
             if not ok
         ]
+
+
+def replay_section_problems(s: Any, section: str, num_envs: int | None) -> list[str]:
+    """What every Ape-X section (``apex_dqn``, ``apex_ddpg``) holds alike, out of range: its
+    batch, lr, adam_eps, gamma, n_step, grad_clip, publishing, prefetch, eval_envs (within
+    ``num_envs``, the actor section's; None: not held to it), chunk_transitions and replay."""
+    envs = s.eval_envs if num_envs is None else num_envs
+    eval_hint = (
+        f": with {num_envs} environments per actor also set {section}.eval_envs (e.g. --set {section}.eval_envs=0)"
+        if s.eval_envs > envs
+        else ""
+    )
+    checks = (
+        (s.batch_size >= 1, f"{section}.batch_size must be >= 1, got {s.batch_size}"),
+        (s.lr > 0, f"{section}.lr must be > 0, got {s.lr}"),
+        (s.adam_eps > 0, f"{section}.adam_eps must be > 0, got {s.adam_eps}"),
+        (0 <= s.gamma <= 1, f"{section}.gamma must be in [0, 1], got {s.gamma}"),
+        (s.n_step >= 1, f"{section}.n_step must be >= 1, got {s.n_step}"),
+        (s.grad_clip > 0, f"{section}.grad_clip must be > 0, got {s.grad_clip}"),
+        (s.publish_interval >= 1, f"{section}.publish_interval must be >= 1, got {s.publish_interval}"),
+        (s.weights_update_steps >= 1, f"{section}.weights_update_steps must be >= 1, got {s.weights_update_steps}"),
+        (
+            s.prefetch_batches is None or 1 <= s.prefetch_batches <= 64,
+            f"{section}.prefetch_batches must be in 1..64 or null (sized by memory), got {s.prefetch_batches}",
+        ),
+        (
+            0 <= s.eval_envs <= envs,
+            f"{section}.eval_envs must be in 0..actor.num_envs ({num_envs}), got {s.eval_envs}{eval_hint}",
+        ),
+        (
+            1 <= s.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
+            f"{section}.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {s.chunk_transitions}",
+        ),
+    )
+    replay: ReplayConfig = s.replay
+    return [message for ok, message in checks if not ok] + replay.problems(s.batch_size, section)
 
 
 @dataclass(frozen=True)
@@ -125,30 +162,10 @@ class ApexDqnConfig:
         """Every value out of range (``num_envs``: the actor section's, which eval_envs
         is a part of)."""
         s = "apex_dqn"
-        eval_hint = (
-            f": with {num_envs} environments per actor also set {s}.eval_envs (e.g. --set {s}.eval_envs=0)"
-            if self.eval_envs > num_envs
-            else ""
-        )
         checks = (
-            (self.batch_size >= 1, f"{s}.batch_size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"{s}.lr must be > 0, got {self.lr}"),
-            (self.adam_eps > 0, f"{s}.adam_eps must be > 0, got {self.adam_eps}"),
-            (0 <= self.gamma <= 1, f"{s}.gamma must be in [0, 1], got {self.gamma}"),
-            (self.n_step >= 1, f"{s}.n_step must be >= 1, got {self.n_step}"),
             (
                 self.target_update_interval >= 1,
                 f"{s}.target_update_interval must be >= 1, got {self.target_update_interval}",
-            ),
-            (self.grad_clip > 0, f"{s}.grad_clip must be > 0, got {self.grad_clip}"),
-            (self.publish_interval >= 1, f"{s}.publish_interval must be >= 1, got {self.publish_interval}"),
-            (
-                self.weights_update_steps >= 1,
-                f"{s}.weights_update_steps must be >= 1, got {self.weights_update_steps}",
-            ),
-            (
-                self.prefetch_batches is None or 1 <= self.prefetch_batches <= 64,
-                f"{s}.prefetch_batches must be in 1..64 or null (sized by memory), got {self.prefetch_batches}",
             ),
             (0 < self.eps_base <= 1, f"{s}.eps_base must be in (0, 1], got {self.eps_base}"),
             (self.eps_alpha >= 0, f"{s}.eps_alpha must be >= 0, got {self.eps_alpha}"),
@@ -157,17 +174,9 @@ class ApexDqnConfig:
                 f"{s}.eps_repeat_mu must be > 1 (a zeta exponent; 2.0 is the paper's) or null, "
                 f"got {self.eps_repeat_mu}",
             ),
-            (
-                0 <= self.eval_envs <= num_envs,
-                f"{s}.eval_envs must be in 0..actor.num_envs ({num_envs}), got {self.eval_envs}{eval_hint}",
-            ),
             (0 <= self.eval_epsilon <= 0.01, f"{s}.eval_epsilon must be in [0, 0.01], got {self.eval_epsilon}"),
-            (
-                1 <= self.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
-                f"{s}.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {self.chunk_transitions}",
-            ),
         )
-        return [message for ok, message in checks if not ok] + self.replay.problems(self.batch_size)
+        return replay_section_problems(self, s, num_envs) + [message for ok, message in checks if not ok]
 
 
 @dataclass(frozen=True)

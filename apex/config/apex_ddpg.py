@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from apex.config.algorithms import MAX_CHUNK_TRANSITIONS, ReplayConfig
+from apex.config.algorithms import ReplayConfig, replay_section_problems
 
 NOISE_KINDS = ("gaussian", "ou")
 
@@ -101,41 +101,14 @@ class ApexDdpgConfig:
         Ape-X DDPG's; None: eval_envs is not held to it)."""
         s = "apex_ddpg"
         checks = (
-            (self.batch_size >= 1, f"{s}.batch_size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"{s}.lr must be > 0, got {self.lr}"),
             (self.actor_lr is None or self.actor_lr > 0, f"{s}.actor_lr must be > 0 or null, got {self.actor_lr}"),
-            (self.adam_eps > 0, f"{s}.adam_eps must be > 0, got {self.adam_eps}"),
-            (0 <= self.gamma <= 1, f"{s}.gamma must be in [0, 1], got {self.gamma}"),
-            (self.n_step >= 1, f"{s}.n_step must be >= 1, got {self.n_step}"),
             (0 < self.tau <= 1, f"{s}.tau must be in (0, 1], got {self.tau}"),
             (0 <= self.target_noise <= 10, f"{s}.target_noise must be in [0, 10], got {self.target_noise}"),
             (self.target_noise_clip > 0, f"{s}.target_noise_clip must be > 0, got {self.target_noise_clip}"),
             (1 <= self.policy_delay <= 1000, f"{s}.policy_delay must be in 1..1000, got {self.policy_delay}"),
-            (self.grad_clip > 0, f"{s}.grad_clip must be > 0, got {self.grad_clip}"),
-            (self.publish_interval >= 1, f"{s}.publish_interval must be >= 1, got {self.publish_interval}"),
-            (
-                self.weights_update_steps >= 1,
-                f"{s}.weights_update_steps must be >= 1, got {self.weights_update_steps}",
-            ),
-            (
-                self.prefetch_batches is None or 1 <= self.prefetch_batches <= 64,
-                f"{s}.prefetch_batches must be in 1..64 or null (sized by memory), got {self.prefetch_batches}",
-            ),
             (self.noise in NOISE_KINDS, f"{s}.noise must be gaussian or ou, got {self.noise!r}"),
             (0 < self.noise_base <= 10, f"{s}.noise_base must be in (0, 10], got {self.noise_base}"),
-            (
-                0 <= self.noise_alpha < math.inf,
-                f"{s}.noise_alpha must be >= 0, got {self.noise_alpha}",
-            ),
+            (0 <= self.noise_alpha < math.inf, f"{s}.noise_alpha must be >= 0, got {self.noise_alpha}"),
             (0 < self.ou_theta <= 1, f"{s}.ou_theta must be in (0, 1], got {self.ou_theta}"),
-            (
-                0 <= self.eval_envs <= (num_envs if num_envs is not None else self.eval_envs),
-                f"{s}.eval_envs must be in 0..actor.num_envs ({num_envs}), got {self.eval_envs}: with "
-                f"{num_envs} environments per actor also set {s}.eval_envs (e.g. --set {s}.eval_envs=1)",
-            ),
-            (
-                1 <= self.chunk_transitions <= MAX_CHUNK_TRANSITIONS,
-                f"{s}.chunk_transitions must be in 1..{MAX_CHUNK_TRANSITIONS}, got {self.chunk_transitions}",
-            ),
         )
-        return [message for ok, message in checks if not ok] + self.replay.problems(self.batch_size, s)
+        return replay_section_problems(self, s, num_envs) + [message for ok, message in checks if not ok]

@@ -232,7 +232,12 @@ class ActionPlan:
     @property
     def finite(self) -> bool:
         """Whether every bound of a Box is finite (True for the other kinds)."""
-        return bool(np.isfinite(self.low).all() and np.isfinite(self.high).all())
+        return bounds_finite(self.low, self.high)
+
+
+def bounds_finite(low: tuple[float, ...], high: tuple[float, ...]) -> bool:
+    """Whether every one of a Box's raveled bounds is finite (an empty pair: no Box, True)."""
+    return bool(np.isfinite(low).all() and np.isfinite(high).all())
 
 
 def bounded(space: spaces.Box, how: str) -> Callable[[Any], np.ndarray]:

@@ -14,6 +14,7 @@ import numpy as np
 
 from apex.envs.make import EnvSpec
 from apex.errors import ApexError
+from apex.wire.schema import MAX_ABS_CONTINUOUS_ACTION
 
 
 class RequestError(ApexError):
@@ -24,9 +25,6 @@ class RequestError(ApexError):
         super().__init__(message)
         self.status = status
         self.reason = reason
-
-
-MAX_ABS_ACTION = 1e6  # a continuous action a client chose (IMPALA's Gaussian samples are held to the same)
 
 
 def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
@@ -163,7 +161,7 @@ class SpaceChecks:
         return values
 
     def _continuous_actions(self, actions: Any, count: int) -> np.ndarray:
-        """A Box's actions: finite numbers of its shape, at most ``MAX_ABS_ACTION`` in size
+        """A Box's actions: finite numbers of its shape, at most ``MAX_ABS_CONTINUOUS_ACTION`` in size
         (the algorithm bounds them as the environment would)."""
         try:
             values = np.asarray(actions, np.float64)
@@ -175,8 +173,9 @@ class SpaceChecks:
         if values.shape != shape:
             wanted, got = list(shape[1:]), list(values.shape)
             raise RequestError(400, "action", f"actions must be {wanted} numbers each (GET /v1/spaces), got {got}")
-        if not np.isfinite(values).all() or (np.abs(values) > MAX_ABS_ACTION).any():
-            raise RequestError(400, "action", f"actions must be finite and at most {MAX_ABS_ACTION:g} in size")
+        if not np.isfinite(values).all() or (np.abs(values) > MAX_ABS_CONTINUOUS_ACTION).any():
+            limit = MAX_ABS_CONTINUOUS_ACTION
+            raise RequestError(400, "action", f"actions must be finite and at most {limit:g} in size")
         return values.astype(np.float32)
 
     def rewards(self, rewards: Any, count: int) -> np.ndarray:

@@ -117,6 +117,9 @@ def below_each(nvec: tuple[int, ...]) -> Range:
 
 
 DEFAULT_MAX_ABS_OBS = 1e6  # observation values where the space sets no finite bound
+# A continuous action's largest magnitude (IMPALA's Gaussian sample: beyond, its log-density
+# could overflow float32; apex serve holds a client's own actions to it too).
+MAX_ABS_CONTINUOUS_ACTION = 1e6
 
 
 def observation_bound(space_bound: tuple[float, ...], max_abs_obs: float | None) -> np.ndarray:

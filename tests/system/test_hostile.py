@@ -165,6 +165,13 @@ def checkpoint_is_finite(logdir: Path) -> str:
     return newest.stem
 
 
+def forged(batch: dict, name: str, value) -> dict:
+    """``batch`` with the first value of ``name`` set to ``value`` (a copy)."""
+    array = batch[name].copy()
+    array.flat[0] = value
+    return {**batch, name: array}
+
+
 def trains_on_with_finite_weights(run: Run, peer: ActorConnection) -> str:
     """After hostile input: the learner still updates, publishes finite weights and exits 0
     with a finite checkpoint, whose name this returns."""
@@ -251,16 +258,11 @@ def test_a_recurrent_continuous_learner_counts_forged_states_and_actions_and_tra
         batch = honest_batch(peer)
         assert {"core_h", "core_c", "done"} <= set(batch) and batch["action"].dtype == np.float32
 
-        def forged(name: str, value) -> dict:
-            array = batch[name].copy()
-            array.flat[0] = value
-            return {**batch, name: array}
-
         for name, value in (("core_c", np.nan), ("action", np.inf)):
-            send(peer, forged(name, value))
+            send(peer, forged(batch, name, value))
         run.wait_rejected("nonfinite", 2)
         for name, value in (("core_h", 1.5), ("done", 2), ("action", 1e7), ("behaviour_logp", 50.0)):
-            send(peer, forged(name, value))
+            send(peer, forged(batch, name, value))
         run.wait_rejected("out_of_range", 4)
         send(peer, {name: a for name, a in batch.items() if name != "core_h"})
         run.wait_rejected("fields", 1)
@@ -281,15 +283,10 @@ def test_an_appo_learner_refuses_forged_actions_and_densities_and_trains_on(tmp_
         batch = honest_batch(peer)
         assert {"behaviour_logp", "obs_frame"} <= set(batch)
 
-        def forged(name: str, value) -> dict:
-            array = batch[name].copy()
-            array.flat[0] = value
-            return {**batch, name: array}
-
-        send(peer, forged("reward", np.nan))
+        send(peer, forged(batch, "reward", np.nan))
         run.wait_rejected("nonfinite", 1)
         for name, value in (("action", 2), ("action", -1), ("behaviour_logp", 1.0)):
-            send(peer, forged(name, value))
+            send(peer, forged(batch, name, value))
         run.wait_rejected("out_of_range", 3)
         assert {"kl", "clip_fraction"} <= run.row().keys()
         trains_on_with_finite_weights(run, peer)
@@ -311,16 +308,11 @@ def test_an_apex_ddpg_learner_refuses_forged_actions_drops_poison_and_resumes(tm
         batch = honest_batch(peer)
         assert batch["action"].dtype == np.float32 and batch["action"].shape[1:] == (1,)
 
-        def forged(name: str, value) -> dict:
-            array = batch[name].copy()
-            array.flat[0] = value
-            return {**batch, name: array}
-
-        send(peer, forged("action", np.nan))
-        send(peer, forged("priority", np.inf))
+        send(peer, forged(batch, "action", np.nan))
+        send(peer, forged(batch, "priority", np.inf))
         run.wait_rejected("nonfinite", 2)
-        send(peer, forged("action", 2.5))
-        send(peer, forged("action", -7.0))
+        send(peer, forged(batch, "action", 2.5))
+        send(peer, forged(batch, "action", -7.0))
         run.wait_rejected("out_of_range", 2)
         huge = {**batch, "frames": np.full_like(batch["frames"], 3e38)}
         huge["priority"] = np.full_like(batch["priority"], 1e30)  # sampled at once (capped, still first)

@@ -567,6 +567,13 @@ def test_apex_ddpg_serves_bounded_torques_and_learns_logged_ones(tmp_path):
     try:
         status, spaces = served.http("GET", "/v1/spaces")
         assert status == 200 and spaces["action"]["type"] == "Box" and spaces["action"]["shape"] == [1]
+        _, hostile = served.http("POST", "/v1/episodes")
+        for action in ([1e300], ["a lot"], [1.0, 2.0], [[1.0]] * 2):  # huge, not a number, wrong shapes
+            body = {"observation": [1.0, 0.0, 0.0], "action": action}
+            status, reply = served.http("POST", f"/v1/episodes/{hostile['episode_id']}/log_action", body)
+            assert status == 400 and "action" in reply["error"], reply
+        refused = served.health()
+        assert refused["env_steps"] == 0 and refused["rejected_by_reason"]["action"] >= 4
         env = gym.make("Pendulum-v1", max_episode_steps=20)
         steps = 0
         for seed in range(2):

@@ -24,7 +24,7 @@ from apex.algos.replay_learner import ReplayLearner, batch_limits, batch_schema
 from apex.config import Config
 from apex.core import Policy
 from apex.envs.make import EnvSpec
-from apex.envs.spaces import check_algo_actions
+from apex.envs.spaces import bounds_finite, check_algo_actions
 from apex.nets.deterministic import DeterministicActorCritic, DeterministicPolicy
 from apex.nets.torch_nets import check_fits, numpy_weights
 from apex.training import optim
@@ -47,7 +47,7 @@ class ApexDdpgLearner(ReplayLearner[DeterministicActorCritic]):
 
     def __init__(self, config: Config, spec: EnvSpec, device: torch.device) -> None:
         torch.manual_seed(config.seed)
-        finite = bool(np.isfinite(spec.action_low).all() and np.isfinite(spec.action_high).all())
+        finite = bounds_finite(spec.action_low, spec.action_high)
         if not spec.continuous or not finite:  # env_spec(..., algo) says so first, in the parent
             kind = "Box" if spec.continuous else "MultiDiscrete" if spec.action_nvec else "Discrete"
             check_algo_actions(kind, spec.action_nvec or (spec.num_actions,), "apex_ddpg", config.env.id, finite)
@@ -59,6 +59,11 @@ class ApexDdpgLearner(ReplayLearner[DeterministicActorCritic]):
         self.target = copy.deepcopy(self.online).requires_grad_(False)
         self.policy_params = list(self.online.policy.parameters())
         self.critic_params = list(self.online.critics.parameters())
+        # (the target's and the online's parameters in the same order, for the Polyak step)
+        self._polyak: tuple[list[torch.Tensor], list[torch.Tensor]] = (
+            list(self.target.parameters()),
+            list(self.online.parameters()),
+        )
         groups = [{"params": self.policy_params, "lr": s.policy_lr}, {"params": self.critic_params, "lr": s.lr}]
         self.optimizer = optim.make("adam", groups, s.lr, s.adam_eps, fused=True)
         self.target_settings = TargetSettings(s.twin_critics, s.target_noise, s.target_noise_clip)
@@ -126,9 +131,7 @@ class ApexDdpgLearner(ReplayLearner[DeterministicActorCritic]):
         self.steps += 1
         if self.steps % self.config.apex_ddpg.policy_delay == 0:
             with torch.no_grad():
-                online: list[torch.Tensor] = list(self.online.parameters())
-                target: list[torch.Tensor] = list(self.target.parameters())
-                torch._foreach_lerp_(target, online, self.config.apex_ddpg.tau)
+                torch._foreach_lerp_(*self._polyak, self.config.apex_ddpg.tau)
 
     def finish(self, pending: list[Pending]) -> list[dict[str, float]]:
         """Ape-X DQN's write-back; a step's metrics hold policy_loss only where it trained the

@@ -35,6 +35,7 @@ from apex.wire.compression import Compressed
 from apex.wire.schema import (
     FINITE,
     FLOAT32_MAX,
+    MAX_ABS_CONTINUOUS_ACTION,
     ArrayRule,
     BatchSchema,
     Range,
@@ -45,7 +46,6 @@ from apex.wire.schema import (
 )
 
 MAX_RETURN_HORIZON = 1e4  # a truncation bootstrap is at most this many rewards' worth
-MAX_ABS_CONTINUOUS_ACTION = 1e6  # a Gaussian's sample; beyond, its log-density could overflow float32
 
 
 def batch_schema(spec: EnvSpec, config: Config) -> BatchSchema:
