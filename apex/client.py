@@ -53,6 +53,19 @@ def _array(values: Any) -> dict[str, Any]:
     }
 
 
+def _actions(values: Any) -> np.ndarray:
+    """A reply's actions: indices as int64, a Box's values as float32."""
+    actions = np.asarray(values)
+    return actions.astype(np.float32) if actions.dtype.kind == "f" else actions.astype(np.int64)
+
+
+def _wire_actions(actions: Any) -> list[Any]:
+    """Client-chosen actions as sent: indices as integers, a Box's values as floats."""
+    values = np.asarray(actions)
+    wire: list[Any] = (values.astype(np.float64) if values.dtype.kind == "f" else values.astype(np.int64)).tolist()
+    return wire
+
+
 class PolicyClient:
     def __init__(
         self, address: str, *, token: str | None = None, timeout_s: float = 30.0, curve_dir: str | None = None
@@ -131,7 +144,9 @@ class PolicyClient:
     def start_episode(self) -> str:
         return self.start_episodes(1)[0]
 
-    def get_action(self, episode_id: str, observation: Any, reward: float | None = None) -> int | list[int]:
+    def get_action(
+        self, episode_id: str, observation: Any, reward: float | None = None
+    ) -> int | list[int] | list[float]:
         """The policy's action for ``observation``; ``reward`` (the previous step's, if not
         logged already) saves a ``log_returns`` request."""
         action = self.get_actions([episode_id], [observation], None if reward is None else [reward])[0]
@@ -170,14 +185,14 @@ class PolicyClient:
             observations=_array(observations),
             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
         )
-        return np.asarray(reply["actions"], np.int64)
+        return _actions(reply["actions"])
 
     def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
         self.request(
             "log_action",
             episode_ids=list(episode_ids),
             observations=_array(observations),
-            actions=np.asarray(actions, np.int64).tolist(),
+            actions=_wire_actions(actions),
             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
         )
 
@@ -266,12 +281,16 @@ class HttpPolicyClient:
         episode_id: str = self.request("POST", "/v1/episodes", {})["episode_id"]
         return episode_id
 
-    def get_action(self, episode_id: str, observation: Any, reward: float | None = None) -> int | list[int]:
+    def get_action(
+        self, episode_id: str, observation: Any, reward: float | None = None
+    ) -> int | list[int] | list[float]:
         body = {
             "observation": np.asarray(observation).tolist(),
             **({} if reward is None else {"reward": float(reward)}),
         }
-        action: int | list[int] = self.request("POST", f"/v1/episodes/{episode_id}/action", body)["action"]
+        action: int | list[int] | list[float] = self.request("POST", f"/v1/episodes/{episode_id}/action", body)[
+            "action"
+        ]
         return action
 
     def log_action(self, episode_id: str, observation: Any, action: Any, reward: float | None = None) -> None:
@@ -312,13 +331,13 @@ class HttpPolicyClient:
             "observations": np.asarray(observations).tolist(),
             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
         }
-        return np.asarray(self.request("POST", "/v1/batch/action", body)["actions"], np.int64)
+        return _actions(self.request("POST", "/v1/batch/action", body)["actions"])
 
     def log_actions(self, episode_ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
         body = {
             "episode_ids": list(episode_ids),
             "observations": np.asarray(observations).tolist(),
-            "actions": np.asarray(actions, np.int64).tolist(),
+            "actions": _wire_actions(actions),
             **({} if rewards is None else {"rewards": np.asarray(rewards, np.float64).tolist()}),
         }
         self.request("POST", "/v1/batch/log_action", body)

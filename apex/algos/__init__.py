@@ -48,8 +48,9 @@ def _impala_learner() -> LearnerSide:
 @functools.cache
 def _impala_actor() -> ActorSide:
     from apex.algos.impala import actor as impala_actor
+    from apex.algos.impala.episode_actor import ImpalaEpisodeActor
 
-    return ActorSide(impala_actor.ImpalaActor, impala_actor.ImpalaEpisodeActor, impala_actor.setup_problem)
+    return ActorSide(impala_actor.ImpalaActor, ImpalaEpisodeActor, impala_actor.setup_problem)
 
 
 @functools.cache

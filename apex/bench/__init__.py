@@ -51,7 +51,7 @@ def run(
     ``seconds``: time per measured operation (each benchmark's own default when None);
     ``e2e_options``: algo, env, actors and plot for the e2e benchmark; ``soak_options``:
     actors, churn_s, overrides and plot for the soak; ``learn_options``: tasks, algos, seeds,
-    minutes and plot for learn; ``serve_options``: seeds for serve; ``learner_options``: ranks
+    minutes and plot for learn; ``serve_options``: seeds and tasks for serve; ``learner_options``: ranks
     for learner. Raises ApexError (after writing the
     report) if a benchmark that checks something (the soak) failed.
     """

@@ -9,8 +9,10 @@ clients are asyncio tasks in this process, each episode a real CartPole stepped 
 request a step (the previous step's reward rides on the action request) plus an end and a
 start per episode. Latency is each request's round trip as the client sees it.
 
-``apex.bench.serve_clients`` holds the clients and ``apex.bench.serve_learning`` the runs of
-CartPole to 475; this module names their ``play_batched`` and ``time_to_475`` as before.
+Then tasks learned through it beside local actors (``apex.bench.serve_learning``): CartPole to
+475 (Ape-X DQN, IMPALA), a memory task with a recurrent IMPALA, Pendulum's continuous actions
+(APPO, Ape-X DDPG). ``apex.bench.serve_clients`` holds the clients; this module names their
+``play_batched`` and ``time_to_475`` as before.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from apex.bench.serve_clients import measure, play_batched
-from apex.bench.serve_learning import learn_table, start_server, time_to_475
+from apex.bench.serve_learning import TASKS, learn_table, start_server, time_to_475
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
@@ -35,14 +37,18 @@ MODES = ("http", "http_batched", "zmq", "zmq_batched")
 GOALS = {"http_requests_per_s": 2000.0, "zmq_batched_env_steps_per_s": 20000.0}
 
 
-def run(seconds: float = 5.0, seeds: int = 3) -> dict[str, Any]:
-    """Throughput (``seconds`` per scenario), then CartPole to 475 with local actors and
-    through the servers, ``seeds`` runs each (0: throughput only)."""
+def run(seconds: float = 5.0, seeds: int = 3, tasks: str | None = None) -> dict[str, Any]:
+    """Throughput (``seconds`` per scenario), then each of ``tasks`` (comma-separated; default
+    all of ``TASKS``) learned with local actors and through the servers, ``seeds`` runs each
+    (0: throughput only)."""
     if seeds < 0:
         raise ApexError(f"--seeds must be >= 0 for bench serve, got {seeds}")
+    names = tuple(TASKS) if tasks is None else tuple(n.strip() for n in tasks.split(",") if n.strip())
+    if not names or any(n not in TASKS for n in names):
+        raise ApexError(f"--serve-tasks {tasks!r}: choose among {', '.join(TASKS)}, comma-separated")
     rows = _throughput(seconds)
     figures = _print_throughput(rows, seconds)
-    learning = _learning(seeds)
+    learning = _learning(seeds, names)
     return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS, "learning": learning}
 
 
@@ -53,7 +59,9 @@ def _throughput(seconds: float) -> list[dict[str, Any]]:
         port, front = free_base_port(), free_base_port()
         log = Path(tmp) / "serve.log"
         learner = _ingesting_learner(port, Path(tmp))
-        server = start_server(port, front, log, "--max-episodes", "4096")
+        # every scenario's episodes come from this one address, and those cut at a scenario's
+        # end stay open until they expire: room for all of them
+        server = start_server(port, front, log, "--max-episodes", "4096", "--set", "serve.max_episodes_per_client=4096")
         try:
             _wait_up(front, server, log)
             for mode in MODES:
@@ -145,18 +153,20 @@ def _print_throughput(rows: list[dict[str, Any]], seconds: float) -> dict[str, f
     return figures
 
 
-def _learning(seeds: int) -> list[dict[str, Any]]:
-    """CartPole to 475 by every algorithm and transport, ``seeds`` runs each, and its table."""
+def _learning(seeds: int, tasks: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The tasks to their thresholds by every algorithm and transport, ``seeds`` runs each, and
+    their table."""
     if not seeds:
         return []
     with tempfile.TemporaryDirectory(prefix="apex-bench-serve-learn-") as tmp:
-        learning = learn_table(seeds, Path(tmp))
+        learning = learn_table(seeds, Path(tmp), tasks)
     print_table(
-        f"serve: CartPole to 475, local actors (2 x 16 envs) against 2 servers with a client of 32 envs each "
-        f"(median of {seeds}, seconds from the learner's start)",
-        ["algo", "transport", "reached", "median s", "x local", "env steps", "env steps/s", "runs s"],
+        f"serve: tasks to their thresholds, local actors (the preset's) against 2 servers with a client "
+        f"of 32 envs each (median of {seeds}, seconds from the learner's start)",
+        ["task", "algo", "transport", "reached", "median s", "x local", "env steps", "env steps/s", "runs s"],
         [
             [
+                f"{r['task']} {r['threshold']:g}",
                 r["algo"],
                 r["transport"],
                 f"{r['reached']}/{r['runs']}",

@@ -134,15 +134,20 @@ async def _zmq_episodes(port: int, concurrency: int, seconds: float, load: Load)
 
 
 def play_batched(
-    client: PolicyClient | HttpPolicyClient, num_envs: int, seconds: float, seed: int = 0, load: Load | None = None
+    client: PolicyClient | HttpPolicyClient,
+    num_envs: int,
+    seconds: float,
+    seed: int = 0,
+    load: Load | None = None,
+    env_id: str = "CartPole-v1",
+    env_kwargs: dict[str, Any] | None = None,
 ) -> int:
-    """A vectorised simulator (gymnasium's NumPy CartPole, ``num_envs`` of them) that asks
-    ``client`` (a PolicyClient) for all its actions in one request a step; returns env steps.
-    Its environments reset on the step after an episode ends (gymnasium's next-step
-    autoreset): an ended episode is reported with its final observation, and that
-    environment's next observation starts a new one."""
-    import gymnasium as gym
-
+    """A vectorised simulator (``num_envs`` of Gymnasium's ``env_id``: NumPy CartPole by
+    default) that asks ``client`` (a PolicyClient) for all its actions in one request a step;
+    returns env steps. Its environments reset on the step after an episode ends (gymnasium's
+    next-step autoreset): an ended episode is reported with its final observation, and that
+    environment's next observation starts a new one. ``module:id`` imports the module that
+    registers the id first (as env.id does)."""
     counts = load or Load()
 
     def timed(call: Callable[..., T], *args: Any) -> T:
@@ -151,13 +156,14 @@ def play_batched(
         counts.timed(started)
         return out
 
-    envs = gym.make_vec("CartPole-v1", num_envs=num_envs, vectorization_mode="vector_entry_point")
+    envs = client_envs(env_id, num_envs, env_kwargs or {})
     obs, _ = envs.reset(seed=seed)
     ids = np.asarray(timed(client.start_episodes, num_envs), dtype=object)
     spare: list[str] = []  # episodes started ahead, one request for many
     rewards = np.zeros(num_envs)
     resetting = np.zeros(num_envs, bool)  # ended last step: this step resets them
-    actions = np.zeros(num_envs, np.int64)
+    space = envs.single_action_space
+    actions = np.zeros((num_envs, *(space.shape or ())), space.dtype)
     deadline = time.perf_counter() + seconds
     try:
         while time.perf_counter() < deadline:
@@ -181,6 +187,19 @@ def play_batched(
     finally:
         envs.close()
     return counts.steps
+
+
+def client_envs(env_id: str, num_envs: int, kwargs: dict[str, Any]) -> gym.vector.VectorEnv[Any, Any, Any]:
+    """``num_envs`` of ``env_id`` (``module:id``: the module imported first, to register it),
+    vectorised as Gymnasium's own CartPole is, or in one process otherwise."""
+    import importlib
+
+    import gymnasium as gym
+
+    module, _, name = env_id.rpartition(":")
+    if module:
+        importlib.import_module(module)
+    return gym.make_vec(name, num_envs=num_envs, **kwargs)
 
 
 def _batched(mode: str, port: int, concurrency: int, seconds: float, load: Load) -> None:

@@ -1,15 +1,20 @@
-"""CartPole to 475 for `apex bench serve` (``apex.bench.serve``): the time a learner takes
-with local actors (`apex run`) and with its experience coming through `apex serve`
-processes, each with a client process (``apex.bench.cartpole_client``), and the table of
-their medians over seeds."""
+"""Tasks learned through `apex serve` for `apex bench serve` (``apex.bench.serve``) and the
+serve tests: the time a learner takes to a task's threshold with local actors (`apex run`) and
+with its experience coming through `apex serve` processes, each with a client process
+(``apex.bench.cartpole_client``: a vectorised Gymnasium simulator), and the table of their
+medians over seeds. CartPole for both Ape-X DQN and IMPALA; a recurrent IMPALA on a memory
+task (Recall, kept in tests/envs.py: from a clone); continuous actions (Pendulum) for APPO and
+Ape-X DDPG."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +22,29 @@ from apex.bench.timing import median_time
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
 
-PRESETS = {"apex_dqn": "cartpole_apex", "impala": "cartpole_impala"}
-LEARN_LIMIT_S = 120.0
+
+@dataclass(frozen=True)
+class ServeTask:
+    env_id: str  # what the clients step (module:id imports the module that registers it)
+    threshold: float  # the learner's --stop-return
+    presets: dict[str, str]  # by algorithm: the learner's --config
+    env_kwargs: dict[str, Any] | None = None  # the clients' (the preset's env.kwargs)
+    limit_s: float = 120.0
+    allow_imports: tuple[str, ...] = ()  # the servers' --allow-import: the env.id's module
+
+
+TASKS = {
+    "cartpole": ServeTask("CartPole-v1", 475.0, {"apex_dqn": "cartpole_apex", "impala": "cartpole_impala"}),
+    "recall": ServeTask(
+        "tests.envs:apex-test/Recall-v0", 0.9, {"impala": "recall_impala"}, {"delay": 10}, allow_imports=("tests.envs",)
+    ),
+    "pendulum": ServeTask(
+        "Pendulum-v1", -250.0, {"appo": "pendulum_appo", "apex_ddpg": "pendulum_apex_ddpg"}, limit_s=300.0
+    ),
+}
+PRESETS = TASKS["cartpole"].presets
+LEARN_LIMIT_S = TASKS["cartpole"].limit_s
+# "both": the servers' clients take turns, ZeroMQ then HTTP (one run for both transports)
 TRANSPORTS = ("local", "zmq", "http")
 
 
@@ -31,19 +57,36 @@ def time_to_475(
     envs: int = 32,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Seconds from the learner's start to its stop at CartPole's 475 (None if ``limit_s``
-    came first), with local actors (``transport`` "local": `apex run`, two actors of 16
-    environments) or through `servers` `apex serve` processes ("zmq", "http"), each with one
-    client process (``apex.bench.cartpole_client``) of ``envs`` environments."""
-    logdir = workdir / f"{algo}-{transport}-{seed}"
+    """CartPole to 475: ``time_to_threshold`` of the cartpole task."""
+    return time_to_threshold("cartpole", algo, transport, workdir, limit_s, servers, envs, seed)
+
+
+def time_to_threshold(
+    task: str,
+    algo: str,
+    transport: str,
+    workdir: Path,
+    limit_s: float | None = None,
+    servers: int = 2,
+    envs: int = 32,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Seconds from the learner's start to its stop at the task's threshold (None if
+    ``limit_s``, by default the task's, came first), with local actors (``transport``
+    "local": `apex run`, the preset's actors) or through ``servers`` `apex serve` processes
+    ("zmq", "http", "both": the servers' clients alternate, or "node": CartPole's JavaScript
+    client over HTTP), each with one client process of ``envs`` environments."""
+    spec = TASKS[task]
+    limit_s = spec.limit_s if limit_s is None else limit_s
+    logdir = workdir / f"{task}-{algo}-{transport}-{seed}"
     port = free_base_port()
     stops = [
         "--config",
-        PRESETS[algo],
+        spec.presets[algo],
         "--seed",
         str(seed),
         "--stop-return",
-        "475",
+        str(spec.threshold),
         "--stop-seconds",
         str(limit_s),
         "--logdir",
@@ -55,11 +98,12 @@ def time_to_475(
     if transport == "local":
         _run_local(stops, limit_s)
     else:
-        _run_served(stops, port, transport, workdir, logdir.name, limit_s, servers, envs, seed)
+        _run_served(stops, port, transport, workdir, logdir.name, limit_s, servers, envs, seed, spec)
     summary = json.loads((logdir / "summary.json").read_text())
     reached = str(summary["stop_reason"]).startswith("return_mean_100")
     stopped = summary["stopped_unix_s"]
     return {
+        "task": task,
         "algo": algo,
         "transport": transport,
         "seed": seed,
@@ -68,6 +112,7 @@ def time_to_475(
         "startup_s": round(summary["first_update_unix_s"] - started, 1) if summary.get("first_update_unix_s") else None,
         "env_steps": summary["env_steps"],
         "env_steps_per_s": round(summary["env_steps"] / (stopped - started)),
+        "best_return": summary.get("best_return_mean_100"),
     }
 
 
@@ -94,6 +139,7 @@ def _run_served(
     servers: int,
     envs: int,
     seed: int,
+    task: ServeTask,
 ) -> None:
     """`apex learner` on ``port`` with ``servers`` `apex serve` processes and their clients,
     to the learner's stop; their logs in ``workdir``, named after the run's ``name``."""
@@ -106,9 +152,12 @@ def _run_served(
     try:
         for i in range(servers):
             front = free_base_port()
-            others.append(start_server(port, front, workdir / f"{name}-serve{i}.log"))
-            address = f"127.0.0.1:{front + 1 if transport == 'zmq' else front}"
-            others.append(_start_client(transport, address, envs, limit_s + 60, seed * servers + i))
+            imports = [flag for module in task.allow_imports for flag in ("--allow-import", module)]
+            others.append(start_server(port, front, workdir / f"{name}-serve{i}.log", *imports))
+            mode = ("zmq", "http")[i % 2] if transport == "both" else transport
+            address = f"127.0.0.1:{front + 1 if mode == 'zmq' else front}"
+            log = workdir / f"{name}-client{i}.log"
+            others.append(_start_client(mode, address, envs, limit_s + 60, seed * servers + i, task, log))
         learner.wait(timeout=limit_s + 120)
     finally:
         for process in others:
@@ -143,56 +192,69 @@ def start_server(port: int, front: int, log: Path, *extra: str) -> subprocess.Po
     )
 
 
-def _start_client(transport: str, address: str, envs: int, seconds: float, seed: int) -> subprocess.Popen[bytes]:
-    """A client process of ``envs`` CartPoles asking the server at ``address``."""
+# the JavaScript client of CartPole (from a clone: deploy/ is not in the wheel)
+NODE_CLIENT = Path(__file__).resolve().parents[2] / "deploy" / "clients" / "cartpole.mjs"
+
+
+def _start_client(
+    transport: str, address: str, envs: int, seconds: float, seed: int, task: ServeTask, log: Path
+) -> subprocess.Popen[bytes]:
+    """A client process of ``envs`` of the task's environments asking the server at
+    ``address``: ``apex.bench.cartpole_client`` over ``transport`` (zmq, http), or for "node"
+    deploy/clients/cartpole.mjs run by Node over HTTP."""
+    if transport == "node":
+        node = shutil.which("node")
+        if node is None or not NODE_CLIENT.exists() or task.env_id != "CartPole-v1":
+            raise ApexError(
+                "the node client needs Node 18+ on PATH, a clone's deploy/clients/cartpole.mjs and the cartpole task"
+            )
+        program = [node, str(NODE_CLIENT), f"http://{address}"]
+    else:
+        program = [sys.executable, "-m", "apex.bench.cartpole_client", transport, address]
+        program += ["--env", task.env_id, "--env-kwargs", json.dumps(task.env_kwargs or {})]
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "apex.bench.cartpole_client",
-            transport,
-            address,
-            "--envs",
-            str(envs),
-            "--seconds",
-            str(seconds),
-            "--seed",
-            str(seed),
-        ],
+        [*program, "--envs", str(envs), "--seconds", str(seconds), "--seed", str(seed)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=open(log, "w"),  # not closed here: the child writes it all its life
     )
 
 
-def learn_table(seeds: int, workdir: Path) -> list[dict[str, Any]]:
-    """Every algorithm and transport ``seeds`` times; a row of medians per (algorithm, transport)."""
+def learn_table(seeds: int, workdir: Path, tasks: tuple[str, ...] = tuple(TASKS)) -> list[dict[str, Any]]:
+    """Every task's algorithms and transports ``seeds`` times; a row of medians per (task,
+    algorithm, transport)."""
     runs = []
-    for algo in PRESETS:
-        for seed in range(seeds):
-            for transport in TRANSPORTS:
-                runs.append(time_to_475(algo, transport, workdir, seed=seed))
-                r = runs[-1]
-                outcome = "not reached" if r["seconds"] is None else f"475 in {r['seconds']} s"
-                print(f"  {algo} {transport} seed {seed}: {outcome} ({r['env_steps']:,} env steps)", flush=True)
+    for task in tasks:
+        for algo in TASKS[task].presets:
+            for seed in range(seeds):
+                for transport in TRANSPORTS:
+                    runs.append(time_to_threshold(task, algo, transport, workdir, seed=seed))
+                    r = runs[-1]
+                    outcome = "not reached" if r["seconds"] is None else f"reached in {r['seconds']} s"
+                    print(
+                        f"  {task} {algo} {transport} seed {seed}: {outcome} ({r['env_steps']:,} env steps)", flush=True
+                    )
     rows = []
-    for algo in PRESETS:
-        local = [r["seconds"] for r in runs if r["algo"] == algo and r["transport"] == "local"]
-        for transport in TRANSPORTS:
-            group = [r for r in runs if r["algo"] == algo and r["transport"] == transport]
-            times = [r["seconds"] for r in group]
-            median = median_time(times)
-            local_median = median_time(local)
-            rows.append(
-                {
-                    "algo": algo,
-                    "transport": transport,
-                    "reached": sum(r["reached"] for r in group),
-                    "runs": len(group),
-                    "median_s": median,
-                    "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
-                    "env_steps": int(statistics.median(r["env_steps"] for r in group)),
-                    "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
-                    "seconds": times,
-                }
-            )
+    for task in tasks:
+        for algo in TASKS[task].presets:
+            mine = [r for r in runs if r["task"] == task and r["algo"] == algo]
+            local_median = median_time([r["seconds"] for r in mine if r["transport"] == "local"])
+            for transport in TRANSPORTS:
+                group = [r for r in mine if r["transport"] == transport]
+                times = [r["seconds"] for r in group]
+                median = median_time(times)
+                rows.append(
+                    {
+                        "task": task,
+                        "threshold": TASKS[task].threshold,
+                        "algo": algo,
+                        "transport": transport,
+                        "reached": sum(r["reached"] for r in group),
+                        "runs": len(group),
+                        "median_s": median,
+                        "ratio_to_local": round(median / local_median, 2) if median and local_median else None,
+                        "env_steps": int(statistics.median(r["env_steps"] for r in group)),
+                        "env_steps_per_s": int(statistics.median(r["env_steps_per_s"] for r in group)),
+                        "seconds": times,
+                    }
+                )
     return rows

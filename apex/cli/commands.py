@@ -60,7 +60,7 @@ def bench(args: argparse.Namespace) -> int:
         "logdir": args.logdir,
         **({"actors": actors[0]} if actors else {}),
     }
-    serve_options = {"seeds": args.seeds}
+    serve_options = {"seeds": args.seeds, "tasks": args.serve_tasks}
     learn_options = {
         "tasks": args.tasks,
         "algos": args.algos,

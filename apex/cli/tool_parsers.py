@@ -99,8 +99,14 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         metavar="N",
-        help="seeds per task and algorithm (default: 3); serve: runs per algorithm and transport of "
-        "its CartPole comparison (0: throughput only)",
+        help="seeds per task and algorithm (default: 3); serve: runs per task, algorithm and transport "
+        "of its learning comparison (0: throughput only)",
+    )
+    learn.add_argument(
+        "--serve-tasks",
+        metavar="T,T,...",
+        help="serve: the tasks learned through apex serve: cartpole (Ape-X DQN, IMPALA), recall (a recurrent "
+        "IMPALA; from a clone: tests/envs.py), pendulum (APPO, Ape-X DDPG) (default: all)",
     )
     learn.add_argument(
         "--minutes",

@@ -97,6 +97,10 @@ class ServeConfig:
     idle_timeout_s: float = 30.0
     """An HTTP connection that starts no request for this long, or sends a body more slowly
     than within it, is closed (counted)."""
+    max_episodes_per_client: int = 256
+    """Episodes one client may hold open at once (over both frontends; a client is its
+    address: behind a proxy, the proxy's); one more is answered 429 (counted), so that one
+    client cannot take every --max-episodes slot."""
     max_body_bytes_in_flight: int = 8 * 1024 * 1024
     """Request bytes (by Content-Length) that the HTTP connections may hold at once, all
     together; a request past it is answered 503 (counted). At least one body of the largest
@@ -106,6 +110,10 @@ class ServeConfig:
         checks = (
             (self.max_connections >= 1, f"serve.max_connections must be >= 1, got {self.max_connections}"),
             (0 < self.idle_timeout_s <= 3600, f"serve.idle_timeout_s must be in (0, 3600], got {self.idle_timeout_s}"),
+            (
+                self.max_episodes_per_client >= 1,
+                f"serve.max_episodes_per_client must be >= 1, got {self.max_episodes_per_client}",
+            ),
             (
                 self.max_body_bytes_in_flight >= 1 << 16,
                 f"serve.max_body_bytes_in_flight must be >= 65536 (64 KiB), got {self.max_body_bytes_in_flight}",

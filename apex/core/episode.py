@@ -26,6 +26,7 @@ class Episode:
     state: Any = None
     frames: deque[np.ndarray] = field(default_factory=deque)  # the last ``stack`` frames: the observation
     mask: np.ndarray | None = None  # the legal actions of its next step (None: all)
+    owner: str = ""  # who started it (`apex serve`: the client's address)
 
 
 def stack_frames(

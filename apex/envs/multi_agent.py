@@ -191,6 +191,11 @@ def agent_view(env: Any, agent: str, config: EnvConfig, algo: str | None = None)
         act = spaces.action_plan(action_space, config.id, config.action_bounds)
         if algo is not None:
             spaces.check_algo_actions(act.kind, act.nvec, algo, config.id, act.finite)
+        if act.kind == "Box":
+            # The episode cores bound continuous actions themselves (env.action_bounds), as
+            # `apex serve` replies them: here they are only cast and shaped (clip: a no-op on
+            # them), not squashed a second time.
+            act = spaces.action_plan(action_space, config.id, "clip")
     except ConfigError as e:
         raise ConfigError(f"agent {agent!r}: {e}") from None
     spec, low, high = spec_of(obs, act, config, config.max_episode_steps)

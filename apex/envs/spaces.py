@@ -242,18 +242,35 @@ def bounds_finite(low: tuple[float, ...], high: tuple[float, ...]) -> bool:
 
 def bounded(space: spaces.Box, how: str) -> Callable[[Any], np.ndarray]:
     """A Gaussian sample u (raveled) -> an action of ``space``: ``clip`` or ``squash``."""
-    low = np.asarray(space.low, np.float64).ravel()
-    high = np.asarray(space.high, np.float64).ravel()
     shape, dtype = space.shape, space.dtype
+    bound = box_actions(np.asarray(space.low).ravel(), np.asarray(space.high).ravel(), how)
+    return lambda u: bound(np.asarray(u, np.float64)).astype(dtype).reshape(shape)
+
+
+def box_actions(low: Any, high: Any, how: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Gaussian samples u [..., D] -> actions within a Box's raveled bounds, float64:
+    ``clip``, or ``squash`` (mid + half * tanh(u))."""
+    low, high = np.asarray(low, np.float64), np.asarray(high, np.float64)
     if how == "squash":
         mid, half = (high + low) / 2, (high - low) / 2
+        # tanh(u) may round to +-1
+        return lambda u: np.clip(mid + half * np.tanh(np.asarray(u, np.float64)), low, high)
+    return lambda u: np.clip(np.asarray(u, np.float64), low, high)
 
-        def squash(u: Any) -> np.ndarray:
-            a = mid + half * np.tanh(np.asarray(u, np.float64))
-            return np.clip(a, low, high).astype(dtype).reshape(shape)  # tanh(u) may round to +-1
 
-        return squash
-    return lambda u: np.clip(np.asarray(u, np.float64), low, high).astype(dtype).reshape(shape)
+# squash's preimage of an action on a bound is infinite: it is taken this close to the bound
+SQUASH_EDGE = 1e-6
+
+
+def box_samples(low: Any, high: Any, how: str) -> Callable[[np.ndarray], np.ndarray]:
+    """``box_actions``'s inverse for actions within the bounds: the sample u [..., D] that
+    gives each (``clip``: the action itself)."""
+    low, high = np.asarray(low, np.float64), np.asarray(high, np.float64)
+    if how == "squash":
+        mid, half = (high + low) / 2, (high - low) / 2
+        edge = 1 - SQUASH_EDGE
+        return lambda a: np.arctanh(np.clip((np.asarray(a, np.float64) - mid) / half, -edge, edge))
+    return lambda a: np.asarray(a, np.float64)
 
 
 def action_plan(space: gym.Space[Any], env_id: str, bounds: str = "clip") -> ActionPlan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +50,7 @@ class ExternalEpisodes:
         *,
         max_episodes: int,
         episode_timeout_s: float,
+        max_per_client: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -59,6 +60,8 @@ class ExternalEpisodes:
         self.episode_timeout_s = episode_timeout_s
         self.clock = clock
         self.episodes: dict[str, Episode] = {}
+        self.max_per_client = max_per_client or max_episodes
+        self._open_by_client: Counter[str] = Counter()
         # Ape-X: slots handed out in turn, so that over time every rung of the ladder (its
         # evaluation rungs too) plays, however few episodes are open at once. IMPALA: the
         # slot freed last first, so that unrolls fill with fresh steps (``reuse_freed_slots``).
@@ -76,12 +79,12 @@ class ExternalEpisodes:
 
     # -- requests
 
-    def start(self, count: int = 1) -> list[str]:
-        """Opens ``count`` episodes; returns their ids (unguessable: one client cannot act in
-        another's episodes by counting)."""
+    def start(self, count: int = 1, client: str = "") -> list[str]:
+        """Opens ``count`` episodes for ``client`` (its address); returns their ids
+        (unguessable: one client cannot act in another's episodes by counting)."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise RequestError(400, "fields", f"count must be a positive integer, got {count!r}")
-        if len(self.episodes) + count > self.max_episodes:
+        if len(self.episodes) + count > self.max_episodes or self._open_by_client[client] + count > self.max_per_client:
             self.expire()
         if len(self.episodes) + count > self.max_episodes:
             raise RequestError(
@@ -90,12 +93,20 @@ class ExternalEpisodes:
                 f"{len(self.episodes)} episodes are open and at most {self.max_episodes} may be "
                 "(apex serve --max-episodes): end some, or let idle ones expire",
             )
+        if self._open_by_client[client] + count > self.max_per_client:
+            raise RequestError(
+                429,
+                "client_episodes",
+                f"this client holds {self._open_by_client[client]} open episodes and may hold at most "
+                f"{self.max_per_client} (serve.max_episodes_per_client): end some, or let idle ones expire",
+            )
         now = self.clock()
         ids = []
         for _ in range(count):
-            episode = Episode(secrets.token_hex(12), None, now)
+            episode = Episode(secrets.token_hex(12), None, now, owner=client)
             self.episodes[episode.id] = episode
             ids.append(episode.id)
+        self._open_by_client[client] += count
         self.started += count
         return ids
 
@@ -130,9 +141,9 @@ class ExternalEpisodes:
             raise RequestError(
                 409,
                 "log_action",
-                f"algo {self.config.algo} learns on-policy, from its own behaviour policy's "
-                "probabilities; ask for actions (action), or run the learner with algo apex_dqn (or apex_ddpg "
-                "for continuous actions)",
+                f"algo {self.config.algo} learns on-policy, and a client's choice among discrete actions has "
+                "no probability under its policy; ask for actions (action), or run the learner with algo "
+                "apex_dqn, which learns from any action",
             )
         self._within_limit(episodes)
         frames = self.frames(observations, len(episodes))
@@ -316,6 +327,9 @@ class ExternalEpisodes:
 
     def _close(self, episode: Episode) -> None:
         del self.episodes[episode.id]
+        self._open_by_client[episode.owner] -= 1
+        if not self._open_by_client[episode.owner]:
+            del self._open_by_client[episode.owner]
         if episode.slot is None:
             return
         if self.actor.reuse_freed_slots:  # next in line: its row is fresh, not left half full

@@ -18,15 +18,16 @@ import numpy as np
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from apex.serve.request_checks import RequestError
+from apex.serve.http_schema import openapi
+from apex.serve.request_checks import RequestError, known_fields
 
 if TYPE_CHECKING:
     from apex.serve.http_limits import Limits
     from apex.serve.server import Server
 
 ENDPOINTS = (
-    "GET /v1/spaces, POST /v1/episodes, POST /v1/episodes/{id}/action|log_action|rewards|end, "
-    "POST /v1/batch/action|log_action|rewards|end"
+    "GET /v1/spaces, GET /v1/schema, GET /v1/health, POST /v1/episodes, "
+    "POST /v1/episodes/{id}/action|log_action|rewards|end, POST /v1/batch/action|log_action|rewards|end"
 )
 
 
@@ -37,11 +38,13 @@ class HttpRoutes:
         self.server = server
         self.limits = limits
         self.max_body = limits.max_body
+        self.schema = openapi(server.episodes.spaces)
 
     def table(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/spaces", self.spaces),
             web.get("/v1/health", self.health),
+            web.get("/v1/schema", self.openapi),
             web.post("/v1/episodes", self.start),
             web.post("/v1/episodes/{id}/action", self.action),
             web.post("/v1/episodes/{id}/log_action", self.log_action),
@@ -104,7 +107,13 @@ class HttpRoutes:
         finally:
             self.limits.body_bytes -= reserved
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request, *fields: str) -> dict[str, Any]:
+        """The request's JSON object, refused if it has a field beyond ``fields``."""
+        data = await self._json(request)
+        known_fields(data, fields, f"{request.method} {request.path}")
+        return data
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
         timeout_s = self.limits.idle_timeout_s
         try:
             if sys.version_info >= (3, 11):
@@ -135,18 +144,22 @@ class HttpRoutes:
     async def spaces(self, _request: web.Request) -> web.Response:
         return web.json_response(self.server.episodes.spaces)
 
+    async def openapi(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.schema)
+
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response(self.server.health())
 
     async def start(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "count")
+        client = request.remote or ""
         if "count" in data:  # many at once: {"count": n} -> {"episode_ids": [...]}
-            return web.json_response({"episode_ids": self.server.call("start", data["count"])})
-        (episode_id,) = self.server.call("start", 1)
+            return web.json_response({"episode_ids": self.server.call("start", data["count"], client)})
+        (episode_id,) = self.server.call("start", 1, client)
         return web.json_response({"episode_id": episode_id})
 
     async def action(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "observation", "reward")
         await self.server.wait_for_room()
         actions = self.server.call(
             "act",
@@ -157,7 +170,7 @@ class HttpRoutes:
         return web.json_response({"action": _action_json(actions[0])})
 
     async def log_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "observation", "action", "reward")
         await self.server.wait_for_room()
         self.server.call(
             "log_action",
@@ -169,12 +182,12 @@ class HttpRoutes:
         return web.json_response({})
 
     async def rewards(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "reward")
         self.server.call("add_rewards", [request.match_info["id"]], [_need(data, "reward")])
         return web.json_response({})
 
     async def end(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "observation", "terminated", "truncated", "reward")
         await self.server.wait_for_room()
         self.server.call(
             "end",
@@ -189,7 +202,7 @@ class HttpRoutes:
     # -- the batched forms: many episodes a request, as the ZeroMQ ops take them
 
     async def batch_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "episode_ids", "observations", "rewards", "end")
         await self.server.wait_for_room()
         actions = self.server.call(
             "act", _need(data, "episode_ids"), _need(data, "observations"), data.get("rewards"), data.get("end")
@@ -197,7 +210,7 @@ class HttpRoutes:
         return web.json_response({"actions": actions.tolist()})
 
     async def batch_log_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "episode_ids", "observations", "actions", "rewards")
         await self.server.wait_for_room()
         self.server.call(
             "log_action",
@@ -209,12 +222,12 @@ class HttpRoutes:
         return web.json_response({})
 
     async def batch_rewards(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "episode_ids", "rewards")
         self.server.call("add_rewards", _need(data, "episode_ids"), _need(data, "rewards"))
         return web.json_response({})
 
     async def batch_end(self, request: web.Request) -> web.Response:
-        data = await self._body(request)
+        data = await self._body(request, "episode_ids", "observations", "terminated", "truncated", "rewards")
         await self.server.wait_for_room()
         self.server.call(
             "end",

@@ -27,6 +27,15 @@ class RequestError(ApexError):
         self.reason = reason
 
 
+def known_fields(data: dict[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    """Refuses a field ``where`` (a request) does not take: a typo ("rewrad") would otherwise
+    be dropped without a word."""
+    unknown = [str(key)[:32] for key in data if key not in allowed]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+        raise RequestError(400, "fields", f"{where} takes {', '.join(allowed) or 'no fields'}; unknown: {shown}")
+
+
 def describe_spaces(spec: EnvSpec, low: np.ndarray, high: np.ndarray) -> dict[str, Any]:
     """``GET /v1/spaces``: one observation (a frame) and one action as clients send and get them."""
 
@@ -161,8 +170,8 @@ class SpaceChecks:
         return values
 
     def _continuous_actions(self, actions: Any, count: int) -> np.ndarray:
-        """A Box's actions: finite numbers of its shape, at most ``MAX_ABS_CONTINUOUS_ACTION`` in size
-        (the algorithm bounds them as the environment would)."""
+        """A Box's actions: finite numbers of its shape within its bounds (and at most
+        ``MAX_ABS_CONTINUOUS_ACTION`` in size where it sets none)."""
         try:
             values = np.asarray(actions, np.float64)
         except (ValueError, TypeError, OverflowError):
@@ -176,6 +185,15 @@ class SpaceChecks:
         if not np.isfinite(values).all() or (np.abs(values) > MAX_ABS_CONTINUOUS_ACTION).any():
             limit = MAX_ABS_CONTINUOUS_ACTION
             raise RequestError(400, "action", f"actions must be finite and at most {limit:g} in size")
+        low, high = np.asarray(self.spec.action_low, np.float64), np.asarray(self.spec.action_high, np.float64)
+        if (outside := (values < low) | (values > high)).any():
+            row, k = np.argwhere(outside)[0]
+            raise RequestError(
+                400,
+                "action",
+                f"action value {values[row, k]:g} at [{k}] is outside the action space "
+                f"[{low[k]:g}, {high[k]:g}] (GET /v1/spaces)",
+            )
         return values.astype(np.float32)
 
     def rewards(self, rewards: Any, count: int) -> np.ndarray:

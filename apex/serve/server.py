@@ -119,6 +119,7 @@ class Server:
             actor,
             max_episodes=options.max_episodes,
             episode_timeout_s=options.episode_timeout_s,
+            max_per_client=options.limits.max_episodes_per_client,
         )
         self.lock = threading.Lock()
         self.rejected: Counter[str] = Counter()

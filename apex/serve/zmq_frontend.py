@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from apex.errors import ApexError
 from apex.serve.episodes import RequestError
+from apex.serve.request_checks import known_fields
 from apex.transport import load_keypair
 
 if TYPE_CHECKING:
@@ -106,11 +107,24 @@ def _error_reply(request_id: int | str | None, error: RequestError) -> dict[str,
     return {"id": request_id, "ok": False, "status": error.status, "error": str(error)}
 
 
+# what each op takes beside op, id and token
+OP_FIELDS = {
+    "spaces": (),
+    "health": (),
+    "start": ("count",),
+    "act": ("episode_ids", "observations", "rewards", "end"),
+    "log_action": ("episode_ids", "observations", "actions", "rewards"),
+    "rewards": ("episode_ids", "rewards"),
+    "end": ("episode_ids", "observations", "terminated", "truncated", "rewards"),
+}
+
+
 class Handler:
     def __init__(self, server: Server) -> None:
         self.server = server
 
-    async def __call__(self, payload: bytes) -> dict[str, Any]:
+    async def __call__(self, payload: bytes, peer: str = "") -> dict[str, Any]:
+        """The reply to one request from ``peer`` (its address: whose episodes it starts)."""
         server = self.server
         try:
             request = msgpack.unpackb(payload, raw=False, strict_map_key=True)
@@ -134,22 +148,24 @@ class Handler:
                     "missing or wrong token: put it in the request's 'token' field "
                     "(apex serve --token-file or APEX_SERVE_TOKEN)",
                 )
-            return {"id": request_id, "ok": True, **await self.dispatch(request)}
+            return {"id": request_id, "ok": True, **await self.dispatch(request, peer)}
         except RequestError as e:
             server.refused(e)
             return _error_reply(request_id, e)
         except Exception:
             return _error_reply(request_id, server.internal_error())
 
-    async def dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+    async def dispatch(self, request: dict[str, Any], peer: str = "") -> dict[str, Any]:
         server = self.server
         op = request.get("op")
+        if isinstance(op, str) and op in OP_FIELDS:
+            known_fields(request, ("op", "id", "token", *OP_FIELDS[op]), f"op {op}")
         if op == "spaces":
             return {"spaces": server.episodes.spaces}
         if op == "health":
             return server.health()
         if op == "start":
-            return {"episode_ids": server.call("start", request.get("count", 1))}
+            return {"episode_ids": server.call("start", request.get("count", 1), peer)}
         ids = request.get("episode_ids")
         rewards = request.get("rewards")
         if op == "rewards":
@@ -174,6 +190,14 @@ class Handler:
             "end", ids, observations, request.get("terminated", False), request.get("truncated", False), rewards
         )
         return {}
+
+
+def _peer(frame: zmq.Frame) -> str:
+    """The address a message came from (libzmq's Peer-Address; "" where it has none)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, KeyError, TypeError):
+        return ""
 
 
 async def start(server: Server, host: str, port: int) -> ZmqFrontend:
@@ -205,10 +229,10 @@ async def start(server: Server, host: str, port: int) -> ZmqFrontend:
 
     async def loop() -> None:
         while True:
-            frames = await sock.recv_multipart()
+            frames = await sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue
-            reply = await handler(frames[-1])
+            reply = await handler(frames[-1].bytes, _peer(frames[-1]))
             try:
                 await sock.send_multipart([*frames[:-1], msgpack.packb(reply)], flags=zmq.NOBLOCK)
             except zmq.Again:

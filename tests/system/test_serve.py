@@ -231,6 +231,7 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
         ("POST", "/v1/episodes/0123456789abcdef01234567/action", {"observation": [0.0] * 4}, 404, "no open episode"),
         ("POST", f"/v1/episodes/{episode}/end", {"observation": [0.0] * 4, "terminated": "yes"}, 400, "terminated"),
         ("POST", f"/v1/episodes/{episode}/log_action", {"observation": [0.0] * 4, "action": 7}, 400, "0..1"),
+        ("POST", action, {"observation": [0.0] * 4, "rewrad": 1.0}, 400, "unknown: rewrad"),
         ("POST", "/v1/episodes/x/fly", {}, 404, "no such endpoint"),
         ("GET", action, None, 405, ""),
         ("POST", action, "[" + "0.0," * 400_000 + "0.0]", 413, "request body over"),
@@ -254,6 +255,23 @@ def test_each_hostile_http_request_gets_its_error_and_nothing_moves(served):
     # and the episode goes on
     assert served.http("POST", action, {"observation": [0.01, 0.0, 0.0, 0.0], "reward": 1.0})[0] == 200
     assert served.health()["env_steps"] == before["env_steps"] + 1
+
+
+def test_one_address_holds_at_most_its_share_of_episodes_over_both_transports(served):
+    """serve.max_episodes_per_client (256): a client's address, over HTTP and ZeroMQ together;
+    the 257th is 429 on either, and the room comes back as its episodes expire (2 s here)."""
+    time.sleep(2.5)  # earlier tests' episodes from this address expire first
+    status, reply = served.http("POST", "/v1/episodes", {"count": 256})
+    assert status == 200 and len(reply["episode_ids"]) == 256
+    status, reply = served.http("POST", "/v1/episodes", {})
+    assert status == 429 and "serve.max_episodes_per_client" in reply["error"], reply
+    with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as client:
+        with pytest.raises(PolicyServerError, match="holds 256 open episodes") as error:
+            client.start_episodes(1)
+        assert error.value.status == 429
+        time.sleep(2.5)
+        assert len(client.start_episodes(1)) == 1
+    assert served.health()["rejected_by_reason"]["client_episodes"] >= 2
 
 
 def test_an_idle_episode_expires_and_is_404_after(served):
@@ -380,6 +398,7 @@ def test_each_hostile_zmq_request_gets_its_error(served):
         (msgpack.packb({"op": "start", "token": TOKEN, "count": 10**12}), 429, "--max-episodes"),
         (msgpack.packb({"op": "start", "token": TOKEN, "count": -1}), 400, "positive integer"),
         (msgpack.packb({**request, "episode_ids": ["x"] * 5000, "observations": array}), 400, "at most"),
+        (msgpack.packb({**request, "observations": array, "rewrad": [1.0]}), 400, "unknown: rewrad"),
     ]
     for payload, status, words in cases:
         reply = raw_zmq(served, [payload])
@@ -436,8 +455,8 @@ def test_a_request_that_finds_a_bug_is_answered_500_counted_and_the_frontend_ser
             pass
 
     handler = Handler(Broken())
-    for op in ("start", "rewards"):
-        reply = asyncio.run(handler(msgpack.packb({"op": op, "id": 3, "episode_ids": [], "rewards": []})))
+    for request in ({"op": "start", "id": 3}, {"op": "rewards", "id": 3, "episode_ids": [], "rewards": []}):
+        reply = asyncio.run(handler(msgpack.packb(request)))
         assert reply == {"id": 3, "ok": False, "status": 500, "error": reply["error"]} and "its log" in reply["error"]
     assert handler.server.rejected["internal"] == 2
 
@@ -557,8 +576,8 @@ def test_impala_refuses_logged_actions_with_a_reason(tmp_path):
 
 def test_apex_ddpg_serves_bounded_torques_and_learns_logged_ones(tmp_path):
     """Ape-X DDPG behind apex serve on Pendulum: the action space is the Box, every action
-    comes back inside its bounds, a client's own action (even one outside them) is taken as
-    logged (clipped into the bounds) and every step reaches the learner."""
+    comes back inside its bounds, a client's own action is taken as logged (one outside the
+    bounds is refused) and every step reaches the learner."""
     import gymnasium as gym
 
     served = start_served(
@@ -568,12 +587,13 @@ def test_apex_ddpg_serves_bounded_torques_and_learns_logged_ones(tmp_path):
         status, spaces = served.http("GET", "/v1/spaces")
         assert status == 200 and spaces["action"]["type"] == "Box" and spaces["action"]["shape"] == [1]
         _, hostile = served.http("POST", "/v1/episodes")
-        for action in ([1e300], ["a lot"], [1.0, 2.0], [[1.0]] * 2):  # huge, not a number, wrong shapes
+        # huge, outside [-2, 2], not a number, wrong shapes
+        for action in ([1e300], [2.5], ["a lot"], [1.0, 2.0], [[1.0]] * 2):
             body = {"observation": [1.0, 0.0, 0.0], "action": action}
             status, reply = served.http("POST", f"/v1/episodes/{hostile['episode_id']}/log_action", body)
             assert status == 400 and "action" in reply["error"], reply
         refused = served.health()
-        assert refused["env_steps"] == 0 and refused["rejected_by_reason"]["action"] >= 4
+        assert refused["env_steps"] == 0 and refused["rejected_by_reason"]["action"] >= 5
         env = gym.make("Pendulum-v1", max_episode_steps=20)
         steps = 0
         for seed in range(2):
@@ -582,8 +602,8 @@ def test_apex_ddpg_serves_bounded_torques_and_learns_logged_ones(tmp_path):
             episode, reward = started["episode_id"], None
             while True:
                 body = {"observation": obs.tolist(), **({} if reward is None else {"reward": reward})}
-                if steps % 5 == 4:  # the client's own torque, out of bounds: logged, clipped
-                    status, reply = served.http("POST", f"/v1/episodes/{episode}/log_action", {**body, "action": [9.0]})
+                if steps % 5 == 4:  # the client's own torque: logged
+                    status, reply = served.http("POST", f"/v1/episodes/{episode}/log_action", {**body, "action": [2.0]})
                     assert status == 200, reply
                     action = [2.0]
                 else:

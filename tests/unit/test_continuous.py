@@ -14,7 +14,7 @@ from torch.distributions import AffineTransform, Normal, TanhTransform, Transfor
 from apex import config as config_module
 from apex.algos.impala import actor as impala_actor
 from apex.algos.impala import learner as impala
-from apex.config import ConfigError, ModelConfig
+from apex.config import ModelConfig
 from apex.envs import spaces
 from apex.envs.make import EnvSpec
 from apex.errors import RejectedMessage
@@ -174,14 +174,3 @@ def test_integer_actions_for_a_continuous_run_are_refused():
     batch["action"] = batch["action"].astype(np.int64)
     with pytest.raises(RejectedMessage, match="action"):
         impala.batch_schema(spec, config).validate(batch, impala.batch_limits(2, spec, config))
-
-
-def test_apex_serve_refuses_continuous_and_recurrent_policies_in_one_line():
-    config = pendulum_config()
-    spec = impala_actor.ImpalaActor(config, {"num_envs": 1}, seed=0).spec
-    with pytest.raises(ConfigError, match="apex serve runs feed-forward IMPALA policies.*continuous actions"):
-        impala_actor.ImpalaEpisodeActor(config, {"num_envs": 4}, spec, 0)
-    recurrent = config_module.load(None, ["algo=impala", "model.recurrent=lstm"])
-    cartpole = impala_actor.ImpalaActor(recurrent, {"num_envs": 1}, seed=0).spec
-    with pytest.raises(ConfigError, match="model.recurrent lstm"):
-        impala_actor.ImpalaEpisodeActor(recurrent, {"num_envs": 4}, cartpole, 0)

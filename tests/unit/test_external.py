@@ -12,7 +12,7 @@ from apex.algos.apex_dqn import learner as apex_dqn
 from apex.algos.apex_dqn.actor import ApexDqnEpisodeActor
 from apex.algos.apex_dqn.exploration import actor_epsilons
 from apex.algos.impala import learner as impala
-from apex.algos.impala.actor import ImpalaEpisodeActor
+from apex.algos.impala.episode_actor import ImpalaEpisodeActor
 from apex.envs.make import env_spaces
 from apex.serve.episodes import ExternalEpisodes, RequestError
 
@@ -27,7 +27,7 @@ class Clock:
         return self.now
 
 
-def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisodes:
+def make(algo: str, clock=None, max_episodes: int = 8, max_per_client: int | None = None, **sets) -> ExternalEpisodes:
     overrides = [
         f"algo={algo}",
         f"{algo}.gamma=0.9",
@@ -45,7 +45,15 @@ def make(algo: str, clock=None, max_episodes: int = 8, **sets) -> ExternalEpisod
     else:
         actor = ImpalaEpisodeActor(config, {"num_envs": K}, spec, 0)
     return ExternalEpisodes(
-        config, spec, low, high, actor, max_episodes=max_episodes, episode_timeout_s=10.0, clock=clock or Clock()
+        config,
+        spec,
+        low,
+        high,
+        actor,
+        max_episodes=max_episodes,
+        episode_timeout_s=10.0,
+        max_per_client=max_per_client,
+        clock=clock or Clock(),
     )
 
 
@@ -262,6 +270,26 @@ def test_a_full_server_expires_idle_episodes_before_refusing_new_ones():
     assert error.value.status == 429
     clock.now += 11
     assert len(episodes.start()) == 1 and episodes.expired == 2
+
+
+def test_one_client_cannot_hold_every_slot():
+    """serve.max_episodes_per_client: a client at its cap gets 429 while another still gets
+    episodes; an episode that ends, or expires, gives its client the room back."""
+    clock = Clock()
+    episodes = make("apex_dqn", clock=clock, max_episodes=8, max_per_client=3)
+    greedy = episodes.start(3, "10.0.0.1")
+    with pytest.raises(RequestError, match="serve.max_episodes_per_client") as error:
+        episodes.start(1, "10.0.0.1")
+    assert error.value.status == 429 and error.value.reason == "client_episodes"
+    assert len(episodes.start(3, "10.0.0.2")) == 3  # another client is served
+    episodes.act(greedy[:1], [obs(0)])
+    episodes.end(greedy[:1], [obs(1)], [True], [False], [1.0])
+    (replaced,) = episodes.start(1, "10.0.0.1")  # room for one again
+    assert episodes.episodes[replaced].owner == "10.0.0.1"
+    with pytest.raises(RequestError, match="holds 3 open episodes"):
+        episodes.start(1, "10.0.0.1")
+    clock.now += 11  # all 6 idle: expired, the room back
+    assert len(episodes.start(3, "10.0.0.1")) == 3 and episodes.expired == 6
 
 
 @pytest.mark.parametrize("algo", ["apex_dqn", "impala"])

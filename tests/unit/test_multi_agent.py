@@ -12,7 +12,7 @@ import torch
 
 from apex.algos.apex_dqn.actor import ApexDqnEpisodeActor, NStepChunker
 from apex.algos.apex_dqn.loss import dqn_loss
-from apex.algos.impala.actor import ImpalaEpisodeActor
+from apex.algos.impala.episode_actor import ImpalaEpisodeActor
 from apex.algos.masks import legal_actions
 from apex.config import load_dict
 from apex.config.trust import check_imports, is_pettingzoo_env_id
@@ -284,6 +284,39 @@ def test_an_agent_that_ends_early_stops_making_transitions_and_one_that_joins_la
     records = {name: [r for _, rs in batches for r in rs] for name, batches in made.items()}
     assert records == {"early": [[3.0, 3, True]], "late": [[4.0, 4, True]]}
     assert teams == [[3.5, 6, True]]  # the mean of the agents' returns; the environment's 6 steps
+    actor.close()
+
+
+def test_recurrent_continuous_impala_agents_act_within_their_bounds_and_make_valid_unrolls():
+    """IMPALA's episode actor carries an LSTM's state per agent and bounds Gaussian samples
+    (env.action_bounds squash): the environment gets them unchanged (not squashed twice),
+    and each batch passes the learner's schema (core state, done flags, float actions)."""
+    from apex.algos.impala import learner as impala
+
+    cfg = config(
+        algo="impala",
+        env={"id": "mpe2:simple_spread_v3", "kwargs": {"continuous_actions": True}, "action_bounds": "squash"},
+        model={"recurrent": "lstm", "lstm_size": 8},
+        impala={"unroll_length": 5},
+        actor={"num_envs": 1},
+        apex_dqn={"eval_envs": 0},
+    )
+    spec = multi_agent_spec(cfg)
+    view = spec.views["agent_0"]
+    inside = np.array([0.1, 0.9, 0.5, 0.0, 1.0], np.float32)  # mpe2's continuous actions: Box(0, 1, (5,))
+    np.testing.assert_allclose(view.env_action(inside), inside)
+    learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
+    actor = MultiAgentActor(cfg, {"num_envs": 1, "seed": 0, **learner.actor_setup(0, 1)}, seed=0, spec=spec)
+    batches = []
+    for _ in range(12):
+        batch, _ = actor.act()
+        if batch is not None:
+            batches.append(batch)
+    assert batches
+    shared = spec.policies["shared"].spec
+    for batch in batches:
+        impala.batch_schema(shared, cfg).validate(batch, impala.batch_limits(3, shared, cfg))
+        assert batch["core_h"].shape == (3, 8) and batch["action"].dtype == np.float32
     actor.close()
 
 

@@ -152,7 +152,8 @@ class ApexDdpgEpisodeActor(ApexDqnEpisodeActor):
         episode.state = _ExternalEpisode(chunker, float(self.scales[rung]), bool(self.eval_mask[rung]), episode.slot)
 
     def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
-        """Actions for ``obs`` [n, stack, ...] (or ``chosen`` ones, clipped into the bounds),
+        """Actions for ``obs`` [n, stack, ...] (or ``chosen`` ones: apex serve refuses any
+        outside the bounds, and a float32 rounding past one is clipped),
         recorded with their Q-values; the step before each (``episode.reward``) ends here."""
         net = self.policy_net
         mu = net.policy(obs)

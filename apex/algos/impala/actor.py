@@ -17,18 +17,14 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from apex.algos.chunks import FrameTrack, frame_offsets
-from apex.algos.masks import MASKED_LOGIT, episode_masks, masked_values
 from apex.config import Config
 from apex.envs.make import EnvSpec, FrameStacker, VectorEnv
-from apex.errors import ConfigError
 from apex.nets.gaussian import LOG_2PI
 from apex.nets.numpy_nets import log_probs, policy_value_network
 from apex.wire.protocol import Message
-from apex.wire.schema import episode_record
 
 if TYPE_CHECKING:
     from apex.core import EpisodeRecord
-    from apex.core.episode import Episode
 
 
 def sample(rng: np.random.Generator, params: np.ndarray, spec: EnvSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -168,165 +164,3 @@ class ImpalaActor:
 
     def close(self) -> None:
         self.envs.close()
-
-
-class _Row:
-    """One row of unrolls (T steps) for the external episodes that play, in turn, on one slot.
-
-    While an episode is under way ``len(track.starts) == t + 1``: the observation it acts on
-    is at step t. Between a step's outcome and the next observation ``len(track.starts) == t``."""
-
-    def __init__(self, T: int, action_shape: tuple[int, ...], stack: int) -> None:
-        self.action = np.zeros((T, *action_shape), np.int64)
-        self.reward = np.zeros(T, np.float32)
-        self.discount = np.zeros(T, np.float32)
-        self.behaviour_logp = np.zeros(T, np.float32)
-        self.track = FrameTrack(stack)
-        self.records: list[EpisodeRecord] = []  # of the episodes that ended in this row
-        self.t = 0
-        self.mask: np.ndarray | None = None  # [T, A] the legal actions of each step (a masked policy's)
-
-
-def _slot(episode: Episode) -> int:
-    """The slot of an episode that acts (``ExternalEpisodes`` seats it before it begins)."""
-    if episode.slot is None:
-        raise ValueError(f"episode {episode.id} has no slot")
-    return episode.slot
-
-
-class ImpalaEpisodeActor:
-    """IMPALA for episodes stepped elsewhere (``apex.serve.episodes``): actions sampled from the
-    policy, and the unrolls built per slot, an episode that ends handing its row over to the
-    next one on that slot (as a local environment resets within an unroll). Client-chosen
-    actions are refused: V-trace needs the behaviour policy's own probabilities."""
-
-    learns_logged_actions = False
-    reuse_freed_slots = True  # a new episode continues the row an episode just left: no stale half rows
-
-    def __init__(self, config: Config, setup: dict[str, Any], spec: EnvSpec, seed: int) -> None:
-        if config.model.recurrent != "none" or spec.continuous:
-            what = (
-                "a recurrent model (model.recurrent lstm)" if config.model.recurrent != "none" else "continuous actions"
-            )
-            raise ConfigError(
-                f"apex serve runs feed-forward IMPALA policies over Discrete and MultiDiscrete actions, "
-                f"and this learner trains {what}: step that environment in apex actors "
-                "(env.imports) instead"
-            )
-        self.config = config
-        self.spec = spec
-        self.net = policy_value_network(spec, config.model)
-        self.rng = np.random.default_rng(seed)
-        self.gamma = config.impala.gamma
-        self.T = config.impala.unroll_length
-        self.max_unrolls = setup["num_envs"]  # per batch: the learner's limit for this session
-        self.weights_version = -1
-        self._rows: dict[int, _Row] = {}
-        # one unroll each, with the episodes it ends
-        self._ready: list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]] = []
-
-    def set_weights(self, msg: Message) -> None:
-        self.net.load(msg.arrays)
-        self.weights_version = msg.fields["version"]
-
-    def begin(self, episode: Episode) -> None:
-        episode.state = {"value": 0.0}
-        slot = _slot(episode)
-        if slot not in self._rows:
-            row = self._rows[slot] = _Row(self.T, self.spec.action_shape, self.spec.stack)
-            if self.spec.action_masked:
-                row.mask = np.ones((self.T, self.spec.num_actions), np.uint8)
-
-    def act(self, episodes: list[Episode], obs: np.ndarray, chosen: np.ndarray | None) -> np.ndarray:
-        if chosen is not None:
-            raise ValueError("IMPALA acts on its own policy only")  # ExternalEpisodes refuses it first
-        params, values, _ = self.net(obs)
-        mask = episode_masks(episodes, self.spec.num_actions)
-        actions, logp = sample(self.rng, masked_values(params, mask, MASKED_LOGIT), self.spec)
-        for i, episode in enumerate(episodes):
-            row = self._rows[_slot(episode)]
-            frame = obs[i, -1]
-            if episode.acted:  # the outcome of its step t, then its next observation
-                self._finish_step(row, float(train_reward(episode.reward, self.config)), self.gamma)
-                row.track.push(frame)
-            else:  # a new episode's first observation (a full stack of it)
-                row.track.begin(frame)
-            if row.t == self.T:
-                self._emit(row)
-            row.action[row.t] = actions[i]
-            row.behaviour_logp[row.t] = logp[i]
-            if row.mask is not None:
-                row.mask[row.t] = 1 if mask is None else mask[i]
-            episode.state["value"] = float(values[i])
-        return actions
-
-    def end(self, episodes: list[Episode], obs: np.ndarray, terminated: np.ndarray, truncated: np.ndarray) -> None:
-        cut = [i for i in range(len(episodes)) if truncated[i] and not terminated[i]]
-        final_values = dict(zip(cut, self.net(obs[cut])[1])) if cut else {}
-        for i, episode in enumerate(episodes):
-            row = self._rows[_slot(episode)]
-            # a time limit: the future is worth gamma * V(final observation), as a local actor does
-            reward = float(train_reward(episode.reward, self.config)) + self.gamma * float(final_values.get(i, 0.0))
-            self._finish_step(row, reward, 0.0)
-            row.records.append(episode_record(episode, True))
-            if row.t == self.T:  # complete but for its bootstrap step, which discount 0 ignores
-                row.track.begin(obs[i, -1])
-                self._emit(row, keep=False)
-
-    def abandon(self, episode: Episode) -> None:
-        """An idle episode closed: cut at its last observation (a time limit there, worth
-        gamma * V of it); the action out there is dropped."""
-        if not episode.acted:
-            return
-        row = self._rows[_slot(episode)]
-        row.track.pop()
-        if episode.length > 0 and row.t > 0:  # its previous step is in this row: make it the last
-            row.reward[row.t - 1] += self.gamma * episode.state["value"]
-            row.discount[row.t - 1] = 0.0
-
-    def _finish_step(self, row: _Row, reward: float, discount: float) -> None:
-        row.reward[row.t] = reward
-        row.discount[row.t] = discount
-        row.t += 1
-
-    def _emit(self, row: _Row, keep: bool = True) -> None:
-        """Hands out a complete unroll; the row goes on from its bootstrap step (``keep``)
-        or empty (an episode ended on its last step)."""
-        frames, starts = row.track.take(self.T)
-        unroll = {
-            "frames": np.stack(frames),
-            "obs_frame": starts,
-            "action": row.action.copy(),
-            "reward": row.reward.copy(),
-            "discount": row.discount.copy(),
-            "behaviour_logp": row.behaviour_logp.copy(),
-            **({} if row.mask is None else {"mask": row.mask.copy()}),
-        }
-        self._ready.append((unroll, row.records))
-        if keep:
-            row.track.drop(self.T)
-        else:
-            row.track = FrameTrack(self.spec.stack)
-        row.records = []
-        row.t = 0
-
-    def take(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]]:
-        """Batches of up to the session's unrolls per batch (fewer with ``flush``)."""
-        batches: list[tuple[dict[str, np.ndarray], list[EpisodeRecord]]] = []
-        while len(self._ready) >= self.max_unrolls or (flush and self._ready):
-            group, self._ready = self._ready[: self.max_unrolls], self._ready[self.max_unrolls :]
-            frames = [u["frames"] for u, _ in group]
-            batch = {
-                "frames": np.concatenate(frames),
-                "obs_frame": np.stack([u["obs_frame"] for u, _ in group]) + frame_offsets(frames)[:, None],
-            }
-            for name in (
-                "action",
-                "reward",
-                "discount",
-                "behaviour_logp",
-                *(("mask",) if self.spec.action_masked else ()),
-            ):
-                batch[name] = np.stack([u[name] for u, _ in group])
-            batches.append((batch, [record for _, records in group for record in records]))
-        return batches
