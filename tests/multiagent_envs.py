@@ -7,6 +7,9 @@ failing a learner that lacks what it tests:
   word, the listener hears it and must name the target (one shared policy cannot act for both).
 - ``masked_choice``: the best-paying action is always illegal (masked); taking it writes a
   marker file. The legal optimum is 1.0.
+- ``relay``: one agent leaves and another joins mid-episode.
+- ``spread``: three agents with continuous actions in Box(0, 1, (5,)), as mpe2's
+  simple_spread with continuous_actions (which the test extras do not install).
 """
 
 from __future__ import annotations
@@ -244,3 +247,50 @@ class Relay(ParallelEnv):  # type: ignore[misc]
 
 def relay() -> Relay:
     return Relay()
+
+
+SPREAD_STEPS = 10
+
+
+class Spread(ParallelEnv):  # type: ignore[misc]
+    """Three agents, each acting a point in Box(0, 1, (5,)) and paid minus its mean distance
+    from its observed target; SPREAD_STEPS steps."""
+
+    metadata: ClassVar[dict[str, Any]] = {"name": "spread_v0"}
+
+    def __init__(self) -> None:
+        self.possible_agents = ["agent_0", "agent_1", "agent_2"]
+        self.agents: list[str] = []
+        self.t = 0
+        self.rng = np.random.default_rng(0)
+        self.targets: dict[str, np.ndarray] = {}
+
+    def observation_space(self, agent: str) -> spaces.Space[Any]:
+        return spaces.Box(0.0, 1.0, (5,), np.float32)
+
+    def action_space(self, agent: str) -> spaces.Space[Any]:
+        return spaces.Box(0.0, 1.0, (5,), np.float32)
+
+    def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[dict, dict]:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        self.t = 0
+        self.agents = list(self.possible_agents)
+        self.targets = {a: self.rng.random(5, dtype=np.float32) for a in self.agents}
+        return dict(self.targets), {a: {} for a in self.agents}
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        for a, action in actions.items():
+            assert self.action_space(a).contains(np.asarray(action, np.float32)), (a, action)
+        self.t += 1
+        rewards = {a: -float(np.abs(np.asarray(actions[a]) - self.targets[a]).mean()) for a in self.agents}
+        self.targets = {a: self.rng.random(5, dtype=np.float32) for a in self.agents}
+        over = self.t >= SPREAD_STEPS
+        obs = dict(self.targets)
+        if over:
+            self.agents = []
+        return obs, rewards, dict.fromkeys(obs, False), dict.fromkeys(obs, over), {a: {} for a in obs}
+
+
+def spread() -> Spread:
+    return Spread()

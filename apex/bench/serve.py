@@ -9,23 +9,27 @@ clients are asyncio tasks in this process, each episode a real CartPole stepped 
 request a step (the previous step's reward rides on the action request) plus an end and a
 start per episode. Latency is each request's round trip as the client sees it.
 
-Then tasks learned through it beside local actors (``apex.bench.serve_learning``): CartPole to
-475 (Ape-X DQN, IMPALA), a memory task with a recurrent IMPALA, Pendulum's continuous actions
-(APPO, Ape-X DDPG). ``apex.bench.serve_clients`` holds the clients; this module names their
-``play_batched`` and ``time_to_475`` as before.
+Then the batched clients alone and under a flood of idle connections
+(``apex.bench.serve_idle``). Then tasks learned through it beside local actors
+(``apex.bench.serve_learning``): CartPole to 475 (Ape-X DQN, IMPALA), a memory task with a
+recurrent IMPALA, Pendulum's continuous actions (APPO, Ape-X DDPG). ``apex.bench.serve_clients``
+holds the clients; this module names their ``play_batched`` and ``time_to_475`` as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from apex.bench.serve_clients import measure, play_batched
-from apex.bench.serve_learning import TASKS, learn_table, start_server, time_to_475
+from apex.bench.serve_idle import idle_flood
+from apex.bench.serve_learning import TASKS, learn_table, start_server, stop_processes, time_to_475
 from apex.bench.timing import print_table
 from apex.bench.transport import free_base_port
 from apex.errors import ApexError
@@ -33,28 +37,43 @@ from apex.errors import ApexError
 __all__ = ["CONCURRENCY", "GOALS", "MODES", "play_batched", "run", "time_to_475"]
 
 CONCURRENCY = (1, 8, 64)
+IDLE_CONNECTIONS = 20_000  # the flood's held connections (the README's known limit)
 MODES = ("http", "http_batched", "zmq", "zmq_batched")
 GOALS = {"http_requests_per_s": 2000.0, "zmq_batched_env_steps_per_s": 20000.0}
 
 
-def run(seconds: float = 5.0, seeds: int = 3, tasks: str | None = None) -> dict[str, Any]:
-    """Throughput (``seconds`` per scenario), then each of ``tasks`` (comma-separated; default
-    all of ``TASKS``) learned with local actors and through the servers, ``seeds`` runs each
-    (0: throughput only)."""
+def run(
+    seconds: float = 5.0, seeds: int = 3, tasks: str | None = None, idle_connections: int = IDLE_CONNECTIONS
+) -> dict[str, Any]:
+    """Throughput (``seconds`` per scenario); the batched clients' throughput alone and under
+    a flood of ``idle_connections`` (0: none); then each of ``tasks`` (comma-separated;
+    default all of ``TASKS``) learned with local actors and through the servers, ``seeds``
+    runs each (0: none)."""
     if seeds < 0:
         raise ApexError(f"--seeds must be >= 0 for bench serve, got {seeds}")
     names = tuple(TASKS) if tasks is None else tuple(n.strip() for n in tasks.split(",") if n.strip())
     if not names or any(n not in TASKS for n in names):
         raise ApexError(f"--serve-tasks {tasks!r}: choose among {', '.join(TASKS)}, comma-separated")
+    if idle_connections < 0:
+        raise ApexError(f"--idle-connections must be >= 0, got {idle_connections}")
     rows = _throughput(seconds)
     figures = _print_throughput(rows, seconds)
+    flood = _idle_flood(seconds, idle_connections) if idle_connections else []
     learning = _learning(seeds, names)
-    return {"seconds": seconds, "rows": rows, "figures": figures, "goals": GOALS, "learning": learning}
+    return {
+        "seconds": seconds,
+        "rows": rows,
+        "figures": figures,
+        "goals": GOALS,
+        "idle_flood": flood,
+        "learning": learning,
+    }
 
 
-def _throughput(seconds: float) -> list[dict[str, Any]]:
-    """Every mode and number of episodes for ``seconds`` each, through one server; a row each."""
-    rows = []
+@contextlib.contextmanager
+def _serving() -> Iterator[int]:
+    """An ingesting learner and one `apex serve` (HTTP on the port given, ZeroMQ on the next)
+    for the time of the block."""
     with tempfile.TemporaryDirectory(prefix="apex-bench-serve-") as tmp:
         port, front = free_base_port(), free_base_port()
         log = Path(tmp) / "serve.log"
@@ -64,24 +83,30 @@ def _throughput(seconds: float) -> list[dict[str, Any]]:
         server = start_server(port, front, log, "--max-episodes", "4096", "--set", "serve.max_episodes_per_client=4096")
         try:
             _wait_up(front, server, log)
-            for mode in MODES:
-                for concurrency in CONCURRENCY:
-                    rows.append(measure(mode, front, front + 1, concurrency, seconds))
-                    r = rows[-1]
-                    print(
-                        f"  {mode} x{concurrency}: {r['env_steps_per_s']:,.0f} env steps/s, "
-                        f"{r['requests_per_s']:,.0f} requests/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms",
-                        flush=True,
-                    )
+            yield front
         finally:
-            for process in (server, learner):
-                process.terminate()
-            for process in (server, learner):
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            stop_processes([server, learner])
+
+
+def _throughput(seconds: float) -> list[dict[str, Any]]:
+    """Every mode and number of episodes for ``seconds`` each, through one server; a row each."""
+    rows = []
+    with _serving() as front:
+        for mode in MODES:
+            for concurrency in CONCURRENCY:
+                rows.append(measure(mode, front, front + 1, concurrency, seconds))
+                r = rows[-1]
+                print(
+                    f"  {mode} x{concurrency}: {r['env_steps_per_s']:,.0f} env steps/s, "
+                    f"{r['requests_per_s']:,.0f} requests/s, p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms",
+                    flush=True,
+                )
     return rows
+
+
+def _idle_flood(seconds: float, count: int) -> list[dict[str, Any]]:
+    with _serving() as front:
+        return idle_flood(front, seconds, count)
 
 
 def _ingesting_learner(port: int, tmp: Path) -> subprocess.Popen[bytes]:

@@ -160,14 +160,20 @@ def _run_served(
             others.append(_start_client(mode, address, envs, limit_s + 60, seed * servers + i, task, log))
         learner.wait(timeout=limit_s + 120)
     finally:
-        for process in others:
+        stop_processes([learner, *others])
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to each, then each waited for (30 s, then killed)."""
+    for process in processes:
+        if process.poll() is None:
             process.terminate()
-        for process in [learner, *others]:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def start_server(port: int, front: int, log: Path, *extra: str) -> subprocess.Popen[bytes]:

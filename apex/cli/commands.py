@@ -60,7 +60,7 @@ def bench(args: argparse.Namespace) -> int:
         "logdir": args.logdir,
         **({"actors": actors[0]} if actors else {}),
     }
-    serve_options = {"seeds": args.seeds, "tasks": args.serve_tasks}
+    serve_options = {"seeds": args.seeds, "tasks": args.serve_tasks, "idle_connections": args.idle_connections}
     learn_options = {
         "tasks": args.tasks,
         "algos": args.algos,

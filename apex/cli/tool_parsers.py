@@ -109,6 +109,14 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         "IMPALA; from a clone: tests/envs.py), pendulum (APPO, Ape-X DDPG) (default: all)",
     )
     learn.add_argument(
+        "--idle-connections",
+        type=int,
+        default=20_000,
+        metavar="N",
+        help="serve: idle TCP connections held to each frontend while the batched clients are measured "
+        "again (default: 20000; 0: no flood)",
+    )
+    learn.add_argument(
         "--minutes",
         type=float,
         default=None,

@@ -93,10 +93,16 @@ class ServeConfig:
     """`apex serve`'s own limits (its --config and --set serve.*; a learner's are unused)."""
 
     max_connections: int = 1024
-    """HTTP connections open at once; one more is answered 503 and closed (counted)."""
+    """HTTP connections open at once; one more closes the one idle longest (no request being
+    handled; counted as idle_closed), or is answered 503 and closed if every one is busy
+    (counted as connections)."""
     idle_timeout_s: float = 30.0
     """An HTTP connection that starts no request for this long, or sends a body more slowly
     than within it, is closed (counted)."""
+    handshake_timeout_s: float = 5.0
+    """A ZeroMQ connection that has not finished ZeroMQ's handshake (and CURVE's) within this
+    is closed: each one held costs an open file, and the ZeroMQ frontend has no cap on
+    connections of its own."""
     max_episodes_per_client: int = 256
     """Episodes one client may hold open at once (over both frontends; a client is its
     address: behind a proxy, the proxy's); one more is answered 429 (counted), so that one
@@ -110,6 +116,10 @@ class ServeConfig:
         checks = (
             (self.max_connections >= 1, f"serve.max_connections must be >= 1, got {self.max_connections}"),
             (0 < self.idle_timeout_s <= 3600, f"serve.idle_timeout_s must be in (0, 3600], got {self.idle_timeout_s}"),
+            (
+                0 < self.handshake_timeout_s <= 3600,
+                f"serve.handshake_timeout_s must be in (0, 3600], got {self.handshake_timeout_s}",
+            ),
             (
                 self.max_episodes_per_client >= 1,
                 f"serve.max_episodes_per_client must be >= 1, got {self.max_episodes_per_client}",

@@ -1,9 +1,16 @@
 """What HTTP clients may hold of `apex serve`, all of them together (the serve section of the
-config): connections open at once (serve.max_connections: one more is answered 503 at accept
-and closed), the request bytes being read (serve.max_body_bytes_in_flight, reserved by
+config): connections open at once (serve.max_connections: one more closes the connection that
+has been idle longest, one with no request being handled; only when every one is busy is it
+answered 503 at accept and closed), the request bytes being read (serve.max_body_bytes_in_flight, reserved by
 Content-Length before a body is read: 503 when spent), and time (serve.idle_timeout_s: a
 connection that sends no whole request head within it is closed, as is one whose body takes
-longer). Each refusal is counted in rejected_by_reason and logged, rate-limited.
+longer). Each refusal and closed connection is counted in rejected_by_reason and logged,
+rate-limited.
+
+Closing the idlest connection rather than refusing the newest is what keeps a flood of idle
+connections from starving clients that send requests: the flood's connections, which never
+start one, are always the idlest. A keep-alive connection closed between requests is opened
+again by the client (apex.client does so once, as HTTP clients do).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -50,10 +58,13 @@ class Limits:
         self.max_body_bytes = max(config.max_body_bytes_in_flight, max_body)
         self.body_bytes = 0  # reserved by the requests being handled
         self.gates: dict[asyncio.BaseTransport, Gate] = {}
+        # the admitted connections with no request being handled, the longest idle first
+        self.idle: OrderedDict[Gate, None] = OrderedDict()
 
     def admit(self, gate: Gate, transport: asyncio.Transport) -> RequestHandler | None:
-        """aiohttp's protocol for a new connection, or None (answered 503 and closed)."""
-        if len(self.gates) >= self.max_connections:
+        """aiohttp's protocol for a new connection (closing the idlest one if there are
+        serve.max_connections), or None (every one busy: answered 503 and closed)."""
+        if len(self.gates) >= self.max_connections and not self._close_idlest():
             self.server.refused(
                 f"{self.max_connections} connections are open (serve.max_connections); closed at accept",
                 "connections",
@@ -65,10 +76,40 @@ class Limits:
         if self.protocol is None:
             raise RuntimeError("a connection came before the HTTP server was set up")
         self.gates[transport] = gate
+        self.idle[gate] = None
         return self.protocol()
+
+    def _close_idlest(self) -> bool:
+        """Closes the connection idle longest to make room for a new one; False if none is idle."""
+        if not self.idle:
+            return False
+        gate, _ = self.idle.popitem(last=False)
+        if gate.transport is not None:
+            self.gates.pop(gate.transport, None)
+            self.server.refused(
+                f"{self.max_connections} connections are open (serve.max_connections); the one idle longest closed",
+                "idle_closed",
+                _peer(gate.transport),
+            )
+            gate.partial = False  # counted here, not again as an unfinished head
+            gate.transport.close()
+        return True
+
+    def busy(self, gate: Gate) -> None:
+        """A request of ``gate``'s begins."""
+        gate.active += 1
+        gate.partial = False
+        self.idle.pop(gate, None)
+
+    def done(self, gate: Gate) -> None:
+        """A request of ``gate``'s ends: idle again once none is being handled."""
+        gate.active -= 1
+        if not gate.active and gate.transport in self.gates:
+            self.idle[gate] = None  # the most recently idle, last
 
     def release(self, gate: Gate, transport: asyncio.BaseTransport) -> None:
         self.gates.pop(transport, None)
+        self.idle.pop(gate, None)
         if gate.partial:  # a request head that never came whole: a slow client, or one gone
             self.server.refused(
                 f"the connection closed with a request head unfinished (each must arrive within "
@@ -123,7 +164,7 @@ _BUSY_AT_ACCEPT = (
 
 
 class Gate(asyncio.Protocol):
-    """One TCP connection: handed to aiohttp's protocol while under serve.max_connections;
+    """One TCP connection: handed to aiohttp's protocol while admitted (serve.max_connections);
     notes whether it holds part of a request that no handler has begun (a slowloris's head,
     which aiohttp's keep-alive timer closes)."""
 

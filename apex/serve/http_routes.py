@@ -10,6 +10,7 @@ server's episodes (which check it whole before an episode moves) and answers JSO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from typing import TYPE_CHECKING, Any
@@ -62,17 +63,21 @@ class HttpRoutes:
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         gate = self.limits.gates.get(request.transport) if request.transport is not None else None
         if gate is not None:
-            gate.active += 1
-            gate.partial = False
+            self.limits.busy(gate)
         try:
             response = await self._admitted(request, handler)
+            if not request.content.is_eof():  # answered before its body came whole: dropped, then the connection closed
+                response.force_close()
+                if gate is not None:
+                    gate.discarding = True
+            # Written here, not after the middleware as aiohttp would: the connection is idle,
+            # and may be closed for a new one (serve.max_connections), only once its reply is out.
+            with contextlib.suppress(ConnectionResetError):  # the client gone: aiohttp's own writing says so, as before
+                await response.prepare(request)
+                await response.write_eof()
         finally:
             if gate is not None:
-                gate.active -= 1
-        if not request.content.is_eof():  # answered before its body came whole: dropped, then the connection closed
-            response.force_close()
-            if gate is not None:
-                gate.discarding = True
+                self.limits.done(gate)
         return response
 
     async def _admitted(self, request: web.Request, handler: Handler) -> web.StreamResponse:

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import logging
 import os
+import resource
 import threading
 import time
 from collections import Counter
@@ -259,6 +260,7 @@ def run_serve(
     import apex.envs.make  # noqa: F401  (gymnasium before signals are taken over, as an actor does)
 
     check_exposure(options)
+    raise_open_file_limit()
     if options.http is not None:
         try:
             import aiohttp  # noqa: F401
@@ -270,6 +272,18 @@ def run_serve(
     stopping = threading.Event()
     with StopSignals(then=stopping.set) as signals:
         return _serve_until_stopped(host, port, options, actor_index, num_envs, transport, stopping, signals)
+
+
+def raise_open_file_limit() -> None:
+    """Raises this process's soft limit on open files to its hard limit (as Go's runtime does):
+    every connection costs a file, and at a soft limit of 1024 a few idle ones would keep the
+    ZeroMQ frontend, which has no cap on connections of its own, from accepting any more."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:  # RLIM_INFINITY, say, where the kernel caps it lower
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, e)
 
 
 def _serve_until_stopped(

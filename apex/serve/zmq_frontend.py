@@ -208,6 +208,7 @@ async def start(server: Server, host: str, port: int) -> ZmqFrontend:
     frame_bytes = math.prod(spec.frame_shape) * 8  # float64 observations at most
     sock.setsockopt(zmq.MAXMSGSIZE, server.options.max_episodes * frame_bytes * 2 + (1 << 20))
     sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(server.options.limits.handshake_timeout_s * 1000))
     authenticator = None
     try:
         if server.options.curve_dir:

@@ -827,7 +827,8 @@ def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_
         print(f"apex serve: {base:.0f} MiB resident, {peak:.0f} MiB at the peak of the attack (+{growth:.1f} MiB)")
         assert growth < 30, f"apex serve grew by {growth:.0f} MiB under the attack"
         rejected = served.health()["rejected_by_reason"]
-        assert rejected.get("connections", 0) - before.get("connections", 0) >= 1  # 400 > serve.max_connections
+        # 400 > serve.max_connections: the idlest closed for the newest, all sent before any request began
+        assert rejected.get("idle_closed", 0) - before.get("idle_closed", 0) >= 1
         assert rejected.get("body_bytes", 0) - before.get("body_bytes", 0) >= 50  # past the 8 MiB of bodies
         # Past the idle timeout the rest are closed and counted: the slow heads and bodies.
         wait_for(lambda: not any(still_open(s) for s in slow + holders), idle_s + 30, "the server to close them all")
@@ -842,5 +843,98 @@ def test_held_bodies_and_slowloris_cost_bounded_memory_while_honest_clients_are_
         assert "Traceback" not in served.log.read_text()
     finally:
         for sock in attack:
+            sock.close()
+        stop(served)
+
+
+def test_a_full_server_closes_its_idlest_connection_for_a_new_one_and_refuses_only_when_all_are_busy(tmp_path):
+    """Issue 34, item 5: 20,000 idle connections once took every serve.max_connections slot,
+    and honest clients got 503s. Now a new connection closes the one idle longest (no request
+    being handled), counted as idle_closed; only when every connection is busy with a request
+    is the new one answered 503 (counted as connections)."""
+    import socket
+
+    from apex.client import HttpPolicyClient
+
+    served = start_served(tmp_path, extra=("--set", "serve.max_connections=4", "--set", "serve.handshake_timeout_s=1"))
+    sockets: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", served.http_port), timeout=10)
+        sockets.append(sock)
+        time.sleep(0.2)  # accepted in this order
+        return sock
+
+    def reply_of(sock: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < content_length(data):
+            chunk = sock.recv(65536)
+            assert chunk, data
+            data += chunk
+        return data
+
+    def content_length(data: bytes) -> int:
+        for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                return int(line.split(b":")[1])
+        return 0
+
+    def closed(sock: socket.socket) -> bool:
+        sock.settimeout(2.0)
+        try:
+            return sock.recv(1) == b""
+        except TimeoutError:
+            return False
+
+    try:
+        before = served.health()["rejected_by_reason"]
+        time.sleep(0.5)  # the health request's connection is gone
+        # Every slot busy: four requests whose bodies lack their last byte.
+        body = b'{"count": 1}' + b" " * 500
+        head = (
+            f"POST /v1/episodes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        holders = [connect() for _ in range(4)]
+        for sock in holders:
+            sock.sendall(head + body[:-1])
+        time.sleep(0.5)
+        refused = connect()
+        assert reply_of(refused).startswith(b"HTTP/1.1 503"), "every connection busy: the new one is refused"
+        # Their requests done, the four are idle; the first done is the first closed for a new one.
+        for sock in holders:
+            sock.sendall(body[-1:])
+            assert reply_of(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(0.2)
+        client = HttpPolicyClient(f"127.0.0.1:{served.http_port}", token=TOKEN)
+        episode = client.start_episode()
+        assert client.get_action(episode, [0.0] * 4) in (0, 1)
+        for _ in range(20):
+            assert client.get_action(episode, [0.0] * 4, reward=1.0) in (0, 1)
+        assert closed(holders[0]), "the connection idle longest is closed for the new one"
+        assert not any(closed(sock) for sock in holders[1:]), "only one was needed"
+        # The client's connection, busy a moment ago, outlives older idle ones.
+        for _ in range(3):
+            connect().sendall(
+                b"GET /v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+            )
+        assert all(closed(sock) for sock in holders[1:])
+        assert client.get_action(episode, [0.0] * 4, reward=1.0) in (0, 1)
+        rejected = client.health()["rejected_by_reason"]
+        assert rejected.get("connections", 0) - before.get("connections", 0) == 1, rejected
+        assert rejected.get("idle_closed", 0) - before.get("idle_closed", 0) >= 4, rejected
+        client.close()
+        # ZeroMQ's frontend closes a connection that has not finished its handshake in time.
+        silent = socket.create_connection(("127.0.0.1", served.zmq_port), timeout=10)
+        sockets.append(silent)
+        started = time.monotonic()
+        while silent.recv(4096):  # the server's greeting, then the close
+            pass
+        assert time.monotonic() - started < 5, "serve.handshake_timeout_s is 1 s"
+        with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as zmq_client:
+            assert len(zmq_client.start_episodes(2)) == 2
+        assert "Traceback" not in served.log.read_text()
+    finally:
+        for sock in sockets:
             sock.close()
         stop(served)

@@ -295,7 +295,7 @@ def test_recurrent_continuous_impala_agents_act_within_their_bounds_and_make_val
 
     cfg = config(
         algo="impala",
-        env={"id": "mpe2:simple_spread_v3", "kwargs": {"continuous_actions": True}, "action_bounds": "squash"},
+        env={"id": "tests.multiagent_envs:spread", "action_bounds": "squash"},
         model={"recurrent": "lstm", "lstm_size": 8},
         impala={"unroll_length": 5},
         actor={"num_envs": 1},
@@ -303,7 +303,7 @@ def test_recurrent_continuous_impala_agents_act_within_their_bounds_and_make_val
     )
     spec = multi_agent_spec(cfg)
     view = spec.views["agent_0"]
-    inside = np.array([0.1, 0.9, 0.5, 0.0, 1.0], np.float32)  # mpe2's continuous actions: Box(0, 1, (5,))
+    inside = np.array([0.1, 0.9, 0.5, 0.0, 1.0], np.float32)  # spread's actions: Box(0, 1, (5,))
     np.testing.assert_allclose(view.env_action(inside), inside)
     learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
     actor = MultiAgentActor(cfg, {"num_envs": 1, "seed": 0, **learner.actor_setup(0, 1)}, seed=0, spec=spec)
