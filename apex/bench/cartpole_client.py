@@ -6,6 +6,7 @@ server answers.
 
     python -m apex.bench.cartpole_client zmq 127.0.0.1:8001 --envs 64 --seconds 60
     python -m apex.bench.cartpole_client http 127.0.0.1:8000 --env Pendulum-v1
+    python -m apex.bench.cartpole_client zmq 127.0.0.1:8001 --env tests.multiagent_envs:meet --multi-agent
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import time
 
 from apex.bench.serve import play_batched
+from apex.bench.serve_clients import play_teams
 from apex.client import HttpPolicyClient, PolicyClient
 
 
@@ -28,6 +30,9 @@ def main() -> None:
     parser.add_argument("--token")
     parser.add_argument("--env", default="CartPole-v1", help="a Gymnasium id (module:id imports the module first)")
     parser.add_argument("--env-kwargs", default="{}", help="its keyword arguments, as JSON")
+    parser.add_argument(
+        "--multi-agent", action="store_true", help="--env names a PettingZoo ParallelEnv (module:function)"
+    )
     args = parser.parse_args()
     client_type = PolicyClient if args.transport == "zmq" else HttpPolicyClient
     deadline = time.monotonic() + 60
@@ -40,9 +45,12 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
-        steps = play_batched(
-            client, args.envs, args.seconds, seed=args.seed, env_id=args.env, env_kwargs=json.loads(args.env_kwargs)
-        )
+        if args.multi_agent:
+            steps = play_teams(client, args.env, args.envs, args.seconds, seed=args.seed)
+        else:
+            steps = play_batched(
+                client, args.envs, args.seconds, seed=args.seed, env_id=args.env, env_kwargs=json.loads(args.env_kwargs)
+            )
     print(f"steps {steps}", flush=True)
 
 

@@ -189,6 +189,49 @@ def play_batched(
     return counts.steps
 
 
+def play_teams(
+    client: PolicyClient | HttpPolicyClient, env_id: str, num_envs: int, seconds: float, seed: int = 0
+) -> int:
+    """A multi-agent simulator: ``num_envs`` PettingZoo ParallelEnvs (``module:function``) whose
+    agents' actions come from ``client`` in one request a step, each request carrying what the
+    environments gave (observations, rewards, done flags, by agent); an environment whose
+    agents are all done ends its episode and starts another. Returns agent steps."""
+    import importlib
+
+    module, _, name = env_id.partition(":")
+    envs = [getattr(importlib.import_module(module), name)() for _ in range(num_envs)]
+    observations = [env.reset(seed=seed + i)[0] for i, env in enumerate(envs)]
+    ids = client.start_episodes(num_envs)
+    rewards: list[dict[str, Any]] = [{} for _ in envs]
+    terminated: list[dict[str, Any]] = [{} for _ in envs]
+    truncated: list[dict[str, Any]] = [{} for _ in envs]
+    steps, deadline = 0, time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < deadline:
+            actions = client.get_actions(ids, observations, rewards, terminated=terminated, truncated=truncated)
+            over = []
+            for i, env in enumerate(envs):
+                steps += len(actions[i])
+                observations[i], rewards[i], terminated[i], truncated[i], _ = env.step(actions[i])
+                if not env.agents:
+                    over.append(i)
+            if over:
+                client.end_episodes(
+                    [ids[i] for i in over],
+                    [observations[i] for i in over],
+                    [terminated[i] for i in over],
+                    [truncated[i] for i in over],
+                    [rewards[i] for i in over],
+                )
+                for i, new in zip(over, client.start_episodes(len(over))):
+                    ids[i], observations[i] = new, envs[i].reset()[0]
+                    rewards[i], terminated[i], truncated[i] = {}, {}, {}
+    finally:
+        for env in envs:
+            env.close()
+    return steps
+
+
 def client_envs(env_id: str, num_envs: int, kwargs: dict[str, Any]) -> gym.vector.VectorEnv[Any, Any, Any]:
     """``num_envs`` of ``env_id`` (``module:id``: the module imported first, to register it),
     vectorised as Gymnasium's own CartPole is, or in one process otherwise."""

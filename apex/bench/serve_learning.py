@@ -4,7 +4,7 @@ with its experience coming through `apex serve` processes, each with a client pr
 (``apex.bench.cartpole_client``: a vectorised Gymnasium simulator), and the table of their
 medians over seeds. CartPole for both Ape-X DQN and IMPALA; a recurrent IMPALA on a memory
 task (Recall, kept in tests/envs.py: from a clone); continuous actions (Pendulum) for APPO and
-Ape-X DDPG."""
+Ape-X DDPG; two agents with a policy each (Meet, kept in tests/multiagent_envs.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ class ServeTask:
     env_kwargs: dict[str, Any] | None = None  # the clients' (the preset's env.kwargs)
     limit_s: float = 120.0
     allow_imports: tuple[str, ...] = ()  # the servers' --allow-import: the env.id's module
+    multi_agent: bool = False  # env_id is a PettingZoo env (module:function): its presets are "" (--env, --set)
+    learner_sets: tuple[str, ...] = ()  # the learner's --set, where it has no preset
 
 
 TASKS = {
@@ -40,6 +42,15 @@ TASKS = {
     ),
     "pendulum": ServeTask(
         "Pendulum-v1", -250.0, {"appo": "pendulum_appo", "apex_ddpg": "pendulum_apex_ddpg"}, limit_s=300.0
+    ),
+    # two agents that must meet on a ring, a policy each (from a clone: tests/multiagent_envs.py)
+    "meet": ServeTask(
+        "tests.multiagent_envs:meet",
+        0.75,
+        {"apex_dqn": "", "impala": ""},
+        allow_imports=("tests.multiagent_envs",),
+        multi_agent=True,
+        learner_sets=("multi_agent.mapping=per_agent",),
     ),
 }
 PRESETS = TASKS["cartpole"].presets
@@ -80,9 +91,10 @@ def time_to_threshold(
     limit_s = spec.limit_s if limit_s is None else limit_s
     logdir = workdir / f"{task}-{algo}-{transport}-{seed}"
     port = free_base_port()
+    preset = spec.presets[algo]
+    sets = [flag for setting in spec.learner_sets for flag in ("--set", setting)]
     stops = [
-        "--config",
-        spec.presets[algo],
+        *(["--config", preset] if preset else ["--algo", algo, "--env", spec.env_id, *sets]),
         "--seed",
         str(seed),
         "--stop-return",
@@ -113,6 +125,11 @@ def time_to_threshold(
         "env_steps": summary["env_steps"],
         "env_steps_per_s": round(summary["env_steps"] / (stopped - started)),
         "best_return": summary.get("best_return_mean_100"),
+        **(
+            {"policy_updates": {name: p["learner_updates"] for name, p in summary["policies"].items()}}
+            if "policies" in summary
+            else {}
+        ),
     }
 
 
@@ -218,6 +235,7 @@ def _start_client(
     else:
         program = [sys.executable, "-m", "apex.bench.cartpole_client", transport, address]
         program += ["--env", task.env_id, "--env-kwargs", json.dumps(task.env_kwargs or {})]
+        program += ["--multi-agent"] if task.multi_agent else []
     return subprocess.Popen(
         [*program, "--envs", str(envs), "--seconds", str(seconds), "--seed", str(seed)],
         stdout=subprocess.DEVNULL,

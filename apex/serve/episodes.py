@@ -23,7 +23,7 @@ import numpy as np
 from apex.config import Config
 from apex.core.episode import Episode, stack_frames
 from apex.envs.make import EnvSpec
-from apex.serve.request_checks import RequestError, SpaceChecks, describe_spaces
+from apex.serve.request_checks import Actions, RequestError, SpaceChecks, describe_spaces
 from apex.wire.schema import UNKNOWN_STEP_LIMIT
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class ExternalEpisodes:
         self.max_abs_reward = config.transport.max_abs_reward
         self.checks = SpaceChecks(spec, low, high, config.transport.max_abs_obs, self.max_abs_reward)
         self.spaces = describe_spaces(spec, low, high)
+        self.frame_elements = int(np.prod(spec.frame_shape))  # an episode's observation: what a request's size allows
         # The learner refuses a batch that reports an episode longer than this (the env's time
         # limit): an episode is stopped at it, not allowed to spoil the batch it would end in.
         self.step_limit = spec.max_episode_steps or UNKNOWN_STEP_LIMIT
@@ -76,6 +77,13 @@ class ExternalEpisodes:
         self.finished = 0
         self.expired = 0
         self.steps = 0
+
+    def describe(self) -> str:
+        """What the log says of the episodes served: the observation and the actions."""
+        observation, action = self.spaces["observation"], self.spaces["action"]
+        return (
+            f"observation {observation['dtype']} {observation['shape']}, {action.get('n', action.get('nvec'))} actions"
+        )
 
     # -- requests
 
@@ -110,13 +118,23 @@ class ExternalEpisodes:
         self.started += count
         return ids
 
-    def act(self, ids: list[str], observations: Any, rewards: Any = None, ended: Any = None) -> np.ndarray:
+    def act(
+        self,
+        ids: list[str],
+        observations: Any,
+        rewards: Any = None,
+        ended: Any = None,
+        terminated: Any = None,
+        truncated: Any = None,
+        action_masks: Any = None,
+    ) -> Actions:
         """The policy's actions for these episodes' current observations; ``rewards``, when
         given, are added to each episode's step under way first (one request a step).
         ``ended``: episodes that ended since the last request, as ``end`` takes them (a map of
         its arguments: episode_ids, observations, terminated, truncated, rewards), ended
         first, so that a vectorised simulator needs one round trip a step. The whole request
         is checked before either part changes anything."""
+        _single_agent(terminated=terminated, truncated=truncated, action_masks=action_masks)
         closing = self._checked_end(**self._end_fields(ended)) if ended is not None else None
         episodes = self._episodes(ids)
         if closing is not None and not {id(e) for e in episodes}.isdisjoint(id(e) for e in closing[0]):
@@ -133,9 +151,19 @@ class ExternalEpisodes:
         self._after_step(episodes)
         return actions
 
-    def log_action(self, ids: list[str], observations: Any, actions: Any, rewards: Any = None) -> None:
+    def log_action(
+        self,
+        ids: list[str],
+        observations: Any,
+        actions: Any,
+        rewards: Any = None,
+        terminated: Any = None,
+        truncated: Any = None,
+        action_masks: Any = None,
+    ) -> None:
         """The client chose these actions (its own policy, a human): recorded as if the
         policy had taken them, where the algorithm can learn from them off-policy."""
+        _single_agent(terminated=terminated, truncated=truncated, action_masks=action_masks)
         episodes = self._episodes(ids)
         if not self.actor.learns_logged_actions:
             raise RequestError(
@@ -257,6 +285,10 @@ class ExternalEpisodes:
         ``flush``: what is held back for a fuller batch too."""
         return self.actor.take(flush)
 
+    def take_batches(self, flush: bool = False) -> list[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+        """``take``'s batches, each with the info the learner gets with it."""
+        return [(arrays, {"episodes": records}) for arrays, records in self.take(flush)]
+
     # -- checks (before any state changes)
 
     def _within_limit(self, episodes: list[Episode]) -> None:
@@ -336,3 +368,15 @@ class ExternalEpisodes:
             self._free_slots.appendleft(episode.slot)
         else:
             self._free_slots.append(episode.slot)
+
+
+def _single_agent(**per_agent: Any) -> None:
+    """Refuses a multi-agent run's fields (agents' done flags and masks) in a single-agent one."""
+    given = [name for name, value in per_agent.items() if value is not None]
+    if given:
+        raise RequestError(
+            400,
+            "fields",
+            f"{', '.join(given)} in an action request are for multi-agent runs (maps by agent); "
+            "end a single-agent episode with end",
+        )

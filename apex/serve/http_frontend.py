@@ -14,7 +14,6 @@ it, and ``apex.serve.http_routes`` holds its endpoints.
 from __future__ import annotations
 
 import asyncio
-import math
 import socket
 from typing import TYPE_CHECKING
 
@@ -47,7 +46,7 @@ class HttpFrontend:
 def max_body_bytes(server: Server) -> int:
     """The largest request body: room for a batch of observations of every open episode
     (the batched forms)."""
-    frame_elements = math.prod(server.episodes.spec.frame_shape)
+    frame_elements = server.episodes.frame_elements
     return min(
         MAX_BODY_BYTES,
         max(64 * 1024, server.options.max_episodes * (frame_elements * JSON_CHARS_PER_NUMBER + 64) + 4096),

@@ -15,12 +15,11 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from apex.serve.http_schema import openapi
-from apex.serve.request_checks import RequestError, known_fields
+from apex.serve.request_checks import RequestError, actions_json, known_fields
 
 if TYPE_CHECKING:
     from apex.serve.http_limits import Limits
@@ -164,18 +163,19 @@ class HttpRoutes:
         return web.json_response({"episode_id": episode_id})
 
     async def action(self, request: web.Request) -> web.Response:
-        data = await self._body(request, "observation", "reward")
+        data = await self._body(request, "observation", "reward", *PER_AGENT)
         await self.server.wait_for_room()
         actions = self.server.call(
             "act",
             [request.match_info["id"]],
             [_need(data, "observation")],
             None if data.get("reward") is None else [data["reward"]],
+            **_per_agent(data),
         )
-        return web.json_response({"action": _action_json(actions[0])})
+        return web.json_response({"action": actions_json(actions)[0]})
 
     async def log_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request, "observation", "action", "reward")
+        data = await self._body(request, "observation", "action", "reward", *PER_AGENT)
         await self.server.wait_for_room()
         self.server.call(
             "log_action",
@@ -183,6 +183,7 @@ class HttpRoutes:
             [_need(data, "observation")],
             [_need(data, "action")],
             None if data.get("reward") is None else [data["reward"]],
+            **_per_agent(data),
         )
         return web.json_response({})
 
@@ -207,15 +208,20 @@ class HttpRoutes:
     # -- the batched forms: many episodes a request, as the ZeroMQ ops take them
 
     async def batch_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request, "episode_ids", "observations", "rewards", "end")
+        data = await self._body(request, "episode_ids", "observations", "rewards", "end", *BATCH_PER_AGENT)
         await self.server.wait_for_room()
         actions = self.server.call(
-            "act", _need(data, "episode_ids"), _need(data, "observations"), data.get("rewards"), data.get("end")
+            "act",
+            _need(data, "episode_ids"),
+            _need(data, "observations"),
+            data.get("rewards"),
+            data.get("end"),
+            **{name: data.get(name) for name in BATCH_PER_AGENT},
         )
-        return web.json_response({"actions": actions.tolist()})
+        return web.json_response({"actions": actions_json(actions)})
 
     async def batch_log_action(self, request: web.Request) -> web.Response:
-        data = await self._body(request, "episode_ids", "observations", "actions", "rewards")
+        data = await self._body(request, "episode_ids", "observations", "actions", "rewards", *BATCH_PER_AGENT)
         await self.server.wait_for_room()
         self.server.call(
             "log_action",
@@ -223,6 +229,7 @@ class HttpRoutes:
             _need(data, "observations"),
             _need(data, "actions"),
             data.get("rewards"),
+            **{name: data.get(name) for name in BATCH_PER_AGENT},
         )
         return web.json_response({})
 
@@ -245,6 +252,16 @@ class HttpRoutes:
         return web.json_response({})
 
 
+# A multi-agent run's action requests also take maps by agent: done flags and action masks.
+PER_AGENT = ("terminated", "truncated", "action_mask")
+BATCH_PER_AGENT = ("terminated", "truncated", "action_masks")
+
+
+def _per_agent(data: dict[str, Any]) -> dict[str, Any]:
+    """One episode's per-agent fields as the batched call takes them (a list of one)."""
+    return {batch: [data[one]] for one, batch in zip(PER_AGENT, BATCH_PER_AGENT) if data.get(one) is not None}
+
+
 def _need(data: dict[str, Any], key: str) -> Any:
     if key not in data:
         raise RequestError(400, "fields", f"missing {key!r} in the body")
@@ -254,7 +271,3 @@ def _need(data: dict[str, Any], key: str) -> Any:
 def _error(status: int, message: str) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
     return web.json_response({"error": message}, status=status, headers=headers)
-
-
-def _action_json(action: np.ndarray) -> int | list[Any]:
-    return action.tolist() if np.ndim(action) else int(action)

@@ -89,31 +89,77 @@ def _many(item: Schema) -> Schema:
     return {"type": "array", "items": item, "minItems": 1}
 
 
+def _by_agent(agents: dict[str, Any], value: Any) -> Schema:
+    """A multi-agent run's map from agent id to ``value(agent's spaces)``: any of its agents."""
+    return {
+        "type": "object",
+        "properties": {agent: value(spaces) for agent, spaces in agents.items()},
+        "additionalProperties": False,
+    }
+
+
+def _mask(spaces: dict[str, Any]) -> Schema:
+    n = spaces["action"].get("n", 1)
+    return _nested([n], {"type": "integer", "minimum": 0, "maximum": 1})
+
+
+def _episode_values(spaces: dict[str, Any]) -> dict[str, Schema]:
+    """An episode's observation, action, reward and done flag (one, and ``flags``: for many
+    episodes), and ``per_agent``'s fields of an action request: for a multi-agent run
+    (``spaces["agents"]``), maps by agent id."""
+    agents = spaces.get("agents")
+    if agents is None:
+        flag: Schema = {"type": "boolean"}
+        return {
+            "observation": observation_schema(spaces["observation"]),
+            "action": action_schema(spaces["action"]),
+            "reward": {**NUMBER, "description": "added to the step under way (the previous action's outcome)"},
+            "flag": flag,
+            "flags": {"anyOf": [flag, _many(flag)], "description": "one for all, or one per episode"},
+            "per_agent": {},
+        }
+    flag = {**_by_agent(agents, lambda _: {"type": "boolean"}), "description": "agents that finish here"}
+    return {
+        "observation": _by_agent(agents, lambda s: observation_schema(s["observation"])),
+        "action": _by_agent(agents, lambda s: action_schema(s["action"])),
+        "reward": {**_by_agent(agents, lambda _: NUMBER), "description": "each agent's, for its step under way"},
+        "flag": {"anyOf": [{"type": "boolean"}, flag], "description": "for every agent, or by agent"},
+        "flags": {"anyOf": [{"type": "boolean"}, _many({"type": "boolean"}), flag, _many(flag)]},
+        "per_agent": {"terminated": flag, "truncated": flag, "action_mask": _by_agent(agents, _mask)},
+    }
+
+
 def component_schemas(spaces: dict[str, Any]) -> dict[str, Schema]:
-    """Every request and reply body, named."""
-    reward = {**NUMBER, "description": "added to the step under way (the previous action's outcome)"}
+    """Every request and reply body, named. A multi-agent run's (``spaces["agents"]``): an
+    episode's observation, action, reward and done flags are maps by agent id, and an action
+    request may say which agents finish at its observations and which actions are legal."""
+    agents = spaces.get("agents")
+    values = _episode_values(spaces)
+    reward, flag, flags, per_agent = values["reward"], values["flag"], values["flags"], values["per_agent"]
     maybe_reward = {"anyOf": [reward, {"type": "null"}]}
-    flag = {"type": "boolean"}
-    flags = {"anyOf": [flag, {"type": "array", "items": flag}], "description": "one for all, or one per episode"}
+    batch_per_agent = {
+        ("action_masks" if name == "action_mask" else name): _many(schema) for name, schema in per_agent.items()
+    }
     ids = _many({"type": "string", "maxLength": 64})
     observations = _many(_ref("Observation"))
     batch_end = _object(
         {"episode_ids": ids, "observations": observations},
-        {"terminated": flags, "truncated": flags, "rewards": _many(NUMBER)},
+        {"terminated": flags, "truncated": flags, "rewards": _many(reward)},
     )
     return {
-        "Observation": observation_schema(spaces["observation"]),
-        "Action": action_schema(spaces["action"]),
+        "Observation": values["observation"],
+        "Action": values["action"],
         "Error": _object({"error": {"type": "string"}}),
         "Empty": _object({}),
         "Document": {"type": "object", "required": ["openapi", "paths"]},
         "Spaces": {
             "type": "object",
-            "required": ["observation", "action", "frame_stack"],
+            "required": ["observation", "action", "frame_stack"] if agents is None else ["agents"],
             "properties": {
                 "observation": {"type": "object"},
                 "action": {"type": "object"},
                 "frame_stack": {"type": "integer", "minimum": 1},
+                "agents": {"type": "object", "description": "a multi-agent run's: each agent's policy and spaces"},
             },
         },
         "Health": {
@@ -133,10 +179,10 @@ def component_schemas(spaces: dict[str, Any]) -> dict[str, Schema]:
         "StartReply": {
             "oneOf": [_object({"episode_id": {"type": "string"}}), _object({"episode_ids": _many({"type": "string"})})]
         },
-        "ActionRequest": _object({"observation": _ref("Observation")}, {"reward": maybe_reward}),
+        "ActionRequest": _object({"observation": _ref("Observation")}, {"reward": maybe_reward, **per_agent}),
         "ActionReply": _object({"action": _ref("Action")}),
         "LogActionRequest": _object(
-            {"observation": _ref("Observation"), "action": _ref("Action")}, {"reward": maybe_reward}
+            {"observation": _ref("Observation"), "action": _ref("Action")}, {"reward": maybe_reward, **per_agent}
         ),
         "RewardsRequest": _object({"reward": reward}),
         "EndRequest": _object(
@@ -145,14 +191,18 @@ def component_schemas(spaces: dict[str, Any]) -> dict[str, Schema]:
         ),
         "BatchActionRequest": _object(
             {"episode_ids": ids, "observations": observations},
-            {"rewards": _many(NUMBER), "end": {**batch_end, "description": "episodes that end first"}},
+            {
+                "rewards": _many(reward),
+                **({} if agents else {"end": {**batch_end, "description": "episodes that end first"}}),
+                **batch_per_agent,
+            },
         ),
         "BatchActionReply": _object({"actions": _many(_ref("Action"))}),
         "BatchLogActionRequest": _object(
             {"episode_ids": ids, "observations": observations, "actions": _many(_ref("Action"))},
-            {"rewards": _many(NUMBER)},
+            {"rewards": _many(reward), **batch_per_agent},
         ),
-        "BatchRewardsRequest": _object({"episode_ids": ids, "rewards": _many(NUMBER)}),
+        "BatchRewardsRequest": _object({"episode_ids": ids, "rewards": _many(reward)}),
         "BatchEndRequest": batch_end,
     }
 

@@ -16,6 +16,17 @@ from apex.envs.make import EnvSpec
 from apex.errors import ApexError
 from apex.wire.schema import MAX_ABS_CONTINUOUS_ACTION
 
+# A request's actions: an array (one an episode), or a map by agent an episode (multi-agent)
+Actions = np.ndarray | list[dict[str, Any]]
+
+
+def actions_json(actions: Actions) -> list[Any]:
+    """Actions as a reply carries them: an int or a list each; a map of them by agent."""
+    if isinstance(actions, np.ndarray):
+        listed: list[Any] = actions.tolist()
+        return listed
+    return [{agent: np.asarray(action).tolist() for agent, action in by_agent.items()} for by_agent in actions]
+
 
 class RequestError(ApexError):
     """A client's request refused: ``status`` is its HTTP status (400 malformed, 404 unknown

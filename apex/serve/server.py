@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from apex.actor.process import welcome_setup
 from apex.config import ServeConfig
 from apex.errors import ApexError, ProtocolError
-from apex.serve.episodes import ExternalEpisodes, RequestError
+from apex.serve.episodes import RequestError
+from apex.serve.welcome import external_episodes, external_teams
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
 from apex.transport import ActorConnection, HandshakeRejected, Stopped, TransportConfig, is_loopback
@@ -34,7 +35,6 @@ from apex.transport import ActorConnection, HandshakeRejected, Stopped, Transpor
 if TYPE_CHECKING:
     import numpy as np
 
-    from apex.core import EpisodeRecord
     from apex.serve.http_frontend import HttpFrontend
     from apex.serve.zmq_frontend import ZmqFrontend
 
@@ -108,27 +108,20 @@ class Server:
         self.config, side = welcome_setup(
             setup, options.allow_imports, f"the welcome of the learner at {client.host}:{client.ports.control}"
         )
-        from apex.envs.make import env_spaces  # gymnasium and the env's modules: once the welcome is checked
+        from apex.envs.multi_agent import is_multi_agent  # the env's modules: once the welcome is checked
 
-        spec, low, high = env_spaces(self.config.env, self.config.algo)
-        actor = side.episode_core(self.config, setup, spec, setup["seed"])
-        self.episodes = ExternalEpisodes(
-            self.config,
-            spec,
-            low,
-            high,
-            actor,
-            max_episodes=options.max_episodes,
-            episode_timeout_s=options.episode_timeout_s,
-            max_per_client=options.limits.max_episodes_per_client,
+        limits = (options.max_episodes, options.episode_timeout_s, options.limits.max_episodes_per_client)
+        self.episodes = (
+            external_teams(self.config, setup, side, *limits)
+            if is_multi_agent(self.config.env)
+            else external_episodes(self.config, setup, side, *limits)
         )
         self.lock = threading.Lock()
         self.rejected: Counter[str] = Counter()
         self.requests = 0
         self.batches_sent = 0
-        self.backlog: list[
-            tuple[dict[str, np.ndarray], list[EpisodeRecord], int]
-        ] = []  # made, not yet sent: (arrays, episodes, weights version)
+        # made, not yet sent: (arrays, info, weights version)
+        self.backlog: list[tuple[dict[str, np.ndarray], dict[str, Any], int]] = []
         self.stop_reason: str | None = None
         self.error: BaseException | None = None  # the learner thread's, if it failed
         self._bad_log = RateLimitedLog(log, interval_s=5.0)
@@ -199,10 +192,10 @@ class Server:
 
     def _collect(self, flush: bool) -> None:
         """Moves ready batches from the episodes to the backlog (under the lock)."""
-        made = self.episodes.take(flush=flush)
+        made = self.episodes.take_batches(flush=flush)
         if made:
             version = self.episodes.actor.weights_version
-            self.backlog += [(arrays, records, version) for arrays, records in made]
+            self.backlog += [(arrays, info, version) for arrays, info in made]
             self._last_data = time.monotonic()
 
     def learner_loop(self, stopping: threading.Event) -> None:
@@ -233,8 +226,8 @@ class Server:
                 if batch is None:
                     time.sleep(TICK_S)
                     continue
-                arrays, records, version = batch
-                if not self.client.send_batch(arrays, weights_version=version, info={"episodes": records}):
+                arrays, info, version = batch
+                if not self.client.send_batch(arrays, weights_version=version, info=info):
                     break  # a stop arrived while waiting to send
                 with self.lock:
                     self.backlog.pop(0)
@@ -333,20 +326,17 @@ async def _serve(server: Server, stopping: threading.Event) -> None:
     from apex.serve import zmq_frontend as serve_zmq
 
     frontends: list[HttpFrontend | ZmqFrontend] = []
-    spaces = server.episodes.spaces
     if server.options.http is not None:
         frontends.append(await serve_http.start(server, *server.options.http))
     if server.options.zmq is not None:
         frontends.append(await serve_zmq.start(server, *server.options.zmq))
     where = ", ".join(f.describe() for f in frontends)
     log.info(
-        "serving %s on %s (%s, observation %s %s, %s actions) as actor %d of the learner at %s:%d",
+        "serving %s on %s (%s, %s) as actor %d of the learner at %s:%d",
         server.config.algo,
         where,
         server.config.env.id,
-        spaces["observation"]["dtype"],
-        spaces["observation"]["shape"],
-        spaces["action"].get("n", spaces["action"].get("nvec")),
+        server.episodes.describe(),
         server.client.actor_index,
         server.client.host,
         server.client.ports.control,

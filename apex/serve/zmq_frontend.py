@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from apex.errors import ApexError
 from apex.serve.episodes import RequestError
-from apex.serve.request_checks import known_fields
+from apex.serve.request_checks import actions_json, known_fields
 from apex.transport import load_keypair
 
 if TYPE_CHECKING:
@@ -107,13 +107,14 @@ def _error_reply(request_id: int | str | None, error: RequestError) -> dict[str,
     return {"id": request_id, "ok": False, "status": error.status, "error": str(error)}
 
 
+PER_AGENT = ("terminated", "truncated", "action_masks")  # a multi-agent run's maps by agent, an episode each
 # what each op takes beside op, id and token
 OP_FIELDS = {
     "spaces": (),
     "health": (),
     "start": ("count",),
-    "act": ("episode_ids", "observations", "rewards", "end"),
-    "log_action": ("episode_ids", "observations", "actions", "rewards"),
+    "act": ("episode_ids", "observations", "rewards", "end", *PER_AGENT),
+    "log_action": ("episode_ids", "observations", "actions", "rewards", *PER_AGENT),
     "rewards": ("episode_ids", "rewards"),
     "end": ("episode_ids", "observations", "terminated", "truncated", "rewards"),
 }
@@ -181,15 +182,20 @@ class Handler:
             ended = request.get("end")
             if isinstance(ended, dict) and "observations" in ended:
                 ended = {**ended, "observations": decode_array(ended["observations"], "end.observations")}
-            actions = server.call("act", ids, observations, rewards, ended)
-            return {"actions": actions.tolist()}
+            actions = server.call("act", ids, observations, rewards, ended, **_per_agent(request))
+            return {"actions": actions_json(actions)}
         if op == "log_action":
-            server.call("log_action", ids, observations, decode_array(request.get("actions"), "actions"), rewards)
+            chosen = decode_array(request.get("actions"), "actions")
+            server.call("log_action", ids, observations, chosen, rewards, **_per_agent(request))
             return {}
         server.call(
             "end", ids, observations, request.get("terminated", False), request.get("truncated", False), rewards
         )
         return {}
+
+
+def _per_agent(request: dict[str, Any]) -> dict[str, Any]:
+    return {name: request.get(name) for name in PER_AGENT}
 
 
 def _peer(frame: zmq.Frame) -> str:
@@ -204,8 +210,7 @@ async def start(server: Server, host: str, port: int) -> ZmqFrontend:
     context = zmq.asyncio.Context.instance()
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    spec = server.episodes.spec
-    frame_bytes = math.prod(spec.frame_shape) * 8  # float64 observations at most
+    frame_bytes = server.episodes.frame_elements * 8  # float64 observations at most
     sock.setsockopt(zmq.MAXMSGSIZE, server.options.max_episodes * frame_bytes * 2 + (1 << 20))
     sock.setsockopt(zmq.SNDHWM, 1000)
     sock.setsockopt(zmq.HANDSHAKE_IVL, int(server.options.limits.handshake_timeout_s * 1000))

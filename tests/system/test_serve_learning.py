@@ -51,3 +51,14 @@ def test_a_javascript_client_written_from_the_schema_learns_cartpole(tmp_path):
     run = time_to_475("impala", "node", tmp_path, limit_s=120)
     assert run["reached"], logs(tmp_path)
     assert run["env_steps"] > 50_000
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_two_agents_with_a_policy_each_learn_to_meet_through_apex_serve(algo, tmp_path):
+    """meet, multi_agent.mapping per_agent: each request carries both agents' observations,
+    rewards and done flags, each agent acts with its own policy, and each policy's steps go to
+    the learner as its own stream; one client on each transport. Acting at random scores -0.4
+    and an agent blind to its partner cannot get near 0.75 (the team's mean return)."""
+    run = time_to_threshold("meet", algo, "both", tmp_path, limit_s=150)
+    assert run["reached"], logs(tmp_path)
+    assert sorted(run["policy_updates"]) == ["a_0", "a_1"] and all(n > 0 for n in run["policy_updates"].values())
