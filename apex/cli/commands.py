@@ -19,10 +19,11 @@ if TYPE_CHECKING:  # (imported where used: `apex --help` stays fast)
 
 
 def shorthand_overrides(args: argparse.Namespace) -> list[str]:
-    """The --set equivalents of --env, --algo, --seed and --num-envs (put before the --set
-    flags, which win where both are given)."""
+    """The --set equivalents of --env, --algo, --seed, --num-envs and --track (put before the
+    --set flags, which win where both are given)."""
     overrides = []
-    for flag, key in (("env", "env.id"), ("algo", "algo"), ("seed", "seed"), ("num_envs", "actor.num_envs")):
+    shorthands = (("env", "env.id"), ("algo", "algo"), ("seed", "seed"), ("num_envs", "actor.num_envs"))
+    for flag, key in (*shorthands, ("track", "logging.track")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")  # JSON is YAML: an id is read back as the string it is

@@ -82,6 +82,13 @@ def add_shorthands(p: argparse.ArgumentParser, num_envs: bool = False) -> None:
     group.add_argument("--env", metavar="ID", help="environment: a Gymnasium id (--set env.id=ID)")
     group.add_argument("--algo", choices=ALGOS, help="algorithm (--set algo=ALGO)")
     group.add_argument("--seed", type=int, metavar="N", help="seed of the run (--set seed=N)")
+    group.add_argument(
+        "--track",
+        action="append",
+        choices=("wandb", "mlflow"),
+        help="an experiment tracker that gets the config, the metrics and the summary; repeatable "
+        "(--set logging.track=[...]; W&B offline unless logged in, MLflow to MLFLOW_TRACKING_URI)",
+    )
     if num_envs:
         group.add_argument(
             "--num-envs",

@@ -239,6 +239,32 @@ class ActorConfig:
         return [f"actor.num_envs must be in 1..{MAX_ENVS_PER_ACTOR}, got {self.num_envs}"]
 
 
+TRACKERS = ("wandb", "mlflow")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where a run's figures go beside LOGDIR/metrics.jsonl and TensorBoard."""
+
+    track: list[str] = field(default_factory=list)
+    """Experiment trackers (``--track``, repeatable): ``wandb`` (offline unless logged in),
+    ``mlflow`` (to MLFLOW_TRACKING_URI); each an optional extra of that name."""
+    project: str = "apex"
+    """The W&B project and the MLflow experiment the run is logged to."""
+
+    def problems(self) -> list[str]:
+        names = self.track
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return [f"logging.track must be a list of tracker names ({', '.join(TRACKERS)}), got {names!r}"]
+        unknown = [n for n in names if n not in TRACKERS]
+        problems = [f"logging.track: unknown tracker {n!r}; choose among {', '.join(TRACKERS)}" for n in unknown]
+        if len(set(names)) != len(names):
+            problems.append(f"logging.track names a tracker twice: {names}")
+        if not (isinstance(self.project, str) and 1 <= len(self.project) <= 128):
+            problems.append(f"logging.project must be a name of 1 to 128 characters, got {self.project!r}")
+        return problems
+
+
 @dataclass(frozen=True)
 class StopConditions:
     """When `apex learner` / `apex run` stop (None: never by this one)."""
@@ -272,6 +298,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     multi_agent: MultiAgentConfig = field(default_factory=MultiAgentConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def algo_config(self) -> AlgoConfig | ApexDdpgConfig:
@@ -305,6 +332,7 @@ class Config:
             *self.transport.problems(),
             *self.serve.problems(),
             *self.multi_agent.problems(),
+            *self.logging.problems(),
         ]
         if problems:
             raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from apex.checkpoint import RunCheckpoints, best_and_newest
 from apex.errors import ApexError
+from apex.learner.tracking import Trackers, row_scalars
 from apex.system.files import open_append, refuse_link, remove_stale_temps, write_atomic
 from apex.system.logs import RateLimitedLog
 from apex.wire.schema import possible_return
@@ -92,24 +93,6 @@ class EpisodeStats:
         return sum(self.train_returns) / len(self.train_returns) if self.train_returns else None
 
 
-# TensorBoard groups scalars by the part of the tag before the slash.
-_TB_GROUPS = (
-    ("return", ("return_mean_100", "train_return_mean_100", "episodes")),
-    ("throughput", ("env_steps_per_s", "updates_per_s", "samples_per_s")),
-    ("lag", ("policy_lag_mean", "policy_lag_max", "weights_version")),
-    ("replay", ("replay_", "queue_", "inserted", "priority_")),
-    ("loss", ("loss", "q_mean", "td_abs_mean", "pg_loss", "baseline_loss", "entropy", "grad_norm")),
-    ("sections", ("time_",)),  # the learner's ms per step by section (apex.training.pipeline)
-)
-
-
-def tensorboard_tag(key: str) -> str:
-    for group, prefixes in _TB_GROUPS:
-        if key.startswith(prefixes):
-            return f"{group}/{key}"
-    return f"system/{key}"
-
-
 PROGRESS_INTERVAL_S = 30.0  # a plain progress line this often when the console is not a terminal
 
 
@@ -132,12 +115,14 @@ class MetricsWriter:
         console: TextIO | None = None,
         tensorboard: bool = True,
         progress_interval_s: float = PROGRESS_INTERVAL_S,
+        trackers: Trackers | None = None,
     ) -> None:
         logdir = Path(logdir)
         logdir.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(logdir)  # e.g. summary.json's, left by a learner killed while writing it
         if tensorboard:
             refuse_link(logdir / "tb")
+        self.trackers = trackers  # logging.track's: every row goes to them too
         self.path = logdir / "metrics.jsonl"
         try:
             self._fd: int | None = open_append(self.path)
@@ -169,6 +154,8 @@ class MetricsWriter:
         self._append((json.dumps(row) + "\n").encode())
         if self._tb is not None:
             self._add_scalars(row)
+        if self.trackers is not None:
+            self.trackers.log(row)
         if self._tty:
             self._status(row)
         elif (slot := int(row.get("time", 0) // self._progress_interval_s)) != self._progress_slot:
@@ -207,15 +194,9 @@ class MetricsWriter:
         tb = self._tb
         if tb is None:
             return
-        step = row["env_steps"]
         try:
-            for key, value in row.items():
-                if key not in ("time", "env_steps") and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    tb.add_scalar(tensorboard_tag(key), value, step, walltime=None)
-            for name, figures in row.get("policies", {}).items():  # a multi-agent run's, by policy
-                for key, value in figures.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        tb.add_scalar(f"policies/{name}/{key}", value, step, walltime=None)
+            for tag, value in row_scalars(row).items():
+                tb.add_scalar(tag, value, row["env_steps"], walltime=None)
         except OSError as e:  # raised by its writer thread on a later call
             self._tensorboard_failed(e)
 

@@ -35,6 +35,7 @@ from apex.learner.runtime import (
     peak_rss_bytes,
     rss_bytes,
 )
+from apex.learner.tracking import Trackers
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
 from apex.training.distributed import Agreement, GroupBroken, LearnerGroup
@@ -107,6 +108,7 @@ class LearnerProcess:
         self.others_steps_without_batch = [0] * (group.world_size - 1) if group is not None else []
         self._group_broken = False
         self._metrics: MetricsWriter | None = None
+        self._trackers = Trackers(None, self.logdir)  # logging.track's, once the run starts
         self._last: dict[str, float] = {}  # the metrics of the newest update
         self.first_update_unix_s: float | None = None
         self.nonfinite_published = 0  # publishes refused for non-finite weights
@@ -165,7 +167,8 @@ class LearnerProcess:
         with self._signals:
             try:
                 self.logdir.mkdir(parents=True, exist_ok=True)
-                self._metrics = MetricsWriter(self.logdir)
+                self._trackers = Trackers(self.config, self.logdir)
+                self._metrics = MetricsWriter(self.logdir, trackers=self._trackers)
             except BaseException:
                 self.endpoint.close()
                 raise
@@ -281,6 +284,7 @@ class LearnerProcess:
                 log.error("%s: the last checkpoint was not written", e)
         summary = self._summary(wall, stop_reason, stopped_unix_s)
         write_summary(self.logdir, summary)
+        self._trackers.finish(summary, self.logdir)
         if run_over:
             self._linger_for_stops()
         self.endpoint.close()
