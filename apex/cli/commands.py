@@ -245,6 +245,23 @@ def run(args: argparse.Namespace) -> int:
     from apex.envs.policy_map import check_env
 
     check_env(config)
+    if args.ray is not None:
+        if args.ranks > 1:
+            raise ApexError("--ray runs one learner: give --ranks 1 (a learner group on Ray is not supported)")
+        if not args.ray_actor_cpus > 0:
+            raise ApexError(f"--ray-actor-cpus must be positive, got {args.ray_actor_cpus}")
+        from apex.run.ray_launch import run_on_ray
+
+        return run_on_ray(
+            args.ray,
+            config,
+            args.actors,
+            logdir.resolve(),
+            stop,
+            port,
+            actor_cpus=args.ray_actor_cpus,
+            learner_restarts=args.learner_restarts,
+        )
     return launch.run(
         config,
         args.actors,

@@ -228,4 +228,14 @@ def _add_run(commands: Subcommands) -> None:
         metavar="N",
         help="learner processes, as one data-parallel group (apex learner --ranks N; default: 1)",
     )
+    ray = run.add_argument_group("on a Ray cluster (pip install 'apex-rl[ray]')")
+    ray.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the learner and the actors as Ray actors on the cluster at ADDRESS (auto: the one "
+        "ray.init finds, e.g. inside `ray job submit`); the run directory is on the learner's node",
+    )
+    ray.add_argument(
+        "--ray-actor-cpus", type=float, default=1.0, metavar="C", help="CPUs Ray reserves for each actor (default: 1)"
+    )
     run.set_defaults(handler=cmd.run)

@@ -353,3 +353,15 @@ def test_dockerfile_is_multi_stage_non_root_with_apex_as_entrypoint():
             # ${ARG:-default}: a build argument (WHEELHOUSE), checked at its default.
             source = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", source)
             assert (ROOT / source).exists(), f"COPY source {source} is missing"
+
+
+def test_the_kuberay_rayjob_runs_apex_on_ray_with_a_command_that_parses():
+    (job,) = yaml.safe_load_all((DEPLOY / "k8s" / "ray" / "rayjob.yaml").read_text())
+    assert job["apiVersion"] == "ray.io/v1" and job["kind"] == "RayJob"
+    args = build_parser().parse_args(job["spec"]["entrypoint"].split()[1:])
+    assert args.command == "run" and args.ray == "auto" and args.config in config.presets()
+    cluster = job["spec"]["rayClusterSpec"]
+    containers = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]]
+    containers += [group["template"]["spec"]["containers"][0] for group in cluster["workerGroupSpecs"]]
+    assert {c["image"] for c in containers} == {"apex"}  # the image with the ray extra
+    assert job["spec"]["shutdownAfterJobFinishes"] is True  # nothing left on the cluster

@@ -164,3 +164,13 @@ def test_help_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_apex_run_the_learner_and_an_actor_import_no_engine_they_were_not_asked_for():
+    """Ray, W&B and MLflow (the ray, wandb and mlflow extras) load only with --ray and --track."""
+    code = (
+        "import sys, apex.cli, apex.run.launch, apex.learner.process, apex.actor.process; apex.cli.build_parser(); "
+        "print(sorted(m for m in ('wandb', 'mlflow', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
