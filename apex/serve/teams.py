@@ -172,11 +172,12 @@ class ExternalTeams(ExternalEpisodes):
         given = checks.optional_maps(rewards, count, "rewards")
         checked = []
         for team, final, term, trunc, reward in zip(teams, finals, terms, truncs, given):
-            playing = _state(team).agents
+            playing, finished = _state(team).agents, _state(team).returns
             for agent in final:
-                if agent not in playing:
-                    raise RequestError(409, "order", f"episode {team.id}: agent {agent!r} is not playing")
-            frames = {agent: checks.frame(agent, obs) for agent, obs in final.items()}
+                if agent not in playing and agent not in finished:
+                    raise RequestError(409, "order", f"episode {team.id}: agent {agent!r} never played in it")
+            # an agent that finished already (marked done in an action request) is not finished twice
+            frames = {agent: checks.frame(agent, obs) for agent, obs in final.items() if agent in playing}
             flags = {agent: (_flag(term, agent), _flag(trunc, agent)) for agent in final}
             checked.append((team, frames, flags, checks.rewards(team, playing, reward)))
         for team, frames, flags, reward in checked:

@@ -127,6 +127,25 @@ def test_end_finishes_the_agents_given_and_lets_the_others_go_at_their_last_obse
     assert teams_records == [[(3.0 + 1.5) / 2, 3, True]]
 
 
+def test_end_after_every_agent_finished_in_action_requests_closes_the_episode_once():
+    teams = served(
+        env={"id": "tests.multiagent_envs:meet"},
+        multi_agent={"mapping": "per_agent"},
+        apex_dqn={"n_step": 1, "chunk_transitions": 1000},
+    )
+    (team,) = teams.start(1, "client")
+    obs = {"a_0": [0.0] * 20, "a_1": [0.0] * 20}
+    teams.act([team], [obs])
+    done = {"a_0": True, "a_1": True}
+    assert teams.act([team], [obs], [{"a_0": 1.0, "a_1": 1.0}], terminated=[done]) == [{}]
+    teams.end([team], [obs], done, False)  # the same final observations again: nothing finishes twice
+    made = {info["policy"]: batch for batch, info in teams.take_batches(flush=True)}
+    assert {name: len(batch["action"]) for name, batch in made.items()} == {"a_0": 1, "a_1": 1}
+    with pytest.raises(RequestError, match="never played") as error:
+        teams.end([teams.start(1, "client")[0]], [{"a_0": [0.0] * 20}], True, False)
+    assert error.value.status == 409
+
+
 def test_recurrent_continuous_agents_get_bounded_actions_and_their_unrolls_pass_the_learners_schema():
     teams = served(
         algo="impala",
