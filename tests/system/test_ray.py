@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -138,3 +139,28 @@ def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(clus
     assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "60.0 seconds"
     time.sleep(2.0)
     assert apex_alive(cluster) == [], "the run left Ray actors alive"
+
+
+def test_a_learner_that_dies_is_started_again_from_its_newest_checkpoint(cluster, tmp_path):
+    logdir = tmp_path / "run"
+    run = apex_run_on_ray(cluster, logdir, "--stop-seconds", "40", "--set", "learner.checkpoint_interval_s=2")
+    try:
+        deadline = time.monotonic() + 120
+        while not list((logdir / "checkpoints").glob("ckpt-*.json")) or not metrics(logdir):
+            assert run.poll() is None and time.monotonic() < deadline, output(logdir)[-3000:]
+            time.sleep(1.0)
+        learners = subprocess.run(
+            ["pgrep", "-f", f"apex learner .*--logdir {logdir}"], capture_output=True, text=True, check=False
+        ).stdout.split()
+        assert len(learners) == 1, learners
+        os.kill(int(learners[0]), signal.SIGKILL)  # the apex process, not its Ray actor
+        run.wait(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output(logdir)[-3000:]
+    assert "starting it again from its newest checkpoint" in output(logdir)
+    summary = json.loads((logdir / "summary.json").read_text())
+    assert summary["resumed_from"] and summary["stop_reason"] == "40.0 seconds", summary
+    time.sleep(2.0)
+    assert apex_alive(cluster) == []
