@@ -5,8 +5,9 @@ interface of its node). Ray places them (the learner with its device's resources
 spread over the nodes, ``--ray-actor-cpus`` each) and restarts an actor that dies, which then
 joins the learner again; a learner that dies is started again from its newest checkpoint
 (``--auto-resume``), as `apex run` does. When the learner stops (a stop condition, or Ctrl-C
-here: it writes its checkpoint first) every Ray actor of the run is killed: nothing is left on
-the cluster. The run directory is on the learner's node.
+here: it writes its checkpoint first) every Ray actor of the run stops its process, removes its
+files (the CURVE keys among them) and is killed: nothing is left on the cluster. The run
+directory is on the learner's node.
 
 ``ray`` (the ``ray`` extra) is imported only here, only with ``--ray``.
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ import yaml
 
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
-from apex.run.launch import stop_args
+from apex.run.launch import _ACTOR_RESTART_FIRST_S, _RESTART_MAX_S, stop_args
 from apex.system.signals import StopSignals
 from apex.transport.keys import generate_keys
 
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 FILES = "{files}"  # in an argument: the directory the process's files were written to, on its node
 POLL_S = 0.5
+CLOSE_WAIT_S = 10.0  # for a process to stop on SIGTERM at teardown, before SIGKILL
 NAMESPACE_PREFIX = "apex-"
 ACTOR_FILES_ARGS = ("--config", f"{FILES}/config.yaml", "--curve-dir", f"{FILES}/keys")
 
@@ -49,15 +53,20 @@ def _die_with_parent() -> None:  # the apex process goes with the Ray actor that
 
 class ApexProcess:
     """A Ray actor that runs one apex process: ``run`` starts it with its files (the config,
-    CURVE keys) written on this node and returns its exit code; ``stop`` sends it SIGTERM."""
+    CURVE keys) written on this node and returns its exit code; ``stop`` sends it SIGTERM;
+    ``close`` stops it and removes its files."""
 
-    def __init__(self, files: dict[str, bytes]) -> None:
-        self.directory = tempfile.mkdtemp(prefix="apex-ray-")
-        for name, data in files.items():
-            path = Path(self.directory, name)
-            path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, files: dict[str, bytes], name: str) -> None:
+        # One directory per run and role (the name holds the run's random id): an actor that
+        # Ray restarts writes its files over its earlier ones instead of leaving those behind.
+        self.directory = Path(tempfile.gettempdir(), name)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory.mkdir(mode=0o700)
+        for file, data in files.items():
+            path = self.directory / file
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             path.write_bytes(data)
-            if name.endswith("key_secret"):
+            if file.endswith("key_secret"):
                 path.chmod(0o600)
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -67,13 +76,23 @@ class ApexProcess:
         return str(ray.util.get_node_ip_address())
 
     def run(self, argv: list[str]) -> int:
-        command = [sys.executable, "-m", "apex", *(a.replace(FILES, self.directory) for a in argv)]
+        command = [sys.executable, "-m", "apex", *(a.replace(FILES, str(self.directory)) for a in argv)]
         self.process = subprocess.Popen(command, preexec_fn=_die_with_parent)
         return self.process.wait()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
+
+    def close(self) -> None:
+        """Stops the process (SIGKILL after CLOSE_WAIT_S) and removes the files."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(CLOSE_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def run_on_ray(
@@ -94,7 +113,8 @@ def run_on_ray(
     except ImportError:
         raise ApexError("--ray needs Ray: pip install 'apex-rl[ray]'") from None
     try:
-        ray.init(address=address, namespace=f"{NAMESPACE_PREFIX}{uuid.uuid4().hex[:8]}", log_to_driver=True)
+        run_id = uuid.uuid4().hex
+        ray.init(address=address, namespace=f"{NAMESPACE_PREFIX}{run_id[:8]}", log_to_driver=True)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ApexError(f"--ray {address}: no Ray cluster there ({e}); start one with `ray start --head`") from None
     remote = ray.remote(ApexProcess)
@@ -118,7 +138,7 @@ def run_on_ray(
     )
     learner = remote.options(
         name="apex-learner", num_cpus=1, num_gpus=1 if cuda else 0, max_concurrency=2, max_restarts=0
-    ).remote(learner_files)
+    ).remote(learner_files, f"apex-ray-{run_id}-learner")
     host = ray.get(learner.host.remote())
     learner_argv = [
         "learner",
@@ -130,10 +150,10 @@ def run_on_ray(
             name=f"apex-actor-{i}",
             num_cpus=actor_cpus,
             max_restarts=-1,
-            max_task_retries=-1,
+            max_task_retries=0,  # _ActorRuns starts the process again: one start, one process
             max_concurrency=2,
             scheduling_strategy="SPREAD",
-        ).remote(actor_files)
+        ).remote(actor_files, f"apex-ray-{run_id}-actor-{i}")
         for i in range(actors)
     ]
     actor_argv = [
@@ -143,24 +163,72 @@ def run_on_ray(
         "ray: learner on %s:%d, %d actors (%g CPUs each), logdir %s on its node", host, port, actors, actor_cpus, logdir
     )
     try:
-        for handle, argv in zip(handles, actor_argv, strict=True):
-            handle.run.remote(argv)
-        return _supervise_learner(ray, learner, learner_argv, learner_restarts)
+        actor_runs = _ActorRuns(ray, handles, actor_argv)
+        return _supervise_learner(ray, learner, learner_argv, learner_restarts, actor_runs.poll)
     finally:
-        for handle in [*handles, learner]:
-            ray.kill(handle, no_restart=True)
+        _close(ray, [*handles, learner])
         ray.shutdown()
 
 
-def _supervise_learner(ray: Any, learner: Any, argv: list[str], restarts: int) -> int:
+def _close(ray: Any, handles: list[Any]) -> None:
+    """Each Ray actor stops its process and removes its files, then is killed; one that does
+    not answer in time (a dead node) is killed as it is."""
+    closing = [handle.close.remote() for handle in handles]
+    ray.wait(closing, num_returns=len(closing), timeout=CLOSE_WAIT_S + 5.0)
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
+
+
+class _ActorRuns:
+    """The actors' apex processes, each started again as under `apex run`, by apex rather than by
+    Ray's task retries: when a Ray actor is killed, Ray may kill its child process first, and
+    the task then returns that process's exit code (-9) instead of failing, so Ray does not
+    retry it (seen here: the Ray actor came back without its process). A process that exits
+    with an error starts again after a growing delay (0: it was told to stop); one whose Ray
+    actor died starts again as soon as Ray has restarted that actor."""
+
+    def __init__(self, ray: Any, handles: list[Any], argvs: list[list[str]]) -> None:
+        self.ray, self.handles, self.argvs = ray, handles, argvs
+        self.restarts = [0] * len(handles)
+        self.start_at: dict[int, float] = dict.fromkeys(range(len(handles)), 0.0)
+        self.pending: dict[Any, int] = {}
+        self.poll()
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for i, at in list(self.start_at.items()):
+            if now >= at:
+                del self.start_at[i]
+                self.pending[self.handles[i].run.remote(self.argvs[i])] = i
+        done = self.ray.wait(list(self.pending), num_returns=len(self.pending), timeout=0)[0] if self.pending else []
+        for ref in done:
+            i = self.pending.pop(ref)
+            try:
+                code = self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:
+                log.warning("ray: actor %d died (%s); starting it again once Ray restarts it", i, type(e).__name__)
+                self.start_at[i] = now
+                continue
+            if code != 0:
+                delay = min(_RESTART_MAX_S, _ACTOR_RESTART_FIRST_S * 2 ** self.restarts[i])
+                log.warning("ray: actor %d exited with %d; restarting in %.1fs", i, code, delay)
+                self.start_at[i] = now + delay
+                self.restarts[i] += 1
+
+
+def _supervise_learner(
+    ray: Any, learner: Any, argv: list[str], restarts: int, poll_actors: Callable[[], None] = lambda: None
+) -> int:
     """Runs the learner until it exits for good (0, a usage error, an interrupt, or ``restarts``
-    failures in a row); Ctrl-C or SIGTERM here stops it with its checkpoint."""
+    failures in a row), calling ``poll_actors`` as it waits; Ctrl-C or SIGTERM here stops it
+    with its checkpoint."""
     failures = 0
     with StopSignals() as signals:
         while True:
             pending = learner.run.remote(argv)
             stopping = False
             while not ray.wait([pending], timeout=POLL_S)[0]:
+                poll_actors()
                 if signals.received and not stopping:
                     ray.get(learner.stop.remote())
                     stopping = True

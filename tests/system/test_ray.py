@@ -1,17 +1,20 @@
 """`apex run --ray ADDRESS` on a real two-node Ray cluster on this host (`ray start --head` and
 `ray start --address`): three actors and the learner as Ray actors solve CartPole; an actor
 killed through Ray comes back and joins the learner again; nothing of the run is left alive on
-the cluster afterwards. Skips, saying why, where Ray is not installed (.ci/run installs the ray
-extra)."""
+the cluster afterwards, nor its files (CURVE keys among them) on the nodes. Skips, saying why,
+where Ray is not installed (.ci/run installs the ray extra)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,11 +94,23 @@ def apex_run_on_ray(cluster: str, logdir: Path, *stops: str) -> subprocess.Popen
         )
 
 
+def node_files() -> set[str]:
+    """The directories apex's Ray actors wrote their files to (config, CURVE keys) on this host."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "apex-ray-*")))
+
+
 def output(logdir: Path) -> str:
     return Path(f"{logdir}.out").read_text()
 
 
+def joined_pids(logdir: Path, actor: int) -> set[str]:
+    """The pids of the apex actor processes of index ``actor`` that joined the learner (Ray can
+    print a line twice: lines are not counted)."""
+    return set(re.findall(rf"actor {actor} joined from \S+ \(pid (\d+)\)", output(logdir)))
+
+
 def test_three_actors_on_ray_solve_cartpole_and_leave_nothing_on_the_cluster(cluster, tmp_path):
+    files_before = node_files()
     started = time.monotonic()
     run = apex_run_on_ray(cluster, tmp_path / "run", "--stop-return", "475", "--stop-seconds", "240")
     run.wait(timeout=300)
@@ -107,10 +122,12 @@ def test_three_actors_on_ray_solve_cartpole_and_leave_nothing_on_the_cluster(clu
     learner_s = summary["wall_seconds"]
     print(f"ray: CartPole to 475 in {wall:.1f} s from the command (learner {learner_s} s), {rate:,.0f} env steps/s")
     assert apex_alive(cluster) == [], "the run left Ray actors alive"
+    assert node_files() == files_before, "the run left its files (CURVE keys among them) on the nodes"
 
 
 def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(cluster, tmp_path):
     logdir = tmp_path / "run"
+    files_before = node_files()
     run = apex_run_on_ray(cluster, logdir, "--stop-seconds", "60")
     try:
         deadline = time.monotonic() + 120
@@ -124,7 +141,7 @@ def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(clus
             deadline = time.monotonic() + 50
             while True:  # Ray restarts it (a new process), and its apex actor joins the learner again
                 restarted = [a for a in apex_alive(cluster) if a.name == "apex-actor-1" and a.pid != victim.pid]
-                if restarted and output(logdir).count("actor 1 joined") >= 2:
+                if restarted and len(joined_pids(logdir, 1)) >= 2:
                     break
                 assert run.poll() is None and time.monotonic() < deadline, "the killed actor never came back"
                 time.sleep(1.0)
@@ -136,9 +153,11 @@ def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(clus
             run.kill()
     assert run.returncode == 0, output(logdir)[-3000:]
     assert metrics(logdir)[-1]["actors_connected"] == 3
+    assert re.search(r"ray: actor 1 (died|exited with -?\d+)", output(logdir)), "apex did not start it again"
     assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "60.0 seconds"
     time.sleep(2.0)
     assert apex_alive(cluster) == [], "the run left Ray actors alive"
+    assert node_files() == files_before, "the restarted actor's files, or the run's, were left behind"
 
 
 def test_a_learner_that_dies_is_started_again_from_its_newest_checkpoint(cluster, tmp_path):
