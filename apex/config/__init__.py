@@ -16,7 +16,14 @@ from apex.config.loading import (
 )
 from apex.config.migration import MOVED_KEYS, MOVED_SECTIONS, RETIRED_KEYS
 from apex.config.network import DEFAULT_PORT, ServeConfig, TransportConfig, port_problem
-from apex.config.presets import annotated_yaml, describe_preset, presets, setting_docs, tuned_settings
+from apex.config.presets import (
+    annotated_yaml,
+    describe_preset,
+    flatten_settings,
+    presets,
+    setting_docs,
+    tuned_settings,
+)
 from apex.config.sections import (
     ATARI_PREFIX,
     MAX_ENVS_PER_ACTOR,
@@ -56,6 +63,7 @@ __all__ = [
     "TransportConfig",
     "annotated_yaml",
     "describe_preset",
+    "flatten_settings",
     "from_dict",
     "load",
     "load_dict",

@@ -101,19 +101,21 @@ def tuned_settings(config: Config) -> dict[str, Any]:
     task. The sections of the other algorithms, and the seed, are left out."""
     plain = Config(algo=config.algo, env=dataclasses.replace(Config().env, id=config.env.id))
     others = {section for name in ALGOS for section in ALGO_SECTIONS[name]} - set(ALGO_SECTIONS[config.algo])
-    defaults = _flatten(plain.to_dict())
+    defaults = flatten_settings(plain.to_dict())
     return {
         key: value
-        for key, value in _flatten(config.to_dict()).items()
+        for key, value in flatten_settings(config.to_dict()).items()
         if key.split(".")[0] not in others and key != "seed" and defaults.get(key) != value
     }
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config's nested dict by dotted key (``impala.lr``), as ``--set`` names them; a
+    ``kwargs`` mapping stays one value."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict) and key not in ("kwargs",):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_settings(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat

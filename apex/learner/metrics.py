@@ -152,10 +152,12 @@ class MetricsWriter:
 
     def write(self, row: dict[str, Any]) -> None:
         self._append((json.dumps(row) + "\n").encode())
-        if self._tb is not None:
-            self._add_scalars(row)
-        if self.trackers is not None:
-            self.trackers.log(row)
+        trackers = self.trackers if self.trackers is not None and self.trackers.active else None
+        if self._tb is not None or trackers is not None:
+            scalars = row_scalars(row)  # once, for TensorBoard and the trackers alike
+            self._add_scalars(scalars, row["env_steps"])
+            if trackers is not None:
+                trackers.log(scalars, row["env_steps"])
         if self._tty:
             self._status(row)
         elif (slot := int(row.get("time", 0) // self._progress_interval_s)) != self._progress_slot:
@@ -190,13 +192,13 @@ class MetricsWriter:
             os.ftruncate(fd, self._cut_to)
             self._cut_to = None
 
-    def _add_scalars(self, row: dict[str, Any]) -> None:
+    def _add_scalars(self, scalars: dict[str, float], step: int) -> None:
         tb = self._tb
         if tb is None:
             return
         try:
-            for tag, value in row_scalars(row).items():
-                tb.add_scalar(tag, value, row["env_steps"], walltime=None)
+            for tag, value in scalars.items():
+                tb.add_scalar(tag, value, step, walltime=None)
         except OSError as e:  # raised by its writer thread on a later call
             self._tensorboard_failed(e)
 

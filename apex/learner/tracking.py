@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from apex.checkpoint import find
-from apex.config import Config
+from apex.config import Config, flatten_settings
 from apex.errors import ApexError
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class MlflowTracker:
         self.mlflow = mlflow
         mlflow.set_experiment(project)
         self.run = mlflow.start_run(run_name=run_name)
-        mlflow.log_params(_flat(config))
+        mlflow.log_params({key: str(value)[:6000] for key, value in flatten_settings(config).items()})  # its cap
         mlflow.set_tag("apex.logdir", str(logdir))
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -112,18 +112,6 @@ class MlflowTracker:
         for path in best_checkpoint:
             self.mlflow.log_artifact(str(path), artifact_path="best_checkpoint")
         self.mlflow.end_run()
-
-
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config as MLflow's params: ``section.key`` -> its value (as text past 6000)."""
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{name}."))
-        else:
-            out[name] = str(value)[:6000]
-    return out
 
 
 class Trackers:
@@ -148,11 +136,10 @@ class Trackers:
             except Exception as e:  # a tracker's own failure never stops the run
                 log.error("--track %s failed to start (%s: %s); the run goes on without it", name, type(e).__name__, e)
 
-    def log(self, row: dict[str, Any]) -> None:
-        if self.active:
-            scalars = row_scalars(row)
-            for name in list(self.active):
-                self._call(name, "log", scalars, int(row.get("env_steps", 0)))
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        """A metrics row's ``row_scalars``, at ``step`` env steps."""
+        for name in list(self.active):
+            self._call(name, "log", scalars, step)
 
     def finish(self, summary: dict[str, Any], logdir: Path) -> None:
         """The summary, and the run's best checkpoint (its manifest and state) as an artifact."""

@@ -88,7 +88,8 @@ def test_over_zeromq_a_bad_value_for_any_agent_refuses_the_request_and_nothing_m
         one = {"early": [0.0]}
         actions = client.get_actions([first, second], [one, one])
         assert [sorted(a) for a in actions] == [["early"], ["early"]] and actions[0]["early"] in (0, 1)
-        steps = client.health()["env_steps"]
+        before = client.health()
+        steps = before["env_steps"]
         cases = [
             ([one, {"early": [0.0], "nobody": [0.0]}], {}, 400, "no agent 'nobody'"),
             ([one, {"early": [99.0]}], {}, 400, "agent 'early'"),  # outside its Box(0, 10)
@@ -100,7 +101,10 @@ def test_over_zeromq_a_bad_value_for_any_agent_refuses_the_request_and_nothing_m
             with pytest.raises(PolicyServerError, match=words) as error:
                 client.get_actions([first, second], observations, **fields)
             assert error.value.status == status
-        assert client.health()["env_steps"] == steps  # none of them moved an episode
+        after = client.health()
+        assert after["env_steps"] == steps  # none of them moved an episode
+        counted = sum(after["rejected_by_reason"].values()) - sum(before["rejected_by_reason"].values())
+        assert counted == len(cases) and "internal" not in after["rejected_by_reason"], after["rejected_by_reason"]
         # an agent that finishes while another acts; the episode then ends
         reply = client.get_action(first, {"early": [1.0]}, {"early": 1.0}, action_mask={"early": [0, 1]})
         assert reply == {"early": 1}

@@ -107,7 +107,9 @@ def test_a_bad_value_for_any_agent_of_any_episode_refuses_the_whole_request():
         assert reply == {"a_0": 2, "a_1": 0}
 
 
-def test_end_finishes_the_agents_given_and_lets_the_others_go_at_their_last_observation():
+def meet_team_after_one_step() -> tuple[ExternalTeams, str, dict[str, list[float]]]:
+    """Meet's two agents on a policy each (one-step transitions, kept until flushed), one team
+    that has taken one step, and the observation it took it at."""
     teams = served(
         env={"id": "tests.multiagent_envs:meet"},
         multi_agent={"mapping": "per_agent"},
@@ -116,6 +118,11 @@ def test_end_finishes_the_agents_given_and_lets_the_others_go_at_their_last_obse
     (team,) = teams.start(1, "client")
     obs = {"a_0": [0.0] * 20, "a_1": [0.0] * 20}
     teams.act([team], [obs])
+    return teams, team, obs
+
+
+def test_end_finishes_the_agents_given_and_lets_the_others_go_at_their_last_observation():
+    teams, team, obs = meet_team_after_one_step()
     for _ in range(2):
         teams.act([team], [obs], [{"a_0": 1.0, "a_1": 0.5}])
     teams.end([team], [{"a_0": [0.0] * 20}], {"a_0": True}, False, [{"a_0": 1.0, "a_1": 0.5}])
@@ -128,14 +135,7 @@ def test_end_finishes_the_agents_given_and_lets_the_others_go_at_their_last_obse
 
 
 def test_end_after_every_agent_finished_in_action_requests_closes_the_episode_once():
-    teams = served(
-        env={"id": "tests.multiagent_envs:meet"},
-        multi_agent={"mapping": "per_agent"},
-        apex_dqn={"n_step": 1, "chunk_transitions": 1000},
-    )
-    (team,) = teams.start(1, "client")
-    obs = {"a_0": [0.0] * 20, "a_1": [0.0] * 20}
-    teams.act([team], [obs])
+    teams, team, obs = meet_team_after_one_step()
     done = {"a_0": True, "a_1": True}
     assert teams.act([team], [obs], [{"a_0": 1.0, "a_1": 1.0}], terminated=[done]) == [{}]
     teams.end([team], [obs], done, False)  # the same final observations again: nothing finishes twice
