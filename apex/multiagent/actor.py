@@ -96,8 +96,8 @@ class MultiAgentActor:
         if self.self_play is not None:
             shared = self.spec.policies[SHARED].spec
             self.players[RANDOM_PLAYER] = RandomPlayer(shared.num_actions, seed + 1)
-            if not self.self_play.train_opponents:
-                self.players[LATEST_PLAYER] = self._core(SHARED, LATEST_PLAYER)
+            # Always there: it also finishes the episodes whose snapshot left the pool.
+            self.players[LATEST_PLAYER] = self._core(SHARED, LATEST_PLAYER)
         # The Ape-X ladder's evaluation rungs are per environment (every agent of one on its rung).
         first = setup["policies"][next(iter(self.spec.policies))]
         self.eval_envs = [bool(e) for e in first.get("eval_envs", [True] * k)]
@@ -154,8 +154,29 @@ class MultiAgentActor:
         if LATEST_PLAYER in self.players:
             self.players[LATEST_PLAYER].set_weights(Message(msg.type, msg.fields, parts[SHARED]))
         for gone in [n for n in self.players if SNAPSHOT_MARK in n and n not in parts]:
-            del self.players[gone]  # left the pool: the episodes it plays finish with the newest weights
+            self._hand_over(gone)
+            del self.players[gone]
         self.weights_version = msg.fields["version"]
+
+    def _hand_over(self, gone: str) -> None:
+        """The episodes that snapshot ``gone`` (leaving the pool) plays, under way or not yet
+        begun, finish with the newest weights; their matches count against the newest."""
+        latest = self.players[LATEST_PLAYER]
+        for k, players in enumerate(self._player_of):
+            seated = [agent for agent, player in players.items() if player == gone]
+            for agent in seated:
+                players[agent] = LATEST_PLAYER
+                episode = self._episodes[k].get(agent)
+                if episode is None:
+                    continue  # not begun: `_episode` begins it on its new player
+                self.players[gone].abandon(episode)
+                if episode.acted:  # the step under way ends here, as the next action would end it
+                    episode.length += 1
+                    episode.episode_return += episode.reward
+                episode.acted, episode.reward = False, 0.0
+                latest.begin(episode)
+            if seated:
+                self._seating[k] = (self._seating[k][0], LATEST)
 
     def _snapshot_name(self, policy: str, snapshot: str) -> bool:
         """Whether ``policy@snapshot`` can name a snapshot of this run's self-play pool."""
@@ -241,10 +262,7 @@ class MultiAgentActor:
             policy = self.spec.policies[self.spec.policy_of[agent]]
             slot = k * len(policy.agents) + policy.agents.index(agent)
             episode = Episode(agent, slot, 0.0)
-            player = self._player_of[k][agent]
-            if player not in self.players:  # its snapshot left the pool before the episode began
-                player = self._player_of[k][agent] = SHARED
-            self.players[player].begin(episode)
+            self.players[self._player_of[k][agent]].begin(episode)
             self._episodes[k][agent] = episode
         return episode
 

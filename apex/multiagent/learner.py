@@ -166,7 +166,7 @@ class MultiPolicyLearner:
         """A batch's self-play matches (``info.matches``), checked; ValueError if malformed."""
         if self.pool is None:
             raise ValueError("this run plays no self-play matches")
-        return check_matches(raw, self.pool.known)
+        return check_matches(raw, self.pool.next_id)
 
     def record_matches(self, matches: list[tuple[int, int]]) -> None:
         if self.pool is not None:

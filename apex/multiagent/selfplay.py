@@ -48,9 +48,11 @@ def match_outcome(learner_return: float, opponent_returns: list[float]) -> int:
     return 0 if abs(margin) < 1e-9 else int(math.copysign(1, margin))
 
 
-def check_matches(raw: Any, known: set[int]) -> list[tuple[int, int]]:
-    """A batch's ``info.matches``, each [opponent, outcome] with an opponent of ``known``
-    (the pool's ids, LATEST, RANDOM) and an outcome of -1, 0 or 1; ValueError otherwise."""
+def check_matches(raw: Any, issued: int) -> list[tuple[int, int]]:
+    """A batch's ``info.matches``, each [opponent, outcome] with an opponent that is LATEST,
+    RANDOM or one of the ``issued`` snapshot ids so far (0..issued-1: an episode against one
+    that has left the pool since may still be reported, by an actor that sends rarely) and
+    an outcome of -1, 0 or 1; ValueError otherwise."""
     if not isinstance(raw, list) or len(raw) > MAX_MATCHES_PER_BATCH:
         raise ValueError(f"info.matches must be a list of at most {MAX_MATCHES_PER_BATCH} [opponent, outcome]")
     matches = []
@@ -60,7 +62,7 @@ def check_matches(raw: Any, known: set[int]) -> list[tuple[int, int]]:
             and len(item) == 2
             and all(type(v) is int for v in item)
             and item[1] in (-1, 0, 1)
-            and item[0] in known
+            and (item[0] in (LATEST, RANDOM) or 0 <= item[0] < issued)
         ):
             raise ValueError("each of info.matches must be [opponent, outcome]: a known opponent and -1, 0 or 1")
         matches.append((item[0], item[1]))
@@ -78,8 +80,6 @@ class SnapshotPool:
         self.next_id = 0
         self.last_snapshot_updates = 0
         self.results: dict[str, deque[int]] = {"pool": deque(maxlen=WINDOW), "random": deque(maxlen=WINDOW)}
-        self.known: set[int] = {LATEST, RANDOM}  # opponents a match may name: past ids stay known a while
-        self._recent_ids: deque[int] = deque(maxlen=4 * config.pool_size)
 
     def maybe_snapshot(self, updates: int, weights: dict[str, np.ndarray]) -> bool:
         """Takes a snapshot if ``snapshot_every_updates`` have passed since the last one."""
@@ -90,8 +90,6 @@ class SnapshotPool:
         self.next_id += 1
         self.snapshots[sid] = {name: array.copy() for name, array in weights.items()}
         self.ratings[sid] = self.rating
-        self._recent_ids.append(sid)
-        self.known = {LATEST, RANDOM, *self._recent_ids}
         while len(self.snapshots) > self.config.pool_size:
             oldest = next(iter(self.snapshots))
             del self.snapshots[oldest], self.ratings[oldest]
@@ -168,8 +166,6 @@ class SnapshotPool:
         self.rating = float(state["rating"])
         self.next_id = state["next_id"]
         self.last_snapshot_updates = state["last_snapshot_updates"]
-        self._recent_ids.extend(self.snapshots)
-        self.known = {LATEST, RANDOM, *self._recent_ids}
 
 
 def _finite_number(value: Any) -> bool:

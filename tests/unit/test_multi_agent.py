@@ -336,8 +336,8 @@ def test_forged_self_play_matches_are_refused_and_honest_ones_move_the_rating():
 
     pool = SnapshotPool("shared", SelfPlayConfig(enabled=True, snapshot_every_updates=10, pool_size=2))
     assert pool.maybe_snapshot(10, {"w": np.ones(2, np.float32)})
-    known = pool.known
-    assert known == {LATEST, RANDOM, 0}
+    issued = pool.next_id
+    assert issued == 1
     for forged in (
         [[7, 1]],  # a snapshot the pool never held
         [[0, 2]],  # an outcome past a win
@@ -347,7 +347,58 @@ def test_forged_self_play_matches_are_refused_and_honest_ones_move_the_rating():
         [[0, 1]] * 5000,  # more than a batch may hold
     ):
         with pytest.raises(ValueError):
-            check_matches(forged, known)
-    pool.record(check_matches([[0, 1], [0, 1], [RANDOM, -1]], known))
+            check_matches(forged, issued)
+    pool.record(check_matches([[0, 1], [0, 1], [RANDOM, -1], [LATEST, 0]], issued))
     assert pool.rating > 1000
     assert pool.metrics()["win_rate_vs_pool"] == 1.0 and pool.metrics()["loss_rate_vs_random"] == 1.0
+
+
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+@pytest.mark.parametrize("train_opponents", [False, True])
+def test_episodes_whose_snapshot_leaves_the_pool_finish_with_the_newest_weights(algo, train_opponents):
+    """The pool rotates every few steps under 8 environments' episodes in play: no lookup of a
+    departed snapshot fails, every episode ends, and each match names an opponent the
+    learner knows (the newest weights for one whose snapshot left)."""
+    from apex.multiagent.selfplay import LATEST, RANDOM, check_matches
+    from apex.wire.protocol import Message
+
+    cfg = config(
+        algo=algo,
+        env={"id": TICTACTOE},
+        multi_agent={
+            "self_play": {
+                "enabled": True,
+                "pool_size": 2,
+                "latest_prob": 0.0,
+                "train_opponents": train_opponents,
+            }
+        },
+        actor={"num_envs": 8},
+    )
+    spec = multi_agent_spec(cfg)
+    learner = MultiPolicyLearner(cfg, spec, torch.device("cpu"))
+    actor = MultiAgentActor(cfg, {"num_envs": 8, "seed": 0, **learner.actor_setup(0, 8)}, seed=0, spec=spec)
+    own = learner.cores["shared"].weights()
+
+    def message(version: int, *snapshots: int) -> Message:
+        arrays = {f"shared/{k}": v for k, v in own.items()}
+        for snapshot in snapshots:
+            arrays.update({f"shared@{snapshot}/{k}": v for k, v in own.items()})
+        return Message("weights", {"version": version}, arrays)
+
+    teams, matches = 0, []
+    for step in range(500):
+        newest = step // 5  # a new snapshot every 5 steps: one leaves the full pool each time
+        if step % 5 == 0:
+            actor.set_weights(message(step, *range(max(0, newest - 1), newest + 1)))
+        batch, records = actor.act()
+        teams += len(records)
+        if batch is not None:  # as the learner checks them: ids it has issued
+            played = actor.batch_info([])["matches"]
+            check_matches(played, newest + 1)
+            matches += played
+    assert teams > 100
+    opponents = [opponent for opponent, _ in matches]
+    assert LATEST in opponents, "no episode was handed over to the newest weights"
+    assert len(set(opponents) - {LATEST, RANDOM}) > 10, "episodes against the pool's snapshots did not end"
+    actor.close()
