@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,8 +261,12 @@ class LoggingConfig:
         problems = [f"logging.track: unknown tracker {n!r}; choose among {', '.join(TRACKERS)}" for n in unknown]
         if len(set(names)) != len(names):
             problems.append(f"logging.track names a tracker twice: {names}")
-        if not (isinstance(self.project, str) and 1 <= len(self.project) <= 128):
-            problems.append(f"logging.project must be a name of 1 to 128 characters, got {self.project!r}")
+        # A tracker may make a directory or a path of it: a plain name, never a path.
+        if not (isinstance(self.project, str) and re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}", self.project)):
+            problems.append(
+                "logging.project must be a plain name of 1 to 128 letters, digits, '_', '-' or '.' "
+                f"(not starting with '.'), got {str(self.project)[:200]!r}"
+            )
         return problems
 
 

@@ -175,6 +175,28 @@ def test_tictactoe_by_self_play_beats_a_random_player_and_resumes_with_every_pol
     assert losses <= 20, (wins, losses)  # at most 10% lost, 100 games in each seat
 
 
+@pytest.mark.parametrize("algo", ["apex_dqn", "impala"])
+def test_a_pool_that_rotates_every_few_updates_under_two_actors_loses_no_actor(tmp_path, algo):
+    """Snapshots leave a pool of 4 every 40 updates while 2 actors x 8 envs play episodes
+    against them: each such episode finishes with the newest weights, no actor exits."""
+    logdir = tmp_path / "run"
+    rotating = ["--set", "multi_agent.self_play.pool_size=4"]
+    rotating += ["--set", "multi_agent.self_play.snapshot_every_updates=40"]
+    rotating += ["--set", "multi_agent.self_play.latest_prob=0.2", "--set", "actor.num_envs=8"]
+    config = f"tictactoe_{algo.split('_')[0]}"
+    out = run(tmp_path, "--config", config, "--actors", "2", "--logdir", str(logdir), "--stop-seconds", "45", *rotating)
+    assert out.returncode == 0, out.stderr
+    assert "exited" not in out.stderr, out.stderr
+    rows = metrics(logdir)
+    shared = rows[-1]["policies"]["shared"]
+    assert rows[-1]["learner_updates"] >= 40 * 8  # 8 snapshots taken: the first 4 left the pool
+    assert shared["pool_size"] == 4 and np.isfinite(shared["elo"])
+    assert rows[-1]["rejected_messages"] == 0  # no honest batch refused (a match vs a gone snapshot)
+    saved = torch.load(sorted((logdir / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+    assert min(s["id"] for s in saved["self_play_pool"]["snapshots"]) >= 4
+    assert all(np.isfinite(s["rating"]) for s in saved["self_play_pool"]["snapshots"])
+
+
 def play_random(policy, games: int) -> tuple[int, int, int]:
     """(wins, losses, illegal moves) of ``policy`` against a uniformly random legal player,
     half the games in each seat."""

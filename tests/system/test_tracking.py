@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,58 @@ def test_a_tracker_that_fails_is_logged_once_and_the_run_goes_on(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stderr.count("--track mlflow failed") == 1, out.stderr[-2000:]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["env_steps"] > 0
+
+
+def first_row_s(args: list[str], cwd: Path, env: dict) -> tuple[float, subprocess.Popen]:
+    """Seconds from an `apex run`'s start to its first metrics row, and its process."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "apex", "run", *args], cwd=cwd, env=env, stderr=subprocess.PIPE, text=True
+    )
+    rows = cwd / "run" / "metrics.jsonl"
+    while not (rows.exists() and rows.read_text().strip()):
+        assert proc.poll() is None and time.monotonic() - started < 120, "no metrics row"
+        time.sleep(0.1)
+    return time.monotonic() - started, proc
+
+
+def test_a_tracker_whose_server_accepts_and_never_answers_is_dropped_and_the_run_reaches_its_stop_return(
+    tmp_path,
+):
+    from apex.bench.transport import free_base_port
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # the kernel completes each connection; nothing ever reads or answers
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
+    environment.update(PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=f"http://127.0.0.1:{silent.getsockname()[1]}")
+    common = ["--config", "cartpole_impala", "--logdir", "run", "--stop-return", "400", "--stop-seconds", "100"]
+    seconds = {}
+    for name, extra in (("untracked", []), ("tracked", ["--track", "mlflow"])):
+        (tmp_path / name).mkdir()
+        args = [*common, *extra, "--port", str(free_base_port())]
+        seconds[name], proc = first_row_s(args, tmp_path / name, environment)
+        _, stderr = proc.communicate(timeout=150)
+        assert proc.returncode == 0, stderr[-2000:]
+        summary = json.loads((tmp_path / name / "run" / "summary.json").read_text())
+        assert summary["stop_reason"].startswith("return_mean_100"), summary  # reached its stop return
+    silent.close()
+    assert seconds["tracked"] < seconds["untracked"] + 10, seconds
+    warnings = [line for line in stderr.splitlines() if "--track mlflow" in line]
+    assert len(warnings) == 1 and "dropped" in warnings[0], stderr[-2000:]
+    assert "urllib3" not in stderr  # MLflow's retries are not a second warning
+
+
+def test_a_local_store_outside_the_run_is_refused_and_nothing_is_written_there(tmp_path):
+    work, outside = tmp_path / "work", tmp_path / "outside"
+    work.mkdir()
+    out = apex_run(
+        work,
+        *("--track", "mlflow", "--track", "wandb", "--stop-seconds", "6", "--logdir", "run"),
+        env={"MLFLOW_TRACKING_URI": "file:../outside/mlruns", "WANDB_DATA_DIR": str(outside / "wandb")},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.count("--track mlflow: MLFLOW_TRACKING_URI") == 1, out.stderr[-2000:]
+    assert out.stderr.count("--track wandb: WANDB_DATA_DIR") == 1, out.stderr[-2000:]
+    assert not outside.exists()
+    assert json.loads((work / "run" / "summary.json").read_text())["env_steps"] > 0

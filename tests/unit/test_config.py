@@ -89,6 +89,10 @@ def test_every_problem_is_reported_at_once():
         ("env.reward_scale=0", "env.reward_scale must be a positive number, got 0"),
         ("env.reward_scale=.nan", "env.reward_scale must be a finite number, got nan"),
         ("env.reward_scale=-1", "env.reward_scale must be a positive number"),
+        ("logging.project=../../etc", "logging.project must be a plain name"),  # a tracker's path
+        ("logging.project=a/b", "logging.project must be a plain name"),
+        ("logging.project=.hidden", "logging.project must be a plain name"),
+        ("logging.project=" + "x" * 10_000, "logging.project must be a plain name"),
     ],
 )
 def test_bad_values_are_clear_errors(override, message):
