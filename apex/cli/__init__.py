@@ -11,6 +11,7 @@ from apex.cli.commands import load_config
 from apex.cli.environment import ENV
 from apex.cli.parser import build_parser
 from apex.errors import ApexError
+from apex.system.parent import watch_parent
 
 __all__ = ["ENV", "build_parser", "load_config", "main"]
 
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # what a command passes on to its children
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    watch_parent()  # started by `apex run`: ends with it
     try:
         code: int = args.handler(args)
         return code

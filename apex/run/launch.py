@@ -27,6 +27,7 @@ from pathlib import Path
 from apex.checkpoint import has_checkpoint
 from apex.config import Config, StopConditions, port_problem
 from apex.errors import ApexError
+from apex.system.parent import child_environment
 from apex.system.signals import StopSignals
 from apex.transport import DEFAULT_PORT
 
@@ -54,6 +55,7 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "apex", *args],
+        env=child_environment(),
         start_new_session=True,
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )

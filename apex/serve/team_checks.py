@@ -3,6 +3,7 @@ maps by agent id against the run's agents and each agent's spaces, before anythi
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ class TeamChecks:
         self,
         team: Episode,
         playing: dict[str, Episode],
+        finished: Collection[str],
         observations: dict[str, Any],
         rewards: dict[str, Any],
         terminated: dict[str, Any],
@@ -54,9 +56,18 @@ class TeamChecks:
         masks: dict[str, Any],
         actions: dict[str, Any],
     ) -> Turn:
-        """``team``'s part of an action request (``playing``: its agents playing now)."""
+        """``team``'s part of an action request (``playing``: its agents playing now,
+        ``finished``: those that ended in it, which neither act nor end again)."""
         if not observations:
             raise RequestError(400, "fields", f"episode {team.id}: observations must name at least one agent")
+        for agent in observations:
+            if agent in finished:
+                raise RequestError(
+                    409,
+                    "order",
+                    f"episode {team.id}: agent {agent!r} has ended in it (terminated or truncated) and cannot act "
+                    "or end again; leave it out of this episode's maps",
+                )
         frames = {agent: self.frame(agent, obs) for agent, obs in observations.items()}
         for name, flags in (("terminated", terminated), ("truncated", truncated)):
             for agent, flag in flags.items():

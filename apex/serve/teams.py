@@ -236,7 +236,7 @@ class ExternalTeams(ExternalEpisodes):
         teams = self._episodes(ids)
         count, checks = len(teams), self.team_checks
         turns = [
-            checks.turn(team, _state(team).agents, obs, reward, term, trunc, masks, chosen)
+            checks.turn(team, _state(team).agents, _state(team).returns, obs, reward, term, trunc, masks, chosen)
             for team, obs, reward, term, trunc, masks, chosen in zip(
                 teams,
                 checks.maps(observations, count, "observations"),

@@ -8,9 +8,8 @@ import time
 
 
 def apex(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "apex", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-    )
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+    return subprocess.Popen([sys.executable, "-m", "apex", *args], **options)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

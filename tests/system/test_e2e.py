@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,6 +72,56 @@ def test_run_writes_the_run_output_and_leaves_nothing_behind(tmp_path):
     assert list((logdir / "checkpoints").glob("ckpt-*.pt"))
     time.sleep(0.5)
     assert processes_mentioning(str(logdir)) == []
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_killed_run_leaves_no_process_and_its_ports_serve_the_next_run(tmp_path, ranks):
+    port = str(free_base_port())
+    logdir = tmp_path / "run"
+    args = ["run", "--actors", "2", "--ranks", str(ranks), "--port", port, *FAST]
+    proc = apex(*args, "--logdir", str(logdir), "--stop-seconds", "120", stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (logdir / "metrics.jsonl").exists(), 90, "the first metrics row")
+        assert len(processes_mentioning(str(logdir))) >= ranks + 3  # apex run, its ranks, 2 actors
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        wait_for(lambda: processes_mentioning(str(logdir)) == [], 5, "no process of the killed run")
+    finally:
+        kill_leftovers([proc])
+        for line in processes_mentioning(str(logdir)):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    again = apex(*args, "--logdir", str(tmp_path / "again"), "--stop-env-steps", "2000", stdout=subprocess.DEVNULL)
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-2000:]
+    assert json.loads((tmp_path / "again" / "summary.json").read_text())["env_steps"] >= 2000
+
+
+def test_a_child_whose_parent_died_before_it_could_be_told_and_that_ignores_sigterm_still_ends(tmp_path):
+    """The watchdog's two cases: no parent-death signal was set (the parent died first) and
+    the child's main path never reaches its stop (here: SIGTERM ignored)."""
+    child = (
+        "import signal, sys, time; from apex.system.parent import watch_parent; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); watch_parent(); print('up', flush=True); time.sleep(60)"
+    )
+    parent = (
+        "import subprocess, sys; from apex.system.parent import child_environment; "
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], env=child_environment(), stdout=subprocess.PIPE); "
+        "assert c.stdout.readline() == b'up\\n'; print(c.pid, flush=True)"
+    )  # exits at once: the child is left with no parent-death signal, as in the race
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+    wait_for(gone, 8, "the orphaned child's end")
+    assert time.monotonic() - started < 10
 
 
 def test_impala_run_reports_policy_lag(tmp_path):

@@ -110,3 +110,18 @@ def test_over_zeromq_a_bad_value_for_any_agent_refuses_the_request_and_nothing_m
         assert reply == {"early": 1}
         client.end_episodes([first, second], [{"early": [2.0]}, {}], [{"early": True}, {}], [False, False])
         assert client.health()["env_steps"] == steps + 2
+
+
+def test_an_agent_that_ended_in_a_team_episode_can_neither_act_nor_end_again(served):
+    with PolicyClient(f"127.0.0.1:{served.zmq_port}", token=TOKEN) as client:
+        (team,) = client.start_episodes(1)
+        client.get_action(team, {"early": [0.0]})
+        client.get_action(team, {"early": [1.0], "late": [1.0]}, terminated={"early": True})  # early ends, late acts
+        steps = client.health()["env_steps"]
+        for fields in ({}, {"terminated": {"early": True}}):
+            with pytest.raises(PolicyServerError, match="agent 'early' has ended in it") as error:
+                client.get_action(team, {"early": [2.0], "late": [2.0]}, **fields)
+            assert error.value.status == 409
+        assert client.health()["env_steps"] == steps  # nothing moved: late's step was refused with it
+        assert client.get_action(team, {"late": [2.0]}).keys() == {"late"}  # the others play on
+        client.end_episodes([team], [{"late": [3.0]}], [{"late": True}], [False])
