@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import multiprocessing.queues
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -177,6 +178,7 @@ def _rank_main(
     model: str,
     device: str,
     steps: int,
+    secret: bytes,
     out: multiprocessing.queues.Queue[tuple[int, int, float, dict[str, float]]],
 ) -> None:
     """One rank of a data-parallel group: the pipelined loop with the gradient all-reduce
@@ -189,7 +191,7 @@ def _rank_main(
     keep_large_blocks()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    init_group(Rank(rank, ranks, f"127.0.0.1:{port}"), torch.device(device))
+    init_group(Rank(rank, ranks, f"127.0.0.1:{port}"), torch.device(device), lambda: secret)
     try:
         spec, make_chunk = MODELS[model]
         learner = _learner(spec, make_chunk, device)
@@ -215,8 +217,9 @@ def _measure_ranks(model: str, device: str, ranks: int, steps: int) -> dict[str,
     ctx = mp.get_context("spawn")
     out: multiprocessing.queues.Queue[tuple[int, int, float, dict[str, float]]] = ctx.Queue()
     port = free_port()
+    secret = os.urandom(32)  # the group store's (apex.training.rendezvous), handed to each rank
     procs = [
-        ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, out), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, ranks, port, model, device, steps, secret, out), daemon=True)
         for r in range(ranks)
     ]
     for p in procs:

@@ -8,6 +8,7 @@ import logging
 import os
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -92,7 +93,8 @@ def _join_group(args: argparse.Namespace, config: Config, rank: Rank, logdir: Pa
     """This rank's place in a data-parallel learner group; a rank other than 0 runs as a
     follower here and exits."""
     from apex.learner.runtime import pick_device
-    from apex.training.distributed import LearnerGroup
+    from apex.training.distributed import COLLECTIVE_TIMEOUT_S, LearnerGroup
+    from apex.training.rendezvous import run_secret
     from apex.transport import is_loopback
 
     base = args.port if args.port is not None else config.transport.port
@@ -105,6 +107,7 @@ def _join_group(args: argparse.Namespace, config: Config, rank: Rank, logdir: Pa
         pick_device(config.learner.device),
         (host, base + 1 if rank.is_leader else base + 2 + rank.rank),
         config.digest(),
+        partial(run_secret, config.transport.curve_dir, logdir, rank.is_leader, COLLECTIVE_TIMEOUT_S),
     )
     if not rank.is_leader:
         from apex.learner.follower import FollowerProcess

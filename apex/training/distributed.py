@@ -13,10 +13,11 @@ single-process step on the batches of the ranks that had one, concatenated (the 
 means over equal batches): the gradient is clipped after the average, and a step that is not
 finite on any rank is skipped on every rank.
 
-Backends: gloo on the CPU, NCCL on CUDA. The group meets at a TCP store at ``--master
-HOST:PORT`` that rank 0 serves on that address alone (127.0.0.1 for ``--ranks N``), or through
-the standard ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables (so ``torchrun``
-works; its agent serves the store, where torchrun binds it).
+Backends: gloo on the CPU, NCCL on CUDA. The group meets at a store at ``--master HOST:PORT``
+that rank 0 serves on that address alone (127.0.0.1 for ``--ranks N``) and that only the
+run's ranks can use (``apex.training.rendezvous``), or through the standard
+``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables (so ``torchrun`` works; its
+agent serves its own store, where torchrun binds it).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from apex.errors import ApexError
 from apex.training import optim
 from apex.training.rank import Rank
+from apex.training.rendezvous import RunStore, StoreServer
 
 if TYPE_CHECKING:
     from apex.core import TrainingCore
@@ -49,8 +51,15 @@ COLLECTIVE_TIMEOUT_S = 60.0
 NO_BATCH = "no batch"
 
 
-def init_group(rank: Rank, device: torch.device) -> None:
-    """Joins the group (blocks until every rank has joined, or COLLECTIVE_TIMEOUT_S)."""
+_store: tuple[StoreServer | None, RunStore] | None = None  # this process's, until it leaves
+
+
+def init_group(rank: Rank, device: torch.device, secret: Callable[[], bytes]) -> None:
+    """Joins the group (blocks until every rank has joined, or COLLECTIVE_TIMEOUT_S); the
+    store admits the key pair the run's secret derives alone (``apex.training.rendezvous``).
+    ``secret`` gives it, and is asked again while the store does not answer (a rank may have
+    read the last run's secret before rank 0 wrote this one's)."""
+    global _store
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     try:
@@ -58,65 +67,48 @@ def init_group(rank: Rank, device: torch.device) -> None:
             dist.init_process_group(
                 backend, init_method="env://", rank=rank.rank, world_size=rank.world_size, timeout=timeout
             )
-        else:
-            dist.init_process_group(
-                backend,
-                store=rendezvous_store(rank, timeout),
-                rank=rank.rank,
-                world_size=rank.world_size,
-                timeout=timeout,
-            )
+            return
+        host, _, port = rank.master.rpartition(":")
+        host = _address_of(host.strip("[]"))
+        first = secret()
+        server = StoreServer(host, int(port), first) if rank.is_leader else None
+        try:
+            store = RunStore(host, int(port), first, timeout, None if rank.is_leader else secret)
+            _store = (server, store)
+            dist.init_process_group(backend, store=store, rank=rank.rank, world_size=rank.world_size, timeout=timeout)
+        except BaseException:
+            _close_store()
+            if server is not None:
+                server.close()
+            raise
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError is a RuntimeError
         raise ApexError(
             f"rank {rank.rank} could not join the learner group at {rank.master}: {str(e).splitlines()[0]}"
         ) from None
 
 
-def rendezvous_store(rank: Rank, timeout: datetime.timedelta) -> dist.TCPStore:  # type: ignore[name-defined]  # public, but torch.distributed does not re-export it
-    """The group's TCP store: rank 0 serves it on --master's address alone, the others
-    connect to it. (torch's own ``tcp://`` rendezvous listens on every interface, where
-    anyone who reaches the port can write keys of any size into rank 0's memory.)"""
-    host, _, port = rank.master.rpartition(":")
-    host = host.strip("[]")
-    if not rank.is_leader:
-        return dist.TCPStore(  # type: ignore[attr-defined]  # public, but not re-exported
-            host, int(port), rank.world_size, is_master=False, timeout=timeout
-        )
-    return dist.TCPStore(  # type: ignore[attr-defined]  # public, but not re-exported
-        host,
-        int(port),
-        rank.world_size,
-        is_master=True,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=listen_on(host, int(port)),
-    )
+def _address_of(host: str) -> str:
+    """--master's host as an address (a node's name resolved): where rank 0 listens alone."""
+    try:
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as e:
+        raise ApexError(f"rank 0 cannot listen on --master {host}: {e.strerror or e}") from None
 
 
-def listen_on(host: str, port: int) -> int:
-    """A TCP socket listening on ``host``'s address alone (not every interface), as a file
-    descriptor for the store to take over."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ApexError(f"rank 0 cannot listen on --master {host}:{port}: {e.strerror or e}") from None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise ApexError(
-            f"rank 0 cannot listen on --master {host}:{port} ({e.strerror}): run rank 0 on the host "
-            "whose address --master names, on a port no other program uses"
-        ) from None
-    return sock.detach()
+def _close_store() -> None:
+    global _store
+    if _store is not None:
+        server, store = _store
+        store.close()
+        if server is not None:
+            server.close()
+        _store = None
 
 
 def leave_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _close_store()
 
 
 class GradientAllReduce:
@@ -217,12 +209,20 @@ class LearnerGroup:
     or broadcast from rank 0 (msgpack, never pickle), the session secret and the ranks'
     trajectory addresses. Control collectives run over gloo, whatever the gradients' backend."""
 
-    def __init__(self, rank: Rank, device: torch.device, address: tuple[str | None, int], config_digest: str) -> None:
+    def __init__(
+        self,
+        rank: Rank,
+        device: torch.device,
+        address: tuple[str | None, int],
+        config_digest: str,
+        secret: Callable[[], bytes],
+    ) -> None:
         """Joins the group (blocking until every rank is there) and checks that every rank
         runs the same configuration; ``address``: (host or None, port) where actors reach this
-        rank's trajectory stream (None: the host they reached rank 0 at)."""
+        rank's trajectory stream (None: the host they reached rank 0 at); ``secret``: the
+        run's (``init_group``)."""
         self.rank = rank
-        init_group(rank, device)
+        init_group(rank, device, secret)
         try:
             self._control = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
             digests = self.gather(config_digest.encode())

@@ -58,6 +58,9 @@ def one_step(core: ApexDqnLearner, batch: dict[str, np.ndarray]) -> dict:
     return metrics
 
 
+SECRET = b"the test group's secret, 32 bytes"[:32]  # the store's (apex.training.rendezvous)
+
+
 def grads(core: ApexDqnLearner) -> dict[str, np.ndarray]:
     return {name: p.grad.numpy().copy() for name, p in core.online.named_parameters()}
 
@@ -67,7 +70,7 @@ def _rank_main(
 ) -> None:
     """One step of the group on a share of ``batch`` (ranks in ``without_batch`` have none)."""
     torch.set_num_threads(1)
-    init_group(Rank(rank, world, f"127.0.0.1:{port}"), torch.device("cpu"))
+    init_group(Rank(rank, world, f"127.0.0.1:{port}"), torch.device("cpu"), lambda: SECRET)
     try:
         core = bandit_learner(grad_clip)
         core.all_reduce = GradientAllReduce(world)
@@ -147,7 +150,7 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def _store_main(master: str, out) -> None:
-    init_group(Rank(0, 1, master), torch.device("cpu"))
+    init_group(Rank(0, 1, master), torch.device("cpu"), lambda: SECRET)
     try:
         out.put(listening_addresses(int(master.rpartition(":")[2])))
     finally:
@@ -176,15 +179,14 @@ def test_the_rendezvous_store_listens_on_the_master_address_alone(where):
 def test_rank_0_says_in_one_line_when_it_cannot_listen_on_the_master_address():
     import socket
 
-    from apex.training.distributed import listen_on
-
+    cpu = torch.device("cpu")
     with pytest.raises(ApexError, match="rank 0 cannot listen on --master no-such-host.invalid:"):
-        listen_on("no-such-host.invalid", free_port())
+        init_group(Rank(0, 2, f"no-such-host.invalid:{free_port()}"), cpu, lambda: SECRET)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         with pytest.raises(ApexError, match="run rank 0 on the host whose address --master names, on a port no other"):
-            listen_on("127.0.0.1", taken.getsockname()[1])
+            init_group(Rank(0, 2, f"127.0.0.1:{taken.getsockname()[1]}"), cpu, lambda: SECRET)
 
 
 @pytest.mark.parametrize(
