@@ -96,18 +96,21 @@ def _join_group(args: argparse.Namespace, config: Config, rank: Rank, logdir: Pa
     from apex.training.distributed import COLLECTIVE_TIMEOUT_S, LearnerGroup
     from apex.training.rendezvous import run_secret
     from apex.transport import is_loopback
+    from apex.transport.keys import load_keypair
 
     base = args.port if args.port is not None else config.transport.port
     if (problem := port_problem(base + 2 + rank.world_size)) is not None:
         raise ApexError(f"--port {base} leaves no room for {rank.world_size} ranks: {problem}")
     # Where actors reach this rank's trajectories: None is the host they reached rank 0 at.
     host = None if is_loopback(args.bind_host) or args.bind_host in ("0.0.0.0", "::", "*") else args.bind_host
+    curve_dir = config.transport.curve_dir
+    learner_secret = load_keypair(Path(curve_dir) / "learner.key_secret")[1] if curve_dir else None
     group = LearnerGroup(
         rank,
         pick_device(config.learner.device),
         (host, base + 1 if rank.is_leader else base + 2 + rank.rank),
         config.digest(),
-        partial(run_secret, config.transport.curve_dir, logdir, rank.is_leader, COLLECTIVE_TIMEOUT_S),
+        partial(run_secret, learner_secret, logdir, rank.is_leader, COLLECTIVE_TIMEOUT_S),
     )
     if not rank.is_leader:
         from apex.learner.follower import FollowerProcess

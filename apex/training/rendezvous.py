@@ -34,6 +34,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from apex.errors import ApexError
+from apex.system.files import open_regular, refuse_link
 
 log = logging.getLogger(__name__)
 
@@ -45,17 +46,16 @@ _REPLY_S = 3.0  # a request unanswered this long: the server is not there yet, o
 _SECRET_FILE = Path(".group") / "secret"
 
 
-def run_secret(curve_dir: str | None, logdir: Path, leader: bool, timeout_s: float) -> bytes:
-    """The 32 bytes the store's keys derive from (see the module's doc). Rank 0 of a run
-    without CURVE keys writes a fresh one; the others wait for it at most ``timeout_s``."""
-    if curve_dir:
-        from apex.transport.keys import load_keypair
-
-        _, secret = load_keypair(Path(curve_dir) / "learner.key_secret")
-        return hashlib.sha256(b"apex learner group store\0" + secret).digest()
+def run_secret(learner_secret: bytes | None, logdir: Path, leader: bool, timeout_s: float) -> bytes:
+    """The 32 bytes the store's keys derive from (see the module's doc): from the learner's
+    CURVE secret key where the run has one, else rank 0 writes a fresh one and the others
+    wait for it at most ``timeout_s``."""
+    if learner_secret is not None:
+        return hashlib.sha256(b"apex learner group store\0" + learner_secret).digest()
     path = logdir / _SECRET_FILE
     if leader:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        refuse_link(path.parent)  # chmod and the file go into the run, not where a link points
         path.parent.chmod(0o700)
         path.unlink(missing_ok=True)  # the last run's: a follower that read it is told apart by its key
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -75,17 +75,18 @@ def run_secret(curve_dir: str | None, logdir: Path, leader: bool, timeout_s: flo
 
 
 def _read_secret(path: Path) -> bytes | None:
+    """The secret rank 0 wrote, once it is whole; None before. A link, FIFO or other
+    file planted there, or one that others may read, is refused."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+        f = open_regular(path, 32)
+    except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as f:
+    with f:
         info = os.fstat(f.fileno())
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise ApexError(
-                f"{path} is not this user's alone (mode {info.st_mode & 0o777:o}): remove it and start again"
-            )
-        data = f.read(33)
+            mode = info.st_mode & 0o777
+            raise ApexError(f"{path} is not this user's alone (mode {mode:o}): remove it and start again")
+        data = f.read(32)
     return data if len(data) == 32 else None
 
 
