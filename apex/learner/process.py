@@ -36,9 +36,10 @@ from apex.learner.runtime import (
     rss_bytes,
 )
 from apex.learner.tracking import Trackers
+from apex.system.files import hold_run_directory
 from apex.system.logs import RateLimitedLog
 from apex.system.signals import StopSignals
-from apex.training.distributed import Agreement, GroupBroken, LearnerGroup
+from apex.training.distributed import Agreement, GroupBroken, LearnerGroup, store_refusals
 from apex.transport import MAX_ENVS_PER_ACTOR, LearnerEndpoint, Rejected, is_loopback
 from apex.transport.sessions import SessionSigner
 from apex.wire.protocol import Message
@@ -167,6 +168,8 @@ class LearnerProcess:
         with self._signals:
             try:
                 self.logdir.mkdir(parents=True, exist_ok=True)
+                if self.group is None or self.group.rank.is_leader:  # the other ranks write their shards alone
+                    self._lock_fd = hold_run_directory(self.logdir)
                 self._trackers = Trackers(self.config, self.logdir)
                 self._metrics = MetricsWriter(self.logdir, trackers=self._trackers)
             except BaseException:
@@ -372,6 +375,9 @@ class LearnerProcess:
             row["ranks"] = self.group.world_size
             row["group_replay_size"] = self.group_replay_size + replay_size(row)
             row["steps_without_batch_by_rank"] = [self.pace.steps_without_batch, *self.others_steps_without_batch]
+            refusals = store_refusals()
+            if refusals is not None:
+                row["group_store_refusals"] = refusals
         checkpoints = self.checkpointer.writer
         row.update(
             {

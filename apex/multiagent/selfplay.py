@@ -159,6 +159,10 @@ class SnapshotPool:
                 and _finite_number(snapshot.get("rating"))
             ):
                 raise CorruptCheckpoint("a self-play snapshot does not hold this policy's finite weights")
+        ids = [snapshot["id"] for snapshot in state["snapshots"]]
+        # Ids are issued 0, 1, 2...: a forged one below 0 would read as LATEST or RANDOM in matches.
+        if ids != sorted(set(ids)) or any(not 0 <= sid < state["next_id"] for sid in ids):
+            raise CorruptCheckpoint("the self-play pool's snapshot ids must rise, each one below its next_id and >= 0")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.snapshots = {s["id"]: {k: v.numpy() for k, v in s["weights"].items()} for s in state["snapshots"]}

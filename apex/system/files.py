@@ -176,3 +176,38 @@ def remove_stale_temps(directory: Path) -> int:
                 continue
             removed += 1
     return removed
+
+
+_LOCK_NAME = ".learner.lock"
+
+
+def hold_run_directory(directory: Path) -> int:
+    """Takes the run directory for this process (an flock on ``directory/.learner.lock``, which
+    the kernel lets go when the process ends, however it ends) and returns the lock's fd, to
+    be kept open. Two learners writing one directory would mix their checkpoints, self-play
+    pools and metrics; the second is refused, naming the first's pid."""
+    import fcntl
+
+    path = directory / _LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ApexError(
+            f"cannot take the run directory's lock {path} ({e.strerror}): remove it if it is a link or "
+            "a special file, or choose another --logdir"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ApexError(f"{path} is not a regular file: remove it and start again")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ApexError(
+            f"{directory} is in use by another learner (pid {holder[:16]}): give this run a --logdir of its own, "
+            "or stop that learner first"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -87,6 +87,13 @@ def init_group(rank: Rank, device: torch.device, secret: Callable[[], bytes]) ->
         ) from None
 
 
+def store_refusals() -> int | None:
+    """Rank 0's count of the group store's refusals (strangers and refused requests); None
+    on other ranks and in groups whose store is torchrun's."""
+    server = _store[0] if _store is not None else None
+    return server.refusals if server is not None else None
+
+
 def _address_of(host: str) -> str:
     """--master's host as an address (a node's name resolved): where rank 0 listens alone."""
     try:

@@ -32,6 +32,7 @@ import msgpack
 import torch.distributed as dist
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from apex.errors import ApexError
 from apex.system.files import open_regular, refuse_link
@@ -44,6 +45,9 @@ MAX_VALUE_BYTES = 1 << 20
 MAX_STORE_BYTES = 8 << 20
 _REPLY_S = 3.0  # a request unanswered this long: the server is not there yet, or the secret is stale
 _SECRET_FILE = Path(".group") / "secret"
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def run_secret(learner_secret: bytes | None, logdir: Path, leader: bool, timeout_s: float) -> bytes:
@@ -122,9 +126,13 @@ class StoreServer:
                 f"rank 0 cannot listen on --master {host}:{port} ({e.strerror}): run rank 0 on the host "
                 "whose address --master names, on a port no other program uses"
             ) from None
+        # Every failed handshake (a wrong server key, a client key not the run's, bytes that
+        # are not ZeroMQ) is an event here: ZAP alone would see only the second.
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
         self.keys: dict[str, bytes] = {}
         self.held_bytes = 0
         self.refused = 0
+        self.turned_away = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="apex-group-store", daemon=True)
         self.thread.start()
@@ -132,8 +140,12 @@ class StoreServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            ready = dict(poller.poll(100))
+            if self.monitor in ready:
+                self._count_handshakes()
+            if self.sock not in ready:
                 continue
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -151,6 +163,18 @@ class StoreServer:
                 self.sock.send_multipart([frames[0], msgpack.packb(reply)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+
+    def _count_handshakes(self) -> None:
+        while True:
+            try:
+                recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.turned_away += 1
+            if self.turned_away & (self.turned_away - 1) == 0:  # 1, 2, 4, 8...: a flood does not flood the log
+                log.warning(
+                    "learner group store: turned away a client without the run's key; %d so far", self.turned_away
+                )
 
     def handle(self, request: Any) -> Any:
         """One request, [op, key, args...]; ValueError naming the cap or the fault."""
@@ -204,10 +228,18 @@ class StoreServer:
         self.keys[key] = value
         self.held_bytes += grown
 
+    @property
+    def refusals(self) -> int:
+        """Clients turned away at the handshake (without the run's key) and requests refused."""
+        return self.turned_away + self.refused
+
     def close(self) -> None:
         if hasattr(self, "thread"):
             self._stop.set()
             self.thread.join(1.0)
+        if hasattr(self, "monitor"):
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
         self.auth.stop()
         self.context.term()

@@ -48,12 +48,13 @@ def hosts():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def in_host(ns: str, *args: str) -> subprocess.Popen:
+def in_host(ns: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         ["ip", "netns", "exec", ns, sys.executable, "-m", "apex", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -91,3 +92,76 @@ def test_actors_on_two_hosts_train_one_learner(hosts, tmp_path):
     assert set(by_host) == {"10.231.1.2", "10.231.2.2"}, by_host
     assert all(steps > 0 for steps in by_host.values())
     assert summary["learner_updates"] > 0
+
+
+def test_a_learner_group_on_two_hosts_trains_with_curve_keys_and_its_store_refuses_a_stranger(hosts, tmp_path):
+    """`apex learner --rank 0|1 --master` on two "hosts" with the run's CURVE keys (their
+    store's key pair derives from the learner's secret: no file to share), two actors beside
+    rank 0 (one routed to rank 1 across the link): the group trains, and a process on rank
+    1's host without the run's secret gets no answer from the store, which counts it."""
+    keys = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "apex", "keygen", str(keys)], check=True, capture_output=True)
+    port = 5560
+    master = f"10.231.1.1:{port + 4}"
+    fast = ["--set", "transport.heartbeat_interval_s=0.2", "--set", "transport.heartbeat_timeout_s=2"]
+    fast += ["--set", "learner.metrics_interval_s=0.5", "--curve-dir", str(keys)]
+    tag = hosts["learner"][len("apexl") :]
+    group = ["--world-size", "2", "--master", master, "--port", str(port), "--stop-env-steps", "30000", *fast]
+    rank0 = in_host(
+        hosts["learner"],
+        "learner",
+        "--rank",
+        "0",
+        "--bind-host",
+        "10.231.1.1",
+        "--logdir",
+        str(tmp_path / "host0"),
+        *group,
+        env={"GLOO_SOCKET_IFNAME": f"vl1{tag}"},
+    )
+    rank1 = in_host(
+        hosts["actor1"],
+        "learner",
+        "--rank",
+        "1",
+        "--bind-host",
+        "10.231.1.2",
+        "--logdir",
+        str(tmp_path / "host1"),
+        *group,
+        env={"GLOO_SOCKET_IFNAME": f"vr1{tag}"},
+    )
+    actors = [
+        in_host(hosts["learner"], "actor", "--learner", f"10.231.1.1:{port}", *fast[:4], *fast[-2:]) for _ in range(2)
+    ]
+    procs = [rank0, rank1, *actors]
+    try:
+        stranger = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts["actor1"],
+                sys.executable,
+                "-m",
+                "tests.support.stranger",
+                "10.231.1.1",
+                str(port + 4),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stranger.returncode == 0, f"the store answered a stranger: {stranger.stderr}"
+        _, err = rank0.communicate(timeout=240)
+        assert rank0.returncode == 0, err
+        rank1.communicate(timeout=60)
+        assert rank1.returncode == 0
+    finally:
+        kill_leftovers(procs)
+    summary = json.loads((tmp_path / "host0" / "summary.json").read_text())
+    assert summary["learner_updates"] > 0 and summary["env_steps"] >= 30000
+    rows = [json.loads(line) for line in (tmp_path / "host0" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["ranks"] == 2 for row in rows)
+    assert rows[-1]["group_store_refusals"] >= 1
+    assert "turned away a client without the run's key" in err

@@ -19,6 +19,7 @@ from apex.transport.sessions import SessionSigner, SignedSessions
 from tests.support.learning import assert_reached
 from tests.support.processes import wait_for
 from tests.support.runs import metrics
+from tests.support.stranger import stranger_sets
 
 FAST = [
     "--set",
@@ -563,3 +564,68 @@ def test_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_c
             p.close()
         context.term()
         stop_all([learner])
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def garbage_to_every_listener(pids) -> list[int]:
+    """A burst of random bytes, then a hang-up, on every TCP port the ``pids`` listen on
+    (gloo's, ZeroMQ's, the store's): the ports it reached."""
+    import socket
+
+    reached = []
+    for port in listening_of(pids):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as raw:
+                raw.sendall(os.urandom(64 * 1024))
+            reached.append(port)
+        except OSError:
+            pass
+    return reached
+
+
+def test_a_stranger_on_the_host_can_neither_write_into_the_groups_store_nor_stop_the_group(tmp_path):
+    """`apex learner --ranks 2` and an actor: a process of this host that is not a rank
+    tries 32 keys of 4 MiB at the store (CURVE keys of its own, then raw bytes) and sends
+    random bytes to every listening port of both ranks. The store answers none of it, rank
+    0 grows by less than 16 MiB, the refusals are counted, and the group trains on. (With
+    torch's TCPStore every set succeeded and rank 0 grew by 141 MiB.)"""
+    port = free_base_port(span=6)
+    logdir = tmp_path / "run"
+    learner = logged(
+        tmp_path / "learner.log",
+        "learner",
+        "--ranks",
+        "2",
+        "--port",
+        str(port),
+        "--logdir",
+        str(logdir),
+        "--stop-seconds",
+        "300",
+        *FAST,
+    )
+    actor = logged(tmp_path / "actor.log", "actor", "--learner", f"127.0.0.1:{port}", *FAST[:4])
+    procs = [learner, actor]
+    try:
+        wait_for(lambda: last_row(logdir).get("learner_updates", 0) > 100, 120, "the group to train")
+        ranks = ranks_of(port)
+        before = rss_mib(ranks[0])
+        assert not stranger_sets("127.0.0.1", port + 4, keys=32, value_bytes=4 << 20), "the store answered a stranger"
+        reached = garbage_to_every_listener(ranks.values())
+        assert port + 4 in reached and len(reached) >= 4, reached  # the store, the learner's ports, gloo's
+        grown = rss_mib(ranks[0]) - before
+        assert grown < 16, f"rank 0 grew by {grown:.1f} MiB"
+        updates = last_row(logdir)["learner_updates"]
+        wait_for(lambda: last_row(logdir)["learner_updates"] > updates + 200, 60, "the group to train on")
+        assert ranks_of(port) == ranks  # neither rank died (nor was started again)
+        assert last_row(logdir)["group_store_refusals"] >= 1
+        assert learner.poll() is None
+    finally:
+        stop_all(procs)
+    assert "turned away a client without the run's key" in (tmp_path / "learner.log").read_text()

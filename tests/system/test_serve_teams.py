@@ -6,6 +6,8 @@ request."""
 
 from __future__ import annotations
 
+import json
+
 import jsonschema
 import pytest
 
@@ -125,3 +127,68 @@ def test_an_agent_that_ended_in_a_team_episode_can_neither_act_nor_end_again(ser
         assert client.health()["env_steps"] == steps  # nothing moved: late's step was refused with it
         assert client.get_action(team, {"late": [2.0]}).keys() == {"late"}  # the others play on
         client.end_episodes([team], [{"late": [3.0]}], [{"late": True}], [False])
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_hostile_team_requests_are_each_a_clear_4xx_and_move_nothing(served):
+    """The attacks of issue 46 on serve's teams, over HTTP: a map of 10,000 agents, masks of
+    the wrong shape or allowing nothing, one episode twice in a request, an agent acting after
+    its team ended, two teams' requests interleaved. Each is refused with the status and words
+    that name it, no step is counted for any refused request, the server's memory stays put,
+    and the interleaved teams each end with their own steps."""
+    _, started = served.http("POST", "/v1/episodes")
+    team = started["episode_id"]
+    path = f"/v1/episodes/{team}/action"
+    assert served.http("POST", path, {"observation": {"early": [0.0]}})[0] == 200
+    steps, memory = served.health()["env_steps"], rss_mib(served.serve.pid)
+    attacks = {
+        "10,000 agents": ({"observation": {f"a{i}": [0.0] for i in range(10_000)}}, 413, "request body over"),
+        "5,000 agents": ({"observation": {f"a{i}": [0.0] for i in range(5_000)}}, 400, "no agent 'a0'"),
+        "a mask of the wrong shape": (
+            {"observation": {"early": [1.0]}, "action_mask": {"early": [1, 1, 1]}},
+            400,
+            "mask",
+        ),
+        "a mask allowing nothing": ({"observation": {"early": [1.0]}, "action_mask": {"early": [0, 0]}}, 400, "mask"),
+        "a mask for an agent that does not act": (
+            {"observation": {"early": [1.0]}, "action_mask": {"late": [1, 1]}},
+            400,
+            "action_masks",
+        ),
+    }
+    for name, (body, status, words) in attacks.items():
+        got, reply = served.http("POST", path, body)
+        assert got == status and words in json.dumps(reply), (name, got, reply)
+    for _ in range(20):  # a flood of the biggest that is parsed costs no memory that stays
+        served.http("POST", path, attacks["5,000 agents"][0])
+    assert rss_mib(served.serve.pid) - memory < 16
+    got, reply = served.http(
+        "POST", "/v1/batch/action", {"episode_ids": [team, team], "observations": [{"early": [1.0]}] * 2}
+    )
+    assert got == 400 and "twice" in json.dumps(reply), reply
+    assert served.health()["env_steps"] == steps  # none of it moved a step
+
+    # two teams, their requests interleaved; then one team's id after it ended
+    _, other = served.http("POST", "/v1/episodes")
+    second = other["episode_id"]
+    for t in range(1, 3):
+        for episode in (team, second):
+            body: dict = {"observation": {"early": [float(t)]}}
+            if episode == team or t > 1:  # a reward is for an action out
+                body["reward"] = {"early": 1.0}
+            got, reply = served.http("POST", f"/v1/episodes/{episode}/action", body)
+            assert got == 200 and reply["action"].keys() == {"early"}, reply
+    for episode in (team, second):
+        end = {"observation": {"early": [3.0]}, "terminated": {"early": True}, "reward": {"early": 1.0}}
+        assert served.http("POST", f"/v1/episodes/{episode}/end", end)[0] == 200
+    # a step counts when the next observation closes it: team's three (the one before and its
+    # two), second's two; a request applied to the wrong team would move these
+    assert served.health()["env_steps"] == steps + 5
+    got, reply = served.http("POST", path, {"observation": {"early": [4.0]}})
+    assert got == 404 and "no open episode" in reply["error"], reply

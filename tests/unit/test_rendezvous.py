@@ -10,6 +10,7 @@ import pytest
 from apex.bench.transport import free_base_port
 from apex.training import rendezvous
 from apex.training.rendezvous import RunStore, StoreServer
+from tests.support.processes import wait_for
 
 SECRET, STRANGER = b"r" * 32, b"s" * 32
 
@@ -31,12 +32,15 @@ def test_a_client_without_the_runs_secret_can_neither_set_nor_get(server):
     finally:
         stranger.close()
     assert served.keys == {}
+    wait_for(lambda: served.refusals >= 1, 5, "the stranger's handshake to be counted")
+    turned_away = served.turned_away
     rank = RunStore("127.0.0.1", port, SECRET, datetime.timedelta(seconds=4))
     try:
         rank.set("rank/0", b"real")
         assert rank.get("rank/0") == b"real" and rank.add("n", 2) == 2 and rank.check(["rank/0", "n"])
     finally:
         rank.close()
+    assert served.turned_away == turned_away  # the rank's handshake was not counted as a stranger's
 
 
 def test_a_rank_is_held_to_the_caps_with_a_refusal_naming_them(server, monkeypatch):
