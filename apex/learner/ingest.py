@@ -29,6 +29,10 @@ INGEST_GROUP = 8  # batches already waiting that are inserted together
 INGEST_WAIT_S = 0.05  # longest the thread waits (for room, for a batch) before looking at its stop flag
 
 
+MAX_HOSTS = 1024  # hosts counted apart in env_steps_by_host; the steps of any more go under OTHER_HOSTS
+OTHER_HOSTS = "other hosts"
+
+
 class RunCounters:
     """What ingest counts of the run, under ``lock``: env steps (in all and by the sending
     actor's address), episode returns, and the policy lags of the batches since the last
@@ -55,7 +59,7 @@ class RunCounters:
         (``apex.learner.follower.RankCounts``; call with ``lock`` held)."""
         self.env_steps += report["env_steps"]
         for host, steps in report["by_host"].items():
-            self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + steps
+            self.add_host_steps(host, steps)
         for episode_return, is_eval in report["episodes"]:
             self.stats.add(episode_return, is_eval)
         for name, episodes in report["policy_episodes"].items():
@@ -63,6 +67,14 @@ class RunCounters:
                 self.policy_stats[name].add(episode_return, is_eval)
         self.matches.extend((opponent, outcome) for opponent, outcome in report["matches"])
         self.lags.extend(report["lags"])
+
+    def add_host_steps(self, host: str, steps: int) -> None:
+        """``steps`` to ``host``'s count; past MAX_HOSTS hosts, to OTHER_HOSTS' (a peer with
+        many addresses, an IPv6 network's, cannot grow the map, every metrics row, and every
+        checkpoint without end). Call with ``lock`` held."""
+        if host not in self.env_steps_by_host and len(self.env_steps_by_host) >= MAX_HOSTS:
+            host = OTHER_HOSTS
+        self.env_steps_by_host[host] = self.env_steps_by_host.get(host, 0) + steps
 
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint (call with ``lock`` held)."""
@@ -199,7 +211,7 @@ class Ingest:
                 session.env_steps += a.env_steps
                 counters.env_steps += a.env_steps
                 host = a.msg.peer or "unknown"
-                counters.env_steps_by_host[host] = counters.env_steps_by_host.get(host, 0) + a.env_steps
+                counters.add_host_steps(host, a.env_steps)
                 if a.policy is None:
                     session.episodes += len(a.episodes)
                     for episode_return, _length, is_eval in a.episodes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -94,11 +95,17 @@ class WandbTracker:
         if best_checkpoint:
             import wandb
 
-            artifact = wandb.Artifact(f"{self.run.name}-best", type="model")
+            artifact = wandb.Artifact(artifact_name(self.run.name), type="model")
             for path in best_checkpoint:
                 artifact.add_file(str(path))
             self.run.log_artifact(artifact)
         self.run.finish()
+
+
+def artifact_name(run_name: str) -> str:
+    """The best checkpoint's W&B artifact name: the run's, in the characters and length W&B
+    allows (a LOGDIR named "my run" made ``wandb.Artifact`` raise, and the run never finished)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[: MAX_RUN_NAME - len("-best")] + "-best"
 
 
 class MlflowTracker:

@@ -140,7 +140,7 @@ class MultiPolicyLearner:
             if metrics:
                 self.last_metrics[name] = metrics
             if self.pool is not None and name == self.pool.policy:
-                self.pool.maybe_snapshot(self.cores[name].updates, self.cores[name].weights())
+                self.pool.maybe_snapshot(self.cores[name].updates, self.cores[name].weights)
             results.append({f"{name}.{key}": value for key, value in metrics.items()})
         return results
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -81,14 +82,15 @@ class SnapshotPool:
         self.last_snapshot_updates = 0
         self.results: dict[str, deque[int]] = {"pool": deque(maxlen=WINDOW), "random": deque(maxlen=WINDOW)}
 
-    def maybe_snapshot(self, updates: int, weights: dict[str, np.ndarray]) -> bool:
-        """Takes a snapshot if ``snapshot_every_updates`` have passed since the last one."""
+    def maybe_snapshot(self, updates: int, weights: Callable[[], dict[str, np.ndarray]]) -> bool:
+        """Takes a snapshot of ``weights()`` if ``snapshot_every_updates`` have passed since
+        the last one (a callable: the learner asks every update, and copies only when due)."""
         if updates - self.last_snapshot_updates < self.config.snapshot_every_updates:
             return False
         self.last_snapshot_updates = updates
         sid = self.next_id
         self.next_id += 1
-        self.snapshots[sid] = {name: array.copy() for name, array in weights.items()}
+        self.snapshots[sid] = {name: array.copy() for name, array in weights().items()}
         self.ratings[sid] = self.rating
         while len(self.snapshots) > self.config.pool_size:
             oldest = next(iter(self.snapshots))

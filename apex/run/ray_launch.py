@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import yaml
 from apex.config import Config, StopConditions
 from apex.errors import ApexError
 from apex.run.launch import _ACTOR_RESTART_FIRST_S, _RESTART_MAX_S, stop_args
+from apex.run.node_files import NodeFiles
 from apex.system.signals import StopSignals
 from apex.transport.keys import generate_keys
 
@@ -57,17 +57,7 @@ class ApexProcess:
     ``close`` stops it and removes its files."""
 
     def __init__(self, files: dict[str, bytes], name: str) -> None:
-        # One directory per run and role (the name holds the run's random id): an actor that
-        # Ray restarts writes its files over its earlier ones instead of leaving those behind.
-        self.directory = Path(tempfile.gettempdir(), name)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory.mkdir(mode=0o700)
-        for file, data in files.items():
-            path = self.directory / file
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            path.write_bytes(data)
-            if file.endswith("key_secret"):
-                path.chmod(0o600)
+        self.files = NodeFiles(files, name)  # the name holds the run's random id and the role
         self.process: subprocess.Popen[bytes] | None = None
 
     def host(self) -> str:
@@ -76,9 +66,13 @@ class ApexProcess:
         return str(ray.util.get_node_ip_address())
 
     def run(self, argv: list[str]) -> int:
-        command = [sys.executable, "-m", "apex", *(a.replace(FILES, str(self.directory)) for a in argv)]
-        self.process = subprocess.Popen(command, preexec_fn=_die_with_parent)
-        return self.process.wait()
+        directory = str(self.files.write())
+        command = [sys.executable, "-m", "apex", *(a.replace(FILES, directory) for a in argv)]
+        try:
+            self.process = subprocess.Popen(command, preexec_fn=_die_with_parent)
+            return self.process.wait()
+        finally:
+            self.files.remove()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -92,7 +86,7 @@ class ApexProcess:
                 self.process.wait(CLOSE_WAIT_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self.files.close()
 
 
 def run_on_ray(

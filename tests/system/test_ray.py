@@ -99,6 +99,25 @@ def node_files() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "apex-ray-*")))
 
 
+def check_node_files(new: set[str]) -> list[str]:
+    """Each directory of ``new`` 0700 and each file in it 0600; the secret keys they hold."""
+    secrets = []
+    for top in new:
+        for directory, _, files in os.walk(top):
+            assert os.stat(directory).st_mode & 0o777 == 0o700, directory
+            for file in files:
+                path = os.path.join(directory, file)
+                assert os.stat(path).st_mode & 0o777 == 0o600, path
+                if file.endswith("key_secret"):
+                    secrets += re.findall(r'secret-key = "(.+)"', Path(path).read_text())
+    return secrets
+
+
+def command_lines() -> str:
+    """Every process's command line on this host, as `ps` shows them."""
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+
+
 def output(logdir: Path) -> str:
     return Path(f"{logdir}.out").read_text()
 
@@ -125,7 +144,12 @@ def test_three_actors_on_ray_solve_cartpole_and_leave_nothing_on_the_cluster(clu
     assert node_files() == files_before, "the run left its files (CURVE keys among them) on the nodes"
 
 
-def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(cluster, tmp_path):
+def test_an_actor_whose_ray_worker_is_killed_comes_back_and_its_files_go_with_it(cluster, tmp_path):
+    """The Ray worker of actor 1 is SIGKILLed (as on a node that dies: nothing of it can
+    clean up): Ray restarts it and its apex actor joins the learner again; the dead worker's
+    files (0600 in 0700, the CURVE secret key among them) are removed within seconds by its
+    janitor; no secret key is on any command line or in the run's output; nothing is left at
+    the end."""
     logdir = tmp_path / "run"
     files_before = node_files()
     run = apex_run_on_ray(cluster, logdir, "--stop-seconds", "60")
@@ -134,10 +158,18 @@ def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(clus
         while not any(r.get("actors_connected") == 3 for r in metrics(logdir)):
             assert run.poll() is None and time.monotonic() < deadline, "the three actors never joined"
             time.sleep(1.0)
+        secrets = check_node_files(node_files() - files_before)
+        assert len(secrets) == 4, secrets  # the learner's and each actor's
+        assert not any(secret in command_lines() for secret in secrets), "a secret key on a command line"
         ray.init(address=cluster, namespace="apex-test-driver")
         try:
             (victim,) = [a for a in apex_alive(cluster) if a.name == "apex-actor-1"]
-            ray.kill(ray.get_actor("apex-actor-1", namespace=victim.ray_namespace), no_restart=False)
+            (victim_files,) = glob.glob(os.path.join(tempfile.gettempdir(), f"apex-ray-*-actor-1-{victim.pid}"))
+            os.kill(victim.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while os.path.exists(victim_files):
+                assert time.monotonic() < deadline, f"{victim_files} outlived its Ray worker by 10 s"
+                time.sleep(0.2)
             deadline = time.monotonic() + 50
             while True:  # Ray restarts it (a new process), and its apex actor joins the learner again
                 restarted = [a for a in apex_alive(cluster) if a.name == "apex-actor-1" and a.pid != victim.pid]
@@ -154,10 +186,12 @@ def test_an_actor_killed_through_ray_comes_back_and_joins_the_learner_again(clus
     assert run.returncode == 0, output(logdir)[-3000:]
     assert metrics(logdir)[-1]["actors_connected"] == 3
     assert re.search(r"ray: actor 1 (died|exited with -?\d+)", output(logdir)), "apex did not start it again"
+    assert not any(secret in output(logdir) for secret in secrets), "a secret key in the run's output"
     assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "60.0 seconds"
     time.sleep(2.0)
     assert apex_alive(cluster) == [], "the run left Ray actors alive"
     assert node_files() == files_before, "the restarted actor's files, or the run's, were left behind"
+    assert "apex.run.node_files" not in command_lines(), "a janitor outlived its files"
 
 
 def test_a_learner_that_dies_is_started_again_from_its_newest_checkpoint(cluster, tmp_path):

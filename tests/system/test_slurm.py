@@ -6,6 +6,7 @@ runs. Skips, saying why, where Slurm cannot be brought up (not root, slurm-wlm m
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from apex.checkpoint import find_latest
+from apex.transport.keys import generate_keys
 from tests.support.paths import ROOT
 from tests.support.slurm import missing, one_node_cluster, wait_job
 
@@ -65,6 +67,18 @@ def test_a_job_of_a_learner_and_two_actors_solves_cartpole(cluster, tmp_path):
     )
 
 
+def assert_keys_private(keys: Path) -> None:
+    """The job's CURVE keys: its directories 0700, its secret keys 0600, none on a command line."""
+    assert (keys / "learner.key_secret").exists(), f"no CURVE keys in {keys}"
+    for directory in (keys, keys / "authorized"):
+        assert directory.stat().st_mode & 0o777 == 0o700, directory
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    for secret in keys.glob("*.key_secret"):
+        assert secret.stat().st_mode & 0o777 == 0o600, secret
+        (z85,) = re.findall(r'secret-key = "(.+)"', secret.read_text())
+        assert z85 not in ps, f"{secret.name} on a command line"
+
+
 def test_scancel_leaves_a_checkpoint_and_the_job_submitted_again_resumes_it(cluster, tmp_path):
     logdir = tmp_path / "runs" / "cancelled"
     args = (str(SBATCH), "--config", "cartpole_apex", "--logdir", str(logdir), "--stop-seconds", "300")
@@ -75,16 +89,31 @@ def test_scancel_leaves_a_checkpoint_and_the_job_submitted_again_resumes_it(clus
     ):
         assert time.monotonic() < deadline, job_output(tmp_path, job)
         time.sleep(1.0)
+    assert_keys_private(logdir / "keys")
     subprocess.run(["scancel", job], env=cluster, check=True)
     wait_job(job, cluster, 120)
+    assert not (logdir / "keys").exists(), "the job's CURVE keys outlived it"
     checkpoints = sorted((logdir / "checkpoints").glob("ckpt-*.json"))
     assert checkpoints, "scancel's SIGTERM wrote no checkpoint: " + job_output(tmp_path, job)
     assert json.loads((logdir / "summary.json").read_text())["stop_reason"] == "signal SIGTERM"
 
+    # the keys a job killed with SIGKILL leaves: the next job replaces them, then removes its own
+    generate_keys(logdir / "keys")
+    stale = (logdir / "keys" / "learner.key_secret").read_text()
     again = submit(
         cluster, tmp_path, str(SBATCH), "--config", "cartpole_apex", "--logdir", str(logdir), "--stop-seconds", "8"
     )
+    keys, replaced = logdir / "keys" / "learner.key_secret", False
+    deadline = time.monotonic() + 120
+    while not replaced and time.monotonic() < deadline:
+        try:
+            replaced = keys.read_text() != stale
+        except FileNotFoundError:
+            pass
+        time.sleep(0.1)
+    assert replaced, "the second job ran on the keys the first left"
     assert wait_job(again, cluster, 180) == "COMPLETED", job_output(tmp_path, again)
+    assert not (logdir / "keys").exists(), "the second job's CURVE keys outlived it"
     summary = json.loads((logdir / "summary.json").read_text())
     assert checkpoints[-1].stem in str(summary["resumed_from"]), summary
 

@@ -151,16 +151,51 @@ def test_a_tracker_whose_server_accepts_and_never_answers_is_dropped_and_the_run
     assert "urllib3" not in stderr  # MLflow's retries are not a second warning
 
 
-def test_a_local_store_outside_the_run_is_refused_and_nothing_is_written_there(tmp_path):
+OUTSIDE = "/etc/apex-test-tracker"  # root's: a tracker that wrote there would create it
+
+
+@pytest.mark.parametrize(
+    ("mlflow_uri", "wandb_variable", "wandb_dir"),
+    [
+        ("file:../outside/mlruns", "WANDB_DATA_DIR", "{outside}/wandb"),
+        (f"file://{OUTSIDE}/mlruns", "WANDB_DIR", OUTSIDE),
+        (f"sqlite:///{OUTSIDE}.db", "WANDB_CACHE_DIR", "../outside/cache"),
+    ],
+)
+def test_a_local_store_outside_the_run_is_refused_and_nothing_is_written_there(
+    tmp_path, mlflow_uri, wandb_variable, wandb_dir
+):
+    """An MLflow store or a W&B directory that points outside the run (`/etc`, `../`): one
+    warning each naming the variable, the run goes on without that tracker, nothing is
+    written there."""
     work, outside = tmp_path / "work", tmp_path / "outside"
     work.mkdir()
     out = apex_run(
         work,
         *("--track", "mlflow", "--track", "wandb", "--stop-seconds", "6", "--logdir", "run"),
-        env={"MLFLOW_TRACKING_URI": "file:../outside/mlruns", "WANDB_DATA_DIR": str(outside / "wandb")},
+        env={"MLFLOW_TRACKING_URI": mlflow_uri, wandb_variable: wandb_dir.format(outside=outside)},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stderr.count("--track mlflow: MLFLOW_TRACKING_URI") == 1, out.stderr[-2000:]
-    assert out.stderr.count("--track wandb: WANDB_DATA_DIR") == 1, out.stderr[-2000:]
+    assert out.stderr.count(f"--track wandb: {wandb_variable}") == 1, out.stderr[-2000:]
     assert not outside.exists()
+    assert not Path(OUTSIDE).exists() and not Path(f"{OUTSIDE}.db").exists()
     assert json.loads((work / "run" / "summary.json").read_text())["env_steps"] > 0
+
+
+def test_a_run_directory_of_any_name_is_a_finished_run_at_both_trackers(tmp_path):
+    """A LOGDIR whose name has spaces, shell and non-ASCII characters and 230 bytes: both
+    runs finish, named by its first 128 characters, and W&B holds the best checkpoint under a
+    name it allows. (Before: `wandb.Artifact` refused the name, the W&B run never finished.)"""
+    name = "my run; $(id) `x` ü " + "x" * 200
+    out = apex_run(tmp_path, "--track", "wandb", "--track", "mlflow", "--stop-seconds", "6", "--logdir", name)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "the run goes on without it" not in out.stderr, out.stderr[-2000:]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("apex").experiment_id])
+    assert run.info.run_name == name[:128] and run.info.status == "FINISHED"
+    (run_file,) = (tmp_path / name / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    (artifact,) = [r.artifact for r in records if r.HasField("artifact")]
+    assert len(artifact.name) <= 128 and artifact.name.endswith("-best"), artifact.name
+    assert any(r.HasField("exit") for r in records)  # the run finished

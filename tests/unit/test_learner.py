@@ -121,3 +121,17 @@ def test_the_wakeup_rouses_a_waiting_loop_only():
         assert not readable(wakeup.fileno())
     finally:
         wakeup.close()
+
+
+def test_env_steps_by_host_holds_at_most_max_hosts_and_loses_no_step():
+    """A peer with many addresses (an IPv6 network's) cannot grow the map that every metrics
+    row and checkpoint carries: past MAX_HOSTS hosts, steps go under OTHER_HOSTS."""
+    from apex.learner.ingest import MAX_HOSTS, OTHER_HOSTS, RunCounters
+
+    counters = RunCounters()
+    for i in range(MAX_HOSTS + 500):
+        counters.add_host_steps(f"2001:db8::{i:x}", 3)
+    counters.add_host_steps("2001:db8::0", 1)  # a host counted apart stays apart
+    by_host = counters.env_steps_by_host
+    assert len(by_host) == MAX_HOSTS + 1 and by_host[OTHER_HOSTS] == 500 * 3
+    assert by_host["2001:db8::0"] == 4 and sum(by_host.values()) == (MAX_HOSTS + 500) * 3 + 1

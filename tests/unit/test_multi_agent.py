@@ -335,7 +335,7 @@ def test_forged_self_play_matches_are_refused_and_honest_ones_move_the_rating():
     from apex.multiagent.selfplay import LATEST, RANDOM, SnapshotPool, check_matches
 
     pool = SnapshotPool("shared", SelfPlayConfig(enabled=True, snapshot_every_updates=10, pool_size=2))
-    assert pool.maybe_snapshot(10, {"w": np.ones(2, np.float32)})
+    assert pool.maybe_snapshot(10, lambda: {"w": np.ones(2, np.float32)})
     issued = pool.next_id
     assert issued == 1
     for forged in (
