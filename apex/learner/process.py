@@ -167,9 +167,7 @@ class LearnerProcess:
         """Trains until a stop condition or a signal; returns the exit code."""
         with self._signals:
             try:
-                self.logdir.mkdir(parents=True, exist_ok=True)
-                if self.group is None or self.group.rank.is_leader:  # the other ranks write their shards alone
-                    self._lock_fd = hold_run_directory(self.logdir)
+                self._lock_fd = hold_run_directory(self.logdir, lock=self.group is None or self.group.rank.is_leader)
                 self._trackers = Trackers(self.config, self.logdir)
                 self._metrics = MetricsWriter(self.logdir, trackers=self._trackers)
             except BaseException:
@@ -375,8 +373,7 @@ class LearnerProcess:
             row["ranks"] = self.group.world_size
             row["group_replay_size"] = self.group_replay_size + replay_size(row)
             row["steps_without_batch_by_rank"] = [self.pace.steps_without_batch, *self.others_steps_without_batch]
-            refusals = store_refusals()
-            if refusals is not None:
+            if (refusals := store_refusals()) is not None:
                 row["group_store_refusals"] = refusals
         checkpoints = self.checkpointer.writer
         row.update(

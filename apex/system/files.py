@@ -181,13 +181,17 @@ def remove_stale_temps(directory: Path) -> int:
 _LOCK_NAME = ".learner.lock"
 
 
-def hold_run_directory(directory: Path) -> int:
-    """Takes the run directory for this process (an flock on ``directory/.learner.lock``, which
-    the kernel lets go when the process ends, however it ends) and returns the lock's fd, to
-    be kept open. Two learners writing one directory would mix their checkpoints, self-play
-    pools and metrics; the second is refused, naming the first's pid."""
+def hold_run_directory(directory: Path, lock: bool = True) -> int | None:
+    """Makes the run directory and, with ``lock``, takes it for this process (an flock on
+    ``directory/.learner.lock``, which the kernel lets go when the process ends, however it
+    ends): the lock's fd, to be kept open, or None. Two learners writing one directory would
+    mix their checkpoints, self-play pools and metrics; the second is refused, naming the
+    first's pid. (A learner group's rank 0 takes it; the other ranks write their own shards.)"""
     import fcntl
 
+    directory.mkdir(parents=True, exist_ok=True)
+    if not lock:
+        return None
     path = directory / _LOCK_NAME
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)

@@ -624,7 +624,9 @@ def test_a_stranger_on_the_host_can_neither_write_into_the_groups_store_nor_stop
         updates = last_row(logdir)["learner_updates"]
         wait_for(lambda: last_row(logdir)["learner_updates"] > updates + 200, 60, "the group to train on")
         assert ranks_of(port) == ranks  # neither rank died (nor was started again)
-        assert last_row(logdir)["group_store_refusals"] >= 1
+        refusals = last_row(logdir)["group_store_refusals"]
+        assert refusals >= 1
+        print(f"stranger: rank 0 grew {grown:.1f} MiB, {len(reached)} ports reached, {refusals} refusals counted")
         assert learner.poll() is None
     finally:
         stop_all(procs)
