@@ -10,6 +10,9 @@ Each exercises one kind of space through apex's adapters (apex.envs.spaces):
 - ``apex-test/Catch-v0``: pixels, a 40 x 40 uint8 image by default; optimum 1.0.
 - ``apex-test/Recall-v0``: memory: a cue seen on the first step only, to be named ``delay``
   steps later; optimum 1.0 for a recurrent policy, 0.0 (chance) for a feed-forward one.
+- ``apex-test/Reach-v0``: continuous control: a point steered by bounded 2-D velocities to a
+  random goal in a square; a dense distance penalty and +10 on arrival, 50 steps at most.
+  A straight path scores about 5 on average; doing nothing about -50.
 """
 
 from __future__ import annotations
@@ -192,6 +195,36 @@ class Recall(gym.Env):
         return self._observe(), 0.0, False, False, {}
 
 
+class Reach(gym.Env):
+    """A point in the square [-1, 1]^2 and a goal drawn uniformly in it: the observation is
+    (position, goal), the action a velocity in [-1, 1]^2 that moves the point ``speed`` times
+    it (held in the square). Each step costs the distance left; arriving within ``radius``
+    of the goal ends the episode with ``bonus``. The time limit (registered: 50 steps) ends
+    it otherwise: a truncation, not a termination."""
+
+    def __init__(self, speed: float = 0.1, radius: float = 0.1, bonus: float = 10.0) -> None:
+        self.speed, self.radius, self.bonus = speed, radius, bonus
+        self.observation_space = spaces.Box(-1.0, 1.0, (4,), np.float32)
+        self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def _obs(self) -> np.ndarray:
+        return np.concatenate([self.position, self.goal]).astype(np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.position = self.np_random.uniform(-1.0, 1.0, 2)
+        self.goal = self.np_random.uniform(-1.0, 1.0, 2)
+        return self._obs(), {}
+
+    def step(self, action):
+        velocity = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
+        self.position = np.clip(self.position + self.speed * velocity, -1.0, 1.0)
+        distance = float(np.linalg.norm(self.goal - self.position))
+        if distance < self.radius:
+            return self._obs(), self.bonus, True, False, {}
+        return self._obs(), -distance, False, False, {}
+
+
 def _register(env_id: str, entry_point, **kwargs) -> None:
     if env_id not in gym.registry:  # imported twice (as tests.envs and by path): once is enough
         gym.register(env_id, entry_point=entry_point, **kwargs)
@@ -202,3 +235,4 @@ _register("apex-test/DictGoal-v0", DictGoal, max_episode_steps=6)
 _register("apex-test/MultiDial-v0", MultiDial)
 _register("apex-test/Catch-v0", Catch)
 _register("apex-test/Recall-v0", Recall)
+_register("apex-test/Reach-v0", Reach, max_episode_steps=50)
