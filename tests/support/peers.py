@@ -3,6 +3,8 @@ an actor of the learner's run would send."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from apex import algos
@@ -10,6 +12,21 @@ from apex import config as config_module
 from apex.transport import ActorConnection, TransportConfig
 
 OPTIONS = TransportConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5)
+
+
+def multi_agent_batch(port: int) -> tuple[ActorConnection, Any, dict, dict]:
+    """A peer with a live session on the multi-agent learner at ``port`` and the first batch
+    its actor core made: (the peer, the core, the batch as NumPy arrays, its info)."""
+    from apex.multiagent.actor import MultiAgentActor
+
+    peer = ActorConnection("127.0.0.1", port, num_envs=2, options=OPTIONS)
+    setup = peer.handshake(timeout_s=20).fields["setup"]
+    core = MultiAgentActor(config_module.from_dict(setup["config"]), setup, setup["seed"], tick=peer.tick)
+    batch = None
+    while batch is None:
+        peer.tick()
+        batch, teams = core.act()
+    return peer, core, {name: np.array(a) for name, a in batch.items()}, core.batch_info(teams)
 
 
 def honest_batch(client: ActorConnection) -> dict:

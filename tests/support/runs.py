@@ -29,6 +29,12 @@ def metrics(logdir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def last_row(logdir: Path) -> dict:
+    """The newest metrics row, or {} before the first."""
+    rows = metrics(logdir)
+    return rows[-1] if rows else {}
+
+
 def metrics_run(directory: Path, slope: float = 1.0, config: Config | None = None) -> str:
     """A run of 1.2M env steps over 20 minutes whose return zigzags up."""
     directory.mkdir(parents=True)

@@ -20,15 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from apex import config as config_module
 from apex.bench.transport import free_base_port
-from apex.multiagent.actor import MultiAgentActor
-from apex.transport import ActorConnection
+from tests.support import processes
 from tests.support.checkpoints import rewrite_state
 from tests.support.paths import ROOT
-from tests.support.peers import OPTIONS
+from tests.support.peers import multi_agent_batch
 from tests.support.processes import kill_leftovers, wait_for
-from tests.support.runs import metrics
+from tests.support.runs import last_row
 from tests.system.test_checkpoint import Resumed
 from tests.system.test_hostile import Run, forged, honest_batch, send, trains_on_with_finite_weights
 
@@ -36,14 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def apex(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "apex", *args], cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True
-    )
-
-
-def last_row(logdir: Path) -> dict:
-    rows = metrics(logdir)
-    return rows[-1] if rows else {}
+    return processes.apex(*args, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 # -- the multi-agent wire
@@ -52,7 +43,7 @@ def last_row(logdir: Path) -> dict:
 def multi_agent_forgeries(batch: dict, info: dict, other: str) -> dict[str, tuple[dict, dict]]:
     """What a peer with a live session can send to a learner of two policies: each forgery a
     (batch, info) that a learner that believed it would train on or count."""
-    arrays = {name: np.array(a) for name, a in batch.items()}
+    arrays = dict(batch)
     steps = int(np.prod(arrays["action"].shape[:2]))  # an unroll's [T, B] steps; a transition batch's [N]
     short = {**arrays, "action": arrays["action"][:-1]}
     return {
@@ -86,14 +77,7 @@ def test_forged_multi_agent_batches_are_each_refused_and_believed_in_nothing(tmp
     peer = None
     try:
         wait_for(lambda: last_row(logdir).get("learner_updates", 0) > 20, 90, "updates")
-        peer = ActorConnection("127.0.0.1", port, num_envs=2, options=OPTIONS)
-        setup = peer.handshake(timeout_s=20).fields["setup"]
-        core = MultiAgentActor(config_module.from_dict(setup["config"]), setup, setup["seed"], tick=peer.tick)
-        batch = None
-        while batch is None:
-            peer.tick()
-            batch, teams = core.act()
-        info = core.batch_info(teams)
+        peer, core, batch, info = multi_agent_batch(port)
         other = next(name for name in ("speaker", "listener") if name != info["policy"])
         forgeries = multi_agent_forgeries(batch, info, other)
         before = last_row(logdir)["rejected_messages"]

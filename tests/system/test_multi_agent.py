@@ -13,14 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from apex import config as config_module
 from apex import load_policy
 from apex.bench.transport import free_base_port
-from apex.multiagent.actor import MultiAgentActor
-from apex.transport import ActorConnection
 from tests.support.learning import assert_reached
 from tests.support.paths import ROOT
-from tests.support.peers import OPTIONS
+from tests.support.peers import multi_agent_batch
 from tests.support.processes import apex, kill_leftovers, wait_for
 from tests.support.runs import metrics
 
@@ -111,15 +108,7 @@ def test_batches_for_an_unknown_policy_or_with_a_mask_that_allows_nothing_are_re
     peer = None
     try:
         wait_for(lambda: any(r.get("learner_updates", 0) > 50 for r in metrics(logdir)), 60, "updates")
-        peer = ActorConnection("127.0.0.1", port, num_envs=2, options=OPTIONS)
-        setup = peer.handshake(timeout_s=20).fields["setup"]
-        core = MultiAgentActor(config_module.from_dict(setup["config"]), setup, setup["seed"], tick=peer.tick)
-        batch = None
-        while batch is None:
-            peer.tick()
-            batch, teams = core.act()
-        info = core.batch_info(teams)
-        forged = {name: np.array(a) for name, a in batch.items()}
+        peer, core, forged, info = multi_agent_batch(port)
         assert peer.send_batch(forged, weights_version=0, info={**info, "policy": "nobody"}, timeout_s=20)
         empty = {**forged, "next_mask": np.zeros_like(forged["next_mask"])}
         assert peer.send_batch(empty, weights_version=0, info=info, timeout_s=20)

@@ -17,8 +17,8 @@ from apex.bench.transport import free_base_port
 from apex.checkpoint import find_latest
 from apex.transport.sessions import SessionSigner, SignedSessions
 from tests.support.learning import assert_reached
-from tests.support.processes import wait_for
-from tests.support.runs import metrics
+from tests.support.processes import rss_mib, wait_for
+from tests.support.runs import last_row, metrics
 from tests.support.stranger import stranger_sets
 
 FAST = [
@@ -294,11 +294,6 @@ def logged(log, *args: str) -> subprocess.Popen:
     )
 
 
-def last_row(logdir) -> dict:
-    rows = metrics(logdir)
-    return rows[-1] if rows else {}
-
-
 def peer(port: int, **kwargs):
     """A hostile peer with a real session: it says hello like any actor (and keeps its
     session alive by ticking, as a live actor would)."""
@@ -566,13 +561,6 @@ def test_a_batch_accepted_by_one_rank_and_resent_to_another_is_refused_and_not_c
         stop_all([learner])
 
 
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 def garbage_to_every_listener(pids) -> list[int]:
     """A burst of random bytes, then a hang-up, on every TCP port the ``pids`` listen on
     (gloo's, ZeroMQ's, the store's): the ports it reached."""
@@ -597,19 +585,8 @@ def test_a_stranger_on_the_host_can_neither_write_into_the_groups_store_nor_stop
     torch's TCPStore every set succeeded and rank 0 grew by 141 MiB.)"""
     port = free_base_port(span=6)
     logdir = tmp_path / "run"
-    learner = logged(
-        tmp_path / "learner.log",
-        "learner",
-        "--ranks",
-        "2",
-        "--port",
-        str(port),
-        "--logdir",
-        str(logdir),
-        "--stop-seconds",
-        "300",
-        *FAST,
-    )
+    group = ["--ranks", "2", "--port", str(port), "--logdir", str(logdir), "--stop-seconds", "300", *FAST]
+    learner = logged(tmp_path / "learner.log", "learner", *group)
     actor = logged(tmp_path / "actor.log", "actor", "--learner", f"127.0.0.1:{port}", *FAST[:4])
     procs = [learner, actor]
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from apex.client import PolicyClient, PolicyServerError
 from tests.multiagent_envs import Relay
-from tests.support.processes import wait_for
+from tests.support.processes import rss_mib, wait_for
 from tests.support.runs import metrics
 from tests.system.test_serve import TOKEN, start_served, stop
 
@@ -127,13 +127,6 @@ def test_an_agent_that_ended_in_a_team_episode_can_neither_act_nor_end_again(ser
         assert client.health()["env_steps"] == steps  # nothing moved: late's step was refused with it
         assert client.get_action(team, {"late": [2.0]}).keys() == {"late"}  # the others play on
         client.end_episodes([team], [{"late": [3.0]}], [{"late": True}], [False])
-
-
-def rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_hostile_team_requests_are_each_a_clear_4xx_and_move_nothing(served):
