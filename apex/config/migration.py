@@ -35,6 +35,7 @@ MOVED_KEYS = {
         for key in ("eps_base", "eps_alpha", "eps_repeat_mu", "eval_envs", "eval_epsilon", "chunk_transitions")
     },
     ("actor", "weights_update_steps"): "{algo}.weights_update_steps",
+    ("appo", "normalize_advantages"): "impala.normalize_advantages",  # IMPALA's too, since issue 47
 }
 MOVED_SECTIONS = {"replay": "apex_dqn.replay"}
 

@@ -95,6 +95,12 @@ class EnvConfig:
     as the environment gives them. Keeps values near 1 where rewards are large or many
     (Acrobot's -1 a step for 500 steps: values near -100, which a shared IMPALA torso fits
     at the policy's expense)."""
+    normalize_reward: bool | str = "auto"
+    """IMPALA and APPO: divide training rewards (after reward_scale) by a running standard
+    deviation of the discounted return, each actor its own (as VecNormalize), clipped to
+    +-10; reported returns stay as the environment gives them. ``auto``: on for continuous
+    (Box) actions, off for discrete ones (their presets were tuned without it). Ape-X keeps
+    it off: its replay would mix rewards scaled at different times (use reward_scale)."""
 
     @property
     def is_atari(self) -> bool:
@@ -131,6 +137,10 @@ class EnvConfig:
             (
                 self.max_episode_steps is None or self.max_episode_steps >= 1,
                 f"env.max_episode_steps must be >= 1 or null, got {self.max_episode_steps}",
+            ),
+            (
+                self.normalize_reward in (True, False, "auto"),
+                f"env.normalize_reward must be true, false or auto, got {self.normalize_reward!r}",
             ),
             (
                 self.action_bounds in ("clip", "squash"),
@@ -332,6 +342,14 @@ class Config:
                     "bounds already): use env.action_bounds: clip"
                 ]
                 if self.algo == "apex_ddpg" and self.env.action_bounds == "squash"
+                else []
+            ),
+            *(
+                [
+                    f"env.normalize_reward true needs algo impala or appo ({self.algo} keeps rewards in its replay): "
+                    "use env.reward_scale to bring its rewards near 1"
+                ]
+                if self.algo in ("apex_dqn", "apex_ddpg") and self.env.normalize_reward is True
                 else []
             ),
             *self.transport.problems(),

@@ -55,6 +55,13 @@ class EnvSpec:
         or the space's finite bounds and 1e6 elsewhere: ``apex.wire.schema.observation_bound``)."""
         return observation_bound(self.frame_bound, max_abs_obs)
 
+    def resolve_auto(self, setting: bool | str) -> bool:
+        """A setting whose default is ``auto`` (env.normalize_reward,
+        impala.normalize_advantages) for this task: on for continuous (Box) actions, where
+        issue 47 measured that it matters, off for discrete ones (their presets were tuned
+        without it); true or false as given otherwise."""
+        return self.continuous if setting == "auto" else bool(setting)
+
     @property
     def is_image(self) -> bool:
         return len(self.frame_shape) > 1

@@ -1,5 +1,5 @@
-"""Continuous (Box) actions for IMPALA end to end: Pendulum learned by real `apex run`
-processes, and squashed actions through a real run."""
+"""Continuous (Box) actions for IMPALA and APPO end to end: the point-reaching task and
+Pendulum learned by real `apex run` processes, and squashed actions through a real run."""
 
 from __future__ import annotations
 
@@ -7,9 +7,50 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from apex.bench.transport import free_base_port
 from tests.support.learning import assert_reached
 from tests.support.paths import ROOT
+
+
+@pytest.mark.parametrize("algo", ["impala", "appo"])
+def test_the_defaults_learn_to_reach_a_goal(tmp_path, algo):
+    """apex-test/Reach-v0 with nothing but --algo (issue 47): a mean return of 0 over 100
+    episodes, which random actions (-52) and a policy that ignores the goal do not reach.
+    Measured 1.5-2 s and 65-100k env steps here for either; SB3's PPO 9 s, 24.5k steps."""
+    logdir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "apex",
+            "run",
+            "--env",
+            "tests.envs:apex-test/Reach-v0",
+            "--allow-import",
+            "tests",
+            "--algo",
+            algo,
+            "--logdir",
+            str(logdir),
+            "--port",
+            str(free_base_port()),
+            "--stop-return",
+            "0",
+            "--stop-seconds",
+            "60",
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((logdir / "summary.json").read_text())
+    print(f"Reach {algo}: {summary['stop_reason']}, {summary['env_steps']} env steps, {summary['wall_seconds']} s")
+    assert_reached(summary, 0)
 
 
 def test_impala_learns_pendulum_to_minus_250_within_5_minutes(tmp_path):

@@ -37,14 +37,14 @@ KL_STEP, KL_TOLERANCE = 2.0, 1.5
 KL_COEFF_RANGE = (1e-8, 1e8)  # bounds, so that a long stretch off target cannot run it away
 
 
-def surrogate_settings(config: Config) -> SurrogateSettings:
+def surrogate_settings(config: Config, spec: EnvSpec) -> SurrogateSettings:
     im, ap = config.impala, config.appo
     return SurrogateSettings(
         ap.clip,
         ap.kl_coeff,
         ap.value_clip,
         ap.advantages,
-        ap.normalize_advantages,
+        spec.resolve_auto(im.normalize_advantages),
         ap.gae_lambda,
         im.rho_bar,
         im.c_bar,
@@ -63,7 +63,7 @@ class AppoLearner(ImpalaLearner):
         # True while the target holds the network's weights: its outputs are then the network's
         # own, detached, and its forward pass is skipped (every target_update_every-th update).
         self._target_is_net = True
-        self.settings = surrogate_settings(config)
+        self.settings = surrogate_settings(config, spec)
         self.kl_coeff = ap.kl_coeff  # adapted by finish() where appo.kl_target is set
         self.steps = 0  # optimizer steps taken, skipped ones too: the target network's clock
         self.steps_per_batch = ap.epochs * ap.minibatches

@@ -25,7 +25,7 @@ v_t its value targets (IMPACT: the target network's ratios to mu, so that the su
 ratio is against a policy that moves slowly); ``gae``, generalised advantage estimation,
 A_t = sum_l (prod gamma lambda) delta_{t+l}, delta_t = r_t + gamma_t V(x_{t+1}) - V(x_t), and
 v_t = A_t + V(x_t), uncorrected for the actors' lag. V here is the trained network's value,
-without gradient; targets and advantages carry no gradient. With ``normalize_advantages`` the
+without gradient; targets and advantages carry no gradient. With ``impala.normalize_advantages`` the
 advantages of a minibatch are scaled to mean 0 and standard deviation 1 (as PPO's reference
 implementations and Sample Factory do), so that the entropy bonus and the clip mean the same
 whatever the scale of the rewards.
@@ -38,12 +38,11 @@ from typing import NamedTuple
 
 import torch
 
-from apex.algos.impala.loss import vtrace
+from apex.algos.impala.loss import normalized, vtrace
 from apex.envs.make import EnvSpec
 from apex.nets.torch_nets import log_prob_and_entropy, log_probs
 
 MAX_TARGET_WEIGHT = 2.0
-ADVANTAGE_EPS = 1e-8  # a batch of equal advantages normalizes to zeros
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ def appo_loss(
             lam = settings.gae_lambda
             targets, advantages = gae(rewards, discounts, values[:-1].detach(), values[-1].detach(), lam)
         if settings.normalize_advantages:
-            advantages = (advantages - advantages.mean()) / (advantages.std(correction=0) + ADVANTAGE_EPS)
+            advantages = normalized(advantages)
     # pi / pi_old, as (pi / mu) (mu / pi_old) with the second factor at most MAX_TARGET_WEIGHT
     ratio = torch.exp(logp - behaviour_logp) * torch.exp(behaviour_logp - old_logp).clamp(max=MAX_TARGET_WEIGHT)
     clipped = ratio.clamp(1.0 - settings.clip, 1.0 + settings.clip)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 from apex.algos.chunks import FrameTrack, frame_offsets
+from apex.algos.reward_normalizer import RewardNormalizer
 from apex.config import Config
 from apex.envs.make import EnvSpec, FrameStacker, VectorEnv
 from apex.nets.gaussian import LOG_2PI
@@ -69,7 +70,10 @@ class ImpalaActor:
         self.stacker = FrameStacker(self.num_envs, self.spec.stack, self.spec.frame_shape, self.spec.frame_dtype)
         self.rng = np.random.default_rng(seed)
         self.gamma = config.impala.gamma
+        normalize = self.spec.resolve_auto(config.env.normalize_reward)
+        self.reward_normalizer = RewardNormalizer(self.gamma) if normalize else None
         T, K = config.impala.unroll_length, self.num_envs
+        self._normalizer_returns = np.zeros(K)  # each environment's discounted return (env.normalize_reward)
         self.action = np.zeros((K, T, *self.spec.action_shape), self.spec.action_dtype)
         self.reward = np.zeros((K, T), np.float32)
         self.discount = np.zeros((K, T), np.float32)
@@ -108,6 +112,9 @@ class ImpalaActor:
         self._returns += rewards
         self._lengths += 1
         train_rewards = train_reward(rewards, self.config)
+        if self.reward_normalizer is not None:
+            train_rewards, returns = self.reward_normalizer.normalize(train_rewards, self._normalizer_returns)
+            self._normalizer_returns = np.where(terminated | truncated, 0.0, returns)
         discount = np.where(terminated | truncated, 0.0, self.gamma)
         truncated_only = [i for i in final if truncated[i] and not terminated[i]]
         if truncated_only:  # bootstrap the cut-off episode from the actor's value estimate

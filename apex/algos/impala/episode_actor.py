@@ -23,6 +23,7 @@ import numpy as np
 from apex.algos.chunks import FrameTrack, frame_offsets
 from apex.algos.impala.actor import sample, train_reward
 from apex.algos.masks import MASKED_LOGIT, episode_masks, masked_values
+from apex.algos.reward_normalizer import RewardNormalizer
 from apex.config import Config
 from apex.envs.make import EnvSpec
 from apex.envs.spaces import box_actions, box_samples
@@ -88,6 +89,8 @@ class ImpalaEpisodeActor:
             self._preimage = box_samples(spec.action_low, spec.action_high, how)
         self.rng = np.random.default_rng(seed)
         self.gamma = config.impala.gamma
+        normalize = spec.resolve_auto(config.env.normalize_reward)
+        self.reward_normalizer = RewardNormalizer(self.gamma) if normalize else None
         self.T = config.impala.unroll_length
         self.max_unrolls = setup["num_envs"]  # per batch: the learner's limit for this session
         self.weights_version = -1
@@ -101,7 +104,11 @@ class ImpalaEpisodeActor:
 
     def begin(self, episode: Episode) -> None:
         core = self.net.initial_state(1)
-        episode.state = {"value": 0.0, "core": None if core is None else (core[0][0], core[1][0])}
+        episode.state = {
+            "value": 0.0,
+            "core": None if core is None else (core[0][0], core[1][0]),
+            "return": 0.0,  # discounted, for env.normalize_reward
+        }
         slot = _slot(episode)
         if slot not in self._rows:
             row = self._rows[slot] = _Row(self.T, self.spec)
@@ -137,7 +144,7 @@ class ImpalaEpisodeActor:
             row = self._rows[_slot(episode)]
             frame = obs[i, -1]
             if episode.acted:  # the outcome of its step t, then its next observation
-                self._finish_step(row, float(train_reward(episode.reward, self.config)), False)
+                self._finish_step(row, self._train_reward(episode), False)
                 row.track.push(frame)
             else:  # a new episode's first observation (a full stack of it)
                 row.track.begin(frame)
@@ -163,7 +170,7 @@ class ImpalaEpisodeActor:
         for i, episode in enumerate(episodes):
             row = self._rows[_slot(episode)]
             # a time limit: the future is worth gamma * V(final observation), as a local actor does
-            reward = float(train_reward(episode.reward, self.config)) + self.gamma * float(final_values.get(i, 0.0))
+            reward = self._train_reward(episode) + self.gamma * float(final_values.get(i, 0.0))
             self._finish_step(row, reward, True)
             row.records.append(episode_record(episode, True))
             if row.t == self.T:  # complete but for its bootstrap step, which discount 0 ignores
@@ -181,6 +188,16 @@ class ImpalaEpisodeActor:
             row.reward[row.t - 1] += self.gamma * episode.state["value"]
             row.discount[row.t - 1] = 0.0
             row.done[row.t - 1] = 1
+
+    def _train_reward(self, episode: Episode) -> float:
+        """The reward of the episode's last step as trained on (``train_reward``, then
+        env.normalize_reward's scaling with the episode's discounted return so far)."""
+        reward = float(train_reward(episode.reward, self.config))
+        if self.reward_normalizer is None:
+            return reward
+        scaled, returns = self.reward_normalizer.normalize(np.array([reward]), np.array([episode.state["return"]]))
+        episode.state["return"] = float(returns[0])
+        return float(scaled[0])
 
     def _finish_step(self, row: _Row, reward: float, ended: bool) -> None:
         row.reward[row.t] = reward

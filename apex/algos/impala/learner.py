@@ -142,6 +142,7 @@ class ImpalaLearner:
         self._per_unroll = self._per_step + (("core_h", "core_c") if self.recurrent else ())  # what insert keeps
         self._offsets = np.arange(spec.stack)
         self.schema = batch_schema(spec, config)
+        self.normalize_advantages = spec.resolve_auto(im.normalize_advantages)
 
     def batch_limits(self, num_envs: int) -> dict[str, int]:
         return batch_limits(num_envs, self.spec, self.config)
@@ -246,6 +247,7 @@ class ImpalaLearner:
             im.baseline_cost,
             im.entropy_cost,
             self.spec,
+            self.normalize_advantages,
         )
         results = optim.guarded_step(
             self.optimizer,

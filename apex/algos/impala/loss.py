@@ -52,6 +52,14 @@ def vtrace(
     return VTraceReturns(vs, pg_advantages)
 
 
+ADVANTAGE_EPS = 1e-8  # a batch of equal advantages normalizes to zeros
+
+
+def normalized(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages scaled to mean 0 and standard deviation 1 over the batch (impala.normalize_advantages)."""
+    return (advantages - advantages.mean()) / (advantages.std(correction=0) + ADVANTAGE_EPS)
+
+
 class LossOutput(NamedTuple):
     loss: torch.Tensor
     pg_loss: torch.Tensor
@@ -71,10 +79,12 @@ def impala_loss(
     baseline_cost: float,
     entropy_cost: float,
     spec: EnvSpec,
+    normalize_advantages: bool = False,
 ) -> LossOutput:
     """The V-trace actor-critic loss. A MultiDiscrete policy is a product of independent
     categoricals, a continuous one of independent Gaussians: log pi(a | x) and the entropy
-    are sums over the components."""
+    are sums over the components. With ``normalize_advantages`` the policy gradient's
+    advantages are ``normalized`` over the batch (the value targets are not)."""
     target_logp, policy_entropy = log_prob_and_entropy(params[:-1], actions, spec)  # [T, B] each
     returns = vtrace(
         behaviour_logp,
@@ -86,7 +96,8 @@ def impala_loss(
         rho_bar,
         c_bar,
     )
-    pg_loss = -(target_logp * returns.pg_advantages).mean()
+    advantages = normalized(returns.pg_advantages) if normalize_advantages else returns.pg_advantages
+    pg_loss = -(target_logp * advantages).mean()
     baseline_loss = 0.5 * ((returns.vs - values[:-1]) ** 2).mean()
     policy_entropy = policy_entropy.mean()
     loss = pg_loss + baseline_cost * baseline_loss - entropy_cost * policy_entropy
