@@ -153,7 +153,7 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
     ``keep``). The record is written whole, then renamed, so a stop mid-write leaves no half
     record to be read back."""
     name = f"{task}-{algo}-{seed}"
-    config = config_module.load(f"{task}_{PRESET_SUFFIX[algo]}").to_dict()
+    config = _task_config(task, algo)
     record = base / f"{name}.json"
     if keep and record.exists():
         try:
@@ -176,6 +176,14 @@ def _recorded_or_run(task: str, algo: str, seed: int, limit_s: float, base: Path
     return run
 
 
+def _task_config(task: str, algo: str) -> dict[str, Any]:
+    """The config a task's run has: its preset's, or the algorithm's defaults on its env."""
+    spec = TASKS[task]
+    if spec.preset:
+        return config_module.load(f"{task}_{PRESET_SUFFIX[algo]}").to_dict()
+    return config_module.load_dict({"algo": algo, "env": {"id": spec.env_id}}).to_dict()
+
+
 def _resolved(recorded: object) -> dict[str, Any] | None:
     """A record's config with every key the record predates at its default (a key added
     since, at its default, leaves a run as it was), or None if it no longer loads."""
@@ -196,8 +204,7 @@ def _run_one(task: str, algo: str, seed: int, limit_s: float, logdir: Path) -> d
         "-m",
         "apex",
         "run",
-        "--config",
-        f"{task}_{PRESET_SUFFIX[algo]}",
+        *spec.run_args(task, algo),
         "--seed",
         str(seed),
         "--stop-return",

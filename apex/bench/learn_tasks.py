@@ -17,6 +17,17 @@ class Task:
     target_s: dict[str, float | None]  # by algorithm: issue 15's goal for the time to it (None: report only)
     minutes: float  # time limit per run unless --minutes
     reference: str  # a published figure to compare with, and its source
+    # False: no preset, `apex run --env ENV_ID --algo A` (the algorithm's defaults), with
+    # --allow-import for a module:Id of ours (the test envs: run from a checkout)
+    preset: bool = True
+    allow_import: str | None = None
+
+    def run_args(self, task: str, algo: str) -> list[str]:
+        """`apex run`'s arguments for this task and algorithm (before --seed and the stops)."""
+        if self.preset:
+            return ["--config", f"{task}_{PRESET_SUFFIX[algo]}"]
+        extra = ["--allow-import", self.allow_import] if self.allow_import else []
+        return ["--env", self.env_id, "--algo", algo, *extra]
 
 
 def _every(value: T) -> dict[str, T]:
@@ -82,10 +93,31 @@ TASKS = {
     ),
     "bipedalwalker": Task(
         "BipedalWalker-v3",
-        {"apex_ddpg": 300.0},
-        {"apex_ddpg": None},
+        {"impala": 300.0, "appo": 300.0, "apex_ddpg": 300.0},
+        {"impala": None, "appo": None, "apex_ddpg": None},
         20.0,
-        "300 is the environment's own definition of solved (Gymnasium's BipedalWalker docs)",
+        "300 is the environment's own definition of solved (Gymnasium's BipedalWalker docs); "
+        "rl-zoo PPO 213 at 5M steps, SAC 297 at 500k (benchmark.md)",
+    ),
+    # Issue 47: the continuous rows with each algorithm's defaults (no preset), beside SB3's
+    # PPO and SAC measured with tests/support/sb3_peer.py on the same machine.
+    "reach": Task(
+        "tests.envs:apex-test/Reach-v0",
+        {"impala": 0.0, "appo": 0.0, "apex_ddpg": 0.0},
+        {"impala": None, "appo": None, "apex_ddpg": None},
+        2.0,
+        "SB3 PPO (8 envs, n_steps 256): 0 in 8.6-10.1 s, 24-25k env steps here; random actions -52",
+        preset=False,
+        allow_import="tests",
+    ),
+    "mountaincarcontinuous": Task(
+        "MountainCarContinuous-v0",
+        {"impala": 90.0, "appo": 90.0, "apex_ddpg": 90.0},
+        {"impala": None, "appo": None, "apex_ddpg": None},
+        5.0,
+        "rl-zoo SAC 94.6 at 50k steps, PPO 91.3 at 20k (benchmark.md); 90 is the task's own "
+        "solved: a policy near 0 avoids the action cost (-0.1 a^2 a step) and never finds the flag",
+        preset=False,
     ),
     # Multi-agent (PettingZoo): the run's return_mean_100 is the team's (simple_spread) or,
     # in self-play, the learning seat's against a uniformly random player (tictactoe).

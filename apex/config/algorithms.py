@@ -310,10 +310,12 @@ class AppoConfig:
     longer in updates; on CartPole with 2 actors, 2 passes let the policy collapse)."""
     minibatches: int = 2
     """Minibatches (of unrolls) each pass splits a batch into: an update each."""
-    replay_ratio: int = 1
+    replay_ratio: int = 2
     """Batches each unroll may be part of: above 1, a batch is topped up from the circular
     buffer of unrolls already trained on (uniformly) when too few new ones wait, and an unroll
-    leaves the buffer after this many (impala.queue_size bounds the buffer)."""
+    leaves the buffer after this many (impala.queue_size bounds the buffer). 2 (issue 47, 3
+    seeds, 2 actors): apex-test/Reach-v0 to 0 in a median 52k env steps against 67k at 1;
+    CartPole's defaults to 475 in 10-19 s either way. The presets say theirs."""
 
     def problems(self, batch_unrolls: int) -> list[str]:
         """Every value out of range."""

@@ -154,3 +154,23 @@ def test_bench_learn_runs_dir_reruns_a_retuned_preset_and_names_a_broken_record(
     record.write_text("{not json")
     with pytest.raises(ApexError, match="cannot read .*cartpole-apex_dqn-0.json.*delete it"):
         learn.run(tasks="cartpole", algos="apex_dqn", seeds=1, seconds=30, runs_dir=str(tmp_path))
+
+
+def test_a_task_without_a_preset_runs_the_algorithms_defaults_on_its_env(tmp_path, monkeypatch):
+    """The reach row (issue 47) is `apex run --env ... --algo A` as a new user types it, its
+    test env imported where allowed; its record keeps the defaults' config."""
+    assert learn.TASKS["reach"].run_args("reach", "appo") == [
+        "--env",
+        "tests.envs:apex-test/Reach-v0",
+        "--algo",
+        "appo",
+        "--allow-import",
+        "tests",
+    ]
+    assert learn.TASKS["pendulum"].run_args("pendulum", "appo") == ["--config", "pendulum_appo"]
+    calls = []
+    monkeypatch.setattr(learn, "_run_one", _fake_run(calls))
+    learn.run(tasks="reach", algos="appo", seeds=1, seconds=30, runs_dir=str(tmp_path))
+    record = json.loads((tmp_path / "reach-appo-0.json").read_text())
+    assert record["config"]["algo"] == "appo" and record["config"]["env"]["id"] == "tests.envs:apex-test/Reach-v0"
+    assert record["config"]["appo"]["replay_ratio"] == 2  # the defaults, not a preset's

@@ -12,6 +12,7 @@ import torch
 from apex import config as config_module
 from apex.algos.impala import learner as impala
 from apex.algos.impala.episode_actor import ImpalaEpisodeActor
+from apex.algos.reward_normalizer import RewardNormalizer
 from apex.envs.make import env_spaces
 from apex.nets.torch_nets import PolicyValueNetwork, log_prob_and_entropy, numpy_weights
 from apex.serve.episodes import ExternalEpisodes, RequestError
@@ -123,6 +124,32 @@ def test_continuous_actions_come_back_bounded_and_client_actions_are_kept_with_t
     mean, log_std = params.chunk(2, dim=-1)
     reference = torch.distributions.Normal(mean, log_std.exp()).log_prob(torch.from_numpy(batch["action"][0]))
     np.testing.assert_allclose(batch["behaviour_logp"][0], reference.sum(-1).numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("normalize", ["auto", "false"])
+def test_served_continuous_rewards_are_normalized_as_a_local_actors(normalize):
+    """env.normalize_reward (auto: on for Box actions) in served episodes: the rewards in the
+    unroll are the client's through a RewardNormalizer fed each episode's own stream, two
+    episodes side by side; off, they are the client's."""
+    episodes, _ = served("env.id=Pendulum-v1", f"env.normalize_reward={normalize}", max_episodes=2)
+    pair = episodes.start(2)
+    rewards = np.array([[-3.0, -0.5], [-2.0, -1.5], [-4.0, -0.25], [-1.0, -2.0]])
+    for t in range(T + 1):
+        obs = [[np.cos(0.3 * t), np.sin(0.3 * t), 0.1 * i] for i in range(2)]
+        episodes.act(pair, obs, None if t == 0 else list(rewards[t - 1]))
+    ((batch, _),) = episodes.take(flush=True)
+    if normalize == "false":
+        np.testing.assert_allclose(batch["reward"], rewards.T)
+        return
+    normalizer, returns, expected = RewardNormalizer(0.9), np.zeros(2), []
+    for t in range(T):
+        scaled = []
+        for i in range(2):  # one episode at a time, as the requests' steps come in
+            value, (returns[i],) = normalizer.normalize(rewards[t, i : i + 1], returns[i : i + 1])
+            scaled.append(value[0])
+        expected.append(scaled)
+    np.testing.assert_allclose(batch["reward"], np.array(expected).T, rtol=1e-5)
+    assert not np.allclose(batch["reward"], rewards.T)
 
 
 def test_a_categorical_policy_still_refuses_client_actions():
