@@ -164,9 +164,10 @@ def test_apex_dqn_learns_catch_from_pixels_storing_each_frame_once(tmp_path):
 def test_impala_learns_catch_from_pixels(tmp_path):
     # One frame shows where the ball and the paddle are (the ball falls straight down): with
     # the default stack of 4 the run took 25-100 s and sometimes the whole 180 s under CI's
-    # load; with 1, 14-31 s over seeds 1-4.
+    # load; with 1, 14-31 s over seeds 1-4, but seed 0 took 32-116 s in three runs here and one
+    # CI run stopped at 180 s with a best of 0.88: 300 s keeps the test about learning, not speed.
     summary, _, _ = apex_run(
-        tmp_path / "run", "tests.envs:apex-test/Catch-v0", 0.9, 180, *IMPALA_SMALL, "--set", "env.frame_stack=1"
+        tmp_path / "run", "tests.envs:apex-test/Catch-v0", 0.9, 300, *IMPALA_SMALL, "--set", "env.frame_stack=1"
     )
     assert_reached(summary, 0.9)
 
