@@ -13,9 +13,14 @@ Each exercises one kind of space through apex's adapters (apex.envs.spaces):
 - ``apex-test/Reach-v0``: continuous control: a point steered by bounded 2-D velocities to a
   random goal in a square; a dense distance penalty and +10 on arrival, 50 steps at most.
   A straight path scores about 5 on average; doing nothing about -50.
+
+``SlowSteps`` (``env.wrappers: [{type: tests.envs.SlowSteps, kwargs: {seconds: S}}]``) makes
+any environment take at least S seconds a step: actors slower than their learner.
 """
 
 from __future__ import annotations
+
+import time
 
 import gymnasium as gym
 import numpy as np
@@ -223,6 +228,18 @@ class Reach(gym.Env):
         if distance < self.radius:
             return self._obs(), self.bonus, True, False, {}
         return self._obs(), -distance, False, False, {}
+
+
+class SlowSteps(gym.Wrapper):
+    """Sleeps ``seconds`` in every step."""
+
+    def __init__(self, env: gym.Env, seconds: float) -> None:
+        super().__init__(env)
+        self.seconds = seconds
+
+    def step(self, action):
+        time.sleep(self.seconds)
+        return self.env.step(action)
 
 
 def _register(env_id: str, entry_point, **kwargs) -> None:

@@ -125,7 +125,7 @@ class ReplayLearner(Generic[NetworkT]):
             extra_fields=extra_fields,
             action_field=(spec.action_shape, spec.action_dtype),
         )
-        self.limiter = RateLimiter(replay.samples_per_insert, replay.min_size, replay.rate_slack)
+        self.limiter = RateLimiter(settings.replay_ratio, replay.min_size, replay.rate_slack)
         self.stager = DeviceStager(self.device)
         self.prefetch_batches = settings.prefetch_batches or prefetch_depth(spec, settings.batch_size)
         self.all_reduce: GradientAllReduce | None = (
@@ -300,6 +300,13 @@ class ReplayLearner(Generic[NetworkT]):
     def memory_nbytes(self) -> int:
         return self.replay.nbytes
 
+    def replay_ratio(self) -> float | None:
+        """Transitions trained per transition inserted since training could start (None
+        before): the ratio the limiter holds, as the updates saw it (steps skipped for a
+        non-finite loss count: their samples were drawn)."""
+        trained_on = self.limiter.inserts - self.limiter.min_size
+        return round(self.steps * self.settings.batch_size / trained_on, 3) if trained_on > 0 else None
+
     def metrics(self) -> dict[str, Any]:
         return {
             "replay_size": len(self.replay),
@@ -308,6 +315,8 @@ class ReplayLearner(Generic[NetworkT]):
             "replay_bytes_per_transition": round(self.replay.bytes_per_transition, 1),
             "replay_nbytes_mb": round(self.replay.nbytes / 2**20, 1),
             "inserted": self.limiter.inserts,
+            "replay_ratio": self.replay_ratio(),
+            "replay_ratio_target": self.limiter.samples_per_insert,
             "skipped_updates": self.skipped_updates,
             "dropped_transitions": self.dropped_transitions,
             "capped_priorities": self.capped_priorities,

@@ -51,7 +51,7 @@ CASES: dict[str, tuple[list[str], Callable[[], dict[str, np.ndarray]], int]] = {
     ),
 }
 UNLIMITED = [
-    "apex_dqn.replay.samples_per_insert=1e-9",
+    "apex_dqn.replay_ratio=1e-9",
     "apex_dqn.replay.rate_slack=1000000000000",
     "apex_dqn.replay.min_size=1000",
     "learner.metrics_interval_s=5",

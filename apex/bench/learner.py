@@ -63,7 +63,7 @@ def _learner(spec: EnvSpec, make_chunk: MakeChunk, device: str) -> ApexDqnLearne
             f"apex_dqn.batch_size={BATCH}",
             "apex_dqn.replay.capacity=20000",
             "apex_dqn.replay.min_size=1000",
-            "apex_dqn.replay.samples_per_insert=1e-9",
+            "apex_dqn.replay_ratio=1e-9",
             "apex_dqn.replay.rate_slack=1000000000000",
             f"learner.device={device}",
         ],

@@ -89,8 +89,8 @@ def _add_learn_options(bench: argparse.ArgumentParser) -> None:
         metavar="T,T,...",
         help="tasks to learn: cartpole, acrobot, mountaincar, lunarlander (Box2D extra), minatar_breakout, "
         "minatar_spaceinvaders, minatar_asterix, minatar_freeway, minatar_seaquest (minatar extra), "
-        "with continuous actions (IMPALA, APPO, Ape-X DDPG) pendulum, lunarlandercontinuous (Box2D), "
-        "bipedalwalker (Box2D; Ape-X DDPG only), and "
+        "with continuous actions (IMPALA, APPO, Ape-X DDPG) reach (a test env of apex's), pendulum, "
+        "mountaincarcontinuous, lunarlandercontinuous (Box2D), bipedalwalker (Box2D), and "
         "multi-agent tictactoe (self-play), simple_spread (multiagent extra) (default: all)",
     )
     learn.add_argument("--algos", metavar="A,A,...", help=f"{', '.join(ALGOS)} (default: every one)")

@@ -11,6 +11,7 @@ from typing import Any
 
 MAX_CHUNK_TRANSITIONS = 100_000
 MAX_UNROLL_LENGTH = 10_000
+MAX_REPLAY_RATIO = 1_000.0
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,9 @@ class ReplayConfig:
     """Added to every priority so that no transition becomes unsampleable."""
     min_size: int = 2_000
     """Transitions stored before training starts."""
-    samples_per_insert: float = 4.0
-    """Target ratio of sampled to inserted transitions (Reverb's SampleToInsertRatio)."""
     rate_slack: int = 20_000
-    """How far, in samples, either side may run ahead of that ratio before it waits."""
+    """How far, in samples, either side may run ahead of the section's replay_ratio before it
+    waits."""
     frame_capacity: int | None = None
     """Frames kept for stacked observations (None: capacity + an eighth + 4096)."""
 
@@ -45,7 +45,6 @@ class ReplayConfig:
                     1 <= self.min_size <= self.capacity,
                     f"{r}.min_size must be in 1..{r}.capacity ({self.capacity}), got {self.min_size}",
                 ),
-                (self.samples_per_insert > 0, f"{r}.samples_per_insert must be > 0, got {self.samples_per_insert}"),
                 (
                     self.rate_slack >= batch_size,
                     f"{r}.rate_slack must be >= {section}.batch_size ({batch_size}), got {self.rate_slack}",
@@ -72,6 +71,10 @@ def replay_section_problems(s: Any, section: str, num_envs: int | None) -> list[
     checks = (
         (s.batch_size >= 1, f"{section}.batch_size must be >= 1, got {s.batch_size}"),
         (s.lr > 0, f"{section}.lr must be > 0, got {s.lr}"),
+        (
+            0 < s.replay_ratio <= MAX_REPLAY_RATIO,
+            f"{section}.replay_ratio must be in (0, {MAX_REPLAY_RATIO}], got {s.replay_ratio}",
+        ),
         (s.adam_eps > 0, f"{section}.adam_eps must be > 0, got {s.adam_eps}"),
         (0 <= s.gamma <= 1, f"{section}.gamma must be in [0, 1], got {s.gamma}"),
         (s.n_step >= 1, f"{section}.n_step must be >= 1, got {s.n_step}"),
@@ -104,6 +107,11 @@ class ApexDqnConfig:
     """Transitions per update."""
     lr: float = 2e-3
     """Adam learning rate."""
+    replay_ratio: float = 4.0
+    """Transitions trained per transition inserted (each env step inserts one): the learner
+    holds it, within replay.rate_slack samples, whether the actors are faster (their chunks
+    wait: ZeroMQ's queues throttle them) or slower (the learner waits for data) than it; the
+    ratio achieved is the metric replay_ratio (Reverb's SampleToInsertRatio)."""
     adam_eps: float = 1.5e-4
     """Adam epsilon."""
     gamma: float = 0.99

@@ -13,11 +13,7 @@ NOISE_KINDS = ("gaussian", "ou")
 
 
 def _ddpg_replay() -> ReplayConfig:
-    # TD3 takes one update of 256 per environment step (256 samples per insert); here the
-    # actors would outrun the learner, and the ratio is what holds them back. 32: Pendulum-v1
-    # to -200 in 47 s on 2 cores (64: -304 after 150 s, each transition trained on twice as
-    # often but half as many reaching the replay, and seconds staler).
-    return ReplayConfig(capacity=1_000_000, samples_per_insert=32.0, min_size=2_000, rate_slack=20_000)
+    return ReplayConfig(capacity=1_000_000, min_size=2_000, rate_slack=20_000)
 
 
 @dataclass(frozen=True)
@@ -30,6 +26,12 @@ class ApexDdpgConfig:
     """Transitions per update."""
     lr: float = 1e-3
     """Adam learning rate of the critics."""
+    replay_ratio: float = 32.0
+    """Transitions trained per transition inserted, held by the learner (as apex_dqn.replay_ratio).
+    TD3 takes one update of 256 per environment step (256); here the actors would outrun the
+    learner, and the ratio is what holds them back. 32: Pendulum-v1 to -200 in 47 s on 2 cores
+    (64: -304 after 150 s, each transition trained on twice as often but half as many reaching
+    the replay, and seconds staler)."""
     actor_lr: float | None = None
     """Adam learning rate of the policy (null: lr)."""
     adam_eps: float = 1e-8

@@ -36,6 +36,8 @@ MOVED_KEYS = {
     },
     ("actor", "weights_update_steps"): "{algo}.weights_update_steps",
     ("appo", "normalize_advantages"): "impala.normalize_advantages",  # IMPALA's too, since issue 47
+    # the ratio is the algorithm's, since issue 48 (a key in a subsection: "replay.<key>")
+    **{(algo, "replay.samples_per_insert"): f"{algo}.replay_ratio" for algo in ("apex_dqn", "apex_ddpg")},
 }
 MOVED_SECTIONS = {"replay": "apex_dqn.replay"}
 
@@ -73,10 +75,21 @@ def move_older_keys(raw: Any, algo: str, moved: list[str]) -> Any:
     for section in [s for s in MOVED_SECTIONS if s in raw]:
         _put(raw, MOVED_SECTIONS[section], raw.pop(section), section, moved)
     for (section, key), target in MOVED_KEYS.items():
-        if isinstance(raw.get(section), dict) and key in raw[section]:
-            old = dict(raw[section])
-            _put(raw, target.format(algo=algo), old.pop(key), f"{section}.{key}", moved)
-            raw[section] = old
+        *subsections, name = [section, *key.split(".")]
+        parents = [raw]
+        for part in subsections:
+            child = parents[-1].get(part)
+            if not isinstance(child, dict):
+                break
+            parents.append(child)
+        else:
+            if name in parents[-1]:
+                # copies on the way down: the caller's dicts stay as they were
+                copies = [raw, *(dict(p) for p in parents[1:])]
+                for parent, part, copy in zip(copies[:-1], subsections, copies[1:], strict=True):
+                    parent[part] = copy
+                value = copies[-1].pop(name)
+                _put(raw, target.format(algo=algo), value, f"{section}.{key}", moved)
     return raw
 
 

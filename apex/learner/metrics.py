@@ -285,7 +285,8 @@ class _QuietTensorboardHook:
 
 def status_line(row: dict[str, Any]) -> str:
     """One line that says what its numbers are: run time, env steps and rate, updates and
-    rate, the evaluation return and over how many episodes, replay fill, actors, and the
+    rate, the evaluation return and over how many episodes, replay fill and the replay ratio
+    achieved against the one set, actors, and the
     policy lag (how many updates behind the learner the actors' weights were)."""
     ret, lag = row.get("return_mean_100"), row.get("policy_lag_mean")
     episodes = row.get("eval_episodes_in_window")
@@ -295,6 +296,8 @@ def status_line(row: dict[str, Any]) -> str:
     if "replay_size" in row:
         fill = f" ({100 * row['replay_size'] / capacity:3.0f}%)" if capacity else ""
         replay = f"  replay {row['replay_size']:>9,}{fill}"
+        if (ratio := row.get("replay_ratio")) is not None:
+            replay += f" ratio {ratio:.2f} of {row.get('replay_ratio_target', 0):g}"
 
     def get(key: str) -> Any:  # 0 for what a row does not hold (yet)
         return row.get(key) or 0

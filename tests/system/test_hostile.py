@@ -49,7 +49,7 @@ QUICK_START = [
     "--set",
     "impala.batch_unrolls=8",
     "--set",
-    "apex_dqn.replay.samples_per_insert=0.5",
+    "apex_dqn.replay_ratio=0.5",
 ]
 
 
@@ -300,7 +300,7 @@ def test_an_apex_ddpg_learner_refuses_forged_actions_drops_poison_and_resumes(tm
     activations: those updates are skipped and their transitions never sampled again. The
     learner trains on with finite weights, and its exit checkpoint resumes."""
     ddpg = ["--set", "env.id=Pendulum-v1", "--set", "apex_ddpg.replay.min_size=500"]
-    ddpg += ["--set", "apex_ddpg.batch_size=64", "--set", "apex_ddpg.replay.samples_per_insert=0.5"]
+    ddpg += ["--set", "apex_ddpg.batch_size=64", "--set", "apex_ddpg.replay_ratio=0.5"]
     ddpg += ["--set", "transport.max_abs_obs=3.3e38", "--set", "apex_ddpg.eval_envs=1"]
     run = Run(tmp_path, "apex_ddpg", *ddpg)
     try:

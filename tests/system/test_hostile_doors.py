@@ -239,7 +239,7 @@ CONTINUOUS = {
         "--set",
         "apex_ddpg.batch_size=64",
         "--set",
-        "apex_ddpg.replay.samples_per_insert=0.5",
+        "apex_ddpg.replay_ratio=0.5",
     ],
 }
 

@@ -153,7 +153,7 @@ def test_apex_dqn_learns_catch_from_pixels_storing_each_frame_once(tmp_path):
         "--set",
         "apex_dqn.lr=5e-4",
         "--set",
-        "apex_dqn.replay.samples_per_insert=2",
+        "apex_dqn.replay_ratio=2",
     )
     assert_reached(summary, 0.9)
     per_transition = rows[-1]["replay_bytes_per_transition"]

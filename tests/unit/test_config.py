@@ -168,7 +168,7 @@ def test_older_keys_are_read_under_their_new_names_with_one_warning_naming_each(
         "algo": "impala",
         "learner": {"lr": 7e-4, "grad_clip": 33.0, "publish_interval": 2, "batch_size": 64, "device": "cpu"},
         "actor": {"num_envs": 8, "eval_envs": 1, "weights_update_steps": 5},
-        "replay": {"capacity": 5000, "min_size": 100},
+        "replay": {"capacity": 5000, "min_size": 100, "samples_per_insert": 8.0},
         "impala": {"unroll_length": 10},
     }
     with caplog.at_level("WARNING", logger="apex.config"):
@@ -178,8 +178,14 @@ def test_older_keys_are_read_under_their_new_names_with_one_warning_naming_each(
     assert (loaded.apex_dqn.batch_size, loaded.apex_dqn.eval_envs, loaded.apex_dqn.replay.capacity) == (64, 1, 5000)
     assert (loaded.learner.device, loaded.actor.num_envs) == ("cpu", 8)
     assert loaded.apex_dqn.lr == Config().apex_dqn.lr  # IMPALA's lr did not leak into Ape-X's
+    assert loaded.apex_dqn.replay_ratio == 8.0  # moved twice: into apex_dqn.replay, then out of it
     [warning] = older_names(caplog)
-    for moved in ("learner.lr -> impala.lr", "learner.batch_size -> apex_dqn.batch_size", "replay -> apex_dqn.replay"):
+    for moved in (
+        "learner.lr -> impala.lr",
+        "learner.batch_size -> apex_dqn.batch_size",
+        "replay -> apex_dqn.replay",
+        "apex_dqn.replay.samples_per_insert -> apex_dqn.replay_ratio",
+    ):
         assert moved in warning
     assert config.from_dict(loaded.to_dict()) == loaded  # and the new names read back
 
@@ -191,6 +197,24 @@ def test_an_older_key_given_with_set_overrides_the_presets_new_one(caplog):
     assert "learner.lr -> impala.lr" in older_names(caplog)[0]
     # --algo comes as algo=..., wherever it is in the list: the older key follows it
     assert config.load(None, ["learner.lr=3e-4", "algo=impala"]).impala.lr == 3e-4
+
+
+def test_the_replay_ratio_set_under_its_older_name_in_a_subsection_is_read(caplog):
+    """apex_dqn.replay.samples_per_insert (before issue 48) is apex_dqn.replay_ratio, in a
+    file and with --set, and Ape-X DDPG's alike; the rest of the replay section stays."""
+    older = {"algo": "apex_ddpg", "apex_ddpg": {"replay": {"samples_per_insert": 16.0, "capacity": 9000}}}
+    with caplog.at_level("WARNING", logger="apex.config"):
+        loaded = config.from_dict(older)
+        by_set = config.load(None, ["apex_dqn.replay.samples_per_insert=3"])
+    assert (loaded.apex_ddpg.replay_ratio, loaded.apex_ddpg.replay.capacity) == (16.0, 9000)
+    assert older["apex_ddpg"]["replay"]["samples_per_insert"] == 16.0  # the caller's dict untouched
+    assert by_set.apex_dqn.replay_ratio == 3.0
+    assert "apex_ddpg.replay.samples_per_insert -> apex_ddpg.replay_ratio" in older_names(caplog)[0]
+    older_and_new = r"apex_dqn\.replay\.samples_per_insert \(the older name of apex_dqn\.replay_ratio\)"
+    with pytest.raises(ConfigError, match=older_and_new):
+        config.from_dict({"apex_dqn": {"replay_ratio": 2.0, "replay": {"samples_per_insert": 4.0}}})
+    with pytest.raises(ConfigError, match=r"apex_dqn\.replay_ratio must be in \(0, 1000\.0\], got 0\.0"):
+        config.from_dict({"apex_dqn": {"replay_ratio": 0.0}})
 
 
 def test_an_older_key_and_its_new_one_set_differently_in_one_file_is_an_error():
@@ -215,7 +239,7 @@ def test_a_section_given_in_part_keeps_its_own_defaults_for_the_rest():
     ddpg = config.load(None, ["algo=apex_ddpg", "apex_ddpg.replay.alpha=0.5"])
     assert ddpg.algo_config is ddpg.apex_ddpg
     assert (ddpg.apex_ddpg.replay.alpha, ddpg.apex_ddpg.replay.capacity) == (0.5, 1_000_000)
-    assert ddpg.apex_ddpg.replay.samples_per_insert == Config().apex_ddpg.replay.samples_per_insert == 32.0
+    assert ddpg.apex_ddpg.replay_ratio == Config().apex_ddpg.replay_ratio == 32.0
     assert config.load(None, ["apex_dqn.replay.alpha=0.5"]).apex_dqn.replay.capacity == 100_000
 
 

@@ -14,6 +14,7 @@ from apex import config as config_module
 from apex.algos.apex_dqn.learner import ApexDqnLearner
 from apex.config import Config
 from apex.envs.make import EnvSpec
+from apex.learner.metrics import status_line
 from apex.learner.runtime import pick_device
 from apex.replay import RateLimiter
 from apex.training.pipeline import Wakeup
@@ -52,6 +53,20 @@ def test_updates_learn_the_better_action_and_lower_priorities():
     assert learner.replay.priorities(np.arange(500)).max() < 0.5  # written back
     weights = learner.weights()
     assert set(weights) == set(learner.online.state_dict())
+
+
+def test_the_replay_ratio_is_what_was_trained_per_transition_inserted_and_is_on_the_status_line():
+    config = config_module.load(
+        None, ["apex_dqn.batch_size=64", "apex_dqn.replay.min_size=100", "apex_dqn.replay_ratio=2"]
+    )
+    learner = ApexDqnLearner(config, EnvSpec((3,), np.dtype(np.float32), 1, 2), torch.device("cpu"))
+    assert learner.metrics()["replay_ratio"] is None  # nothing inserted past min_size yet
+    learner.insert(bandit_chunk(500))
+    for _ in range(5):
+        learner.step()
+    row = learner.metrics()
+    assert (row["replay_ratio"], row["replay_ratio_target"]) == (5 * 64 / 400, 2.0)
+    assert "replay       500 (  0%) ratio 0.80 of 2  actors" in status_line({**row, "time": 1.0})
 
 
 def test_pick_device():

@@ -42,7 +42,7 @@ def learner(*overrides: str) -> ApexDqnLearner:
             "apex_dqn.batch_size=32",
             "apex_dqn.lr=1e-2",
             "apex_dqn.replay.min_size=64",
-            "apex_dqn.replay.samples_per_insert=1e-9",
+            "apex_dqn.replay_ratio=1e-9",
             "apex_dqn.replay.rate_slack=1000000000",
             *overrides,
         ],
