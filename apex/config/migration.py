@@ -75,22 +75,30 @@ def move_older_keys(raw: Any, algo: str, moved: list[str]) -> Any:
     for section in [s for s in MOVED_SECTIONS if s in raw]:
         _put(raw, MOVED_SECTIONS[section], raw.pop(section), section, moved)
     for (section, key), target in MOVED_KEYS.items():
-        *subsections, name = [section, *key.split(".")]
-        parents = [raw]
-        for part in subsections:
-            child = parents[-1].get(part)
-            if not isinstance(child, dict):
-                break
-            parents.append(child)
-        else:
-            if name in parents[-1]:
-                # copies on the way down: the caller's dicts stay as they were
-                copies = [raw, *(dict(p) for p in parents[1:])]
-                for parent, part, copy in zip(copies[:-1], subsections, copies[1:], strict=True):
-                    parent[part] = copy
-                value = copies[-1].pop(name)
-                _put(raw, target.format(algo=algo), value, f"{section}.{key}", moved)
+        path = [section, *key.split(".")]
+        if _holds(raw, path):
+            _put(raw, target.format(algo=algo), _pop(raw, path), f"{section}.{key}", moved)
     return raw
+
+
+def _holds(raw: dict[str, Any], path: list[str]) -> bool:
+    """Whether ``raw`` has a value at ``path`` (sections, then a key)."""
+    node: Any = raw
+    for part in path[:-1]:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return False
+    return path[-1] in node
+
+
+def _pop(raw: dict[str, Any], path: list[str]) -> Any:
+    """Takes the value at ``path`` out of ``raw``, copying each section on the way down (the
+    caller's dicts stay as they were)."""
+    node = raw
+    for part in path[:-1]:
+        node[part] = dict(node[part])
+        node = node[part]
+    return node.pop(path[-1])
 
 
 def _put(raw: dict[str, Any], dotted: str, value: Any, old_name: str, moved: list[str]) -> None:
