@@ -10,7 +10,7 @@ from apex.bench.transport import free_base_port
 from tests.support.processes import apex, kill_leftovers, wait_for
 from tests.support.runs import FAST, last_row
 
-# (the ratio set, the env's seconds a step): with plain CartPole an actor makes thousands of
+# (the ratio set, the env's seconds a step, the inserts to read it at): with plain CartPole an actor makes thousands of
 # transitions a second, more than a learner training 16 samples on each can take, so the
 # actors must be held back; at 4 ms a step (4 envs: ~250 transitions a second) a learner
 # training 2 samples on each has time to spare, and must wait for data. Without the limit the

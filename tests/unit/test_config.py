@@ -215,6 +215,11 @@ def test_the_replay_ratio_set_under_its_older_name_in_a_subsection_is_read(caplo
         config.from_dict({"apex_dqn": {"replay_ratio": 2.0, "replay": {"samples_per_insert": 4.0}}})
     with pytest.raises(ConfigError, match=r"apex_dqn\.replay_ratio must be in \(0, 1000\.0\], got 0\.0"):
         config.from_dict({"apex_dqn": {"replay_ratio": 0.0}})
+    for forged in (float("nan"), float("inf"), 1e300):  # a config from elsewhere, under the older name too
+        with pytest.raises(ConfigError, match=r"apex_dqn\.replay_ratio must be (in|a finite number)"):
+            config.from_dict({"apex_dqn": {"replay": {"samples_per_insert": forged}}})
+    with pytest.raises(ConfigError):
+        config.from_dict({"apex_dqn": {"replay": 5}})  # a section that is a value: named, not a crash
 
 
 def test_an_older_key_and_its_new_one_set_differently_in_one_file_is_an_error():
