@@ -60,7 +60,9 @@ def test_recurrent_impala_remembers_a_cue_that_a_feed_forward_policy_cannot(tmp_
     import apex
 
     played = apex.evaluate(tmp_path / "lstm", episodes=100, allow_imports=["tests.envs"])  # its env.id's module
-    assert played["return_mean"] >= 0.9, played
+    rows = metrics(tmp_path / "lstm")
+    tail = [(r["learner_updates"], r.get("return_mean_100"), r.get("policy_lag_mean")) for r in rows]
+    assert played["return_mean"] >= 0.9, (played, tail[-8:])  # (updates, return, lag): seen once in CI, -0.02
     policy = apex.load_policy(tmp_path / "lstm", allow_imports=["tests.envs"])
     assert policy.recurrent
     env = policy.make_env(seed=1)
