@@ -8,31 +8,29 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 
 import msgpack
 import zmq
 
+from tests.support.processes import wait_for
 
-def wait_listening(host: str, port: int, timeout: float = 90.0) -> None:
-    """The store binds once its learner has started (torch's import alone takes seconds on a
-    loaded machine): a stranger that knocks before that tests nothing."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=5).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+
+def accepts(host: str, port: int) -> bool:
+    """Whether something listens at host:port (a connection opened and closed)."""
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 def stranger_sets(host: str, port: int, keys: int, value_bytes: int) -> bool:
     """A ZeroMQ client with CURVE keys of its own (the handshake is the only way in) sends
     ``keys`` sets of ``value_bytes`` and a get of torch's rendezvous key, and a plain TCP
     client writes raw bytes at the port: whether the store answered any of it."""
-    wait_listening(host, port)
+    # The store binds once its learner has started (torch's import alone takes seconds on a
+    # loaded machine): a stranger that knocks before that tests nothing.
+    wait_for(lambda: accepts(host, port), 90, f"the store at {host}:{port} to listen")
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()

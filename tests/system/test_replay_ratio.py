@@ -10,9 +10,9 @@ from apex.bench.transport import free_base_port
 from tests.support.processes import apex, kill_leftovers, wait_for
 from tests.support.runs import FAST, last_row
 
-# (the ratio set, the env's seconds a step, the inserts to read it at): with plain CartPole an actor makes thousands of
-# transitions a second, more than a learner training 16 samples on each can take, so the
-# actors must be held back; at 4 ms a step (4 envs: ~250 transitions a second) a learner
+# (the ratio set, the env's seconds a step, the inserts to read it at): with plain CartPole an
+# actor makes thousands of transitions a second, more than a learner training 16 samples on
+# each can take, so the actors must be held back; at 4 ms a step (4 envs: ~250 transitions a second) a learner
 # training 2 samples on each has time to spare, and must wait for data. Without the limit the
 # ratios would be ~5 and ~100. The ratio counts samples trained, and up to
 # apex_dqn.prefetch_batches drawn batches (CartPole's: 64 of 64 = 4,096 samples) wait to be:

@@ -218,7 +218,7 @@ def test_the_replay_ratio_set_under_its_older_name_in_a_subsection_is_read(caplo
     for forged in (float("nan"), float("inf"), 1e300):  # a config from elsewhere, under the older name too
         with pytest.raises(ConfigError, match=r"apex_dqn\.replay_ratio must be (in|a finite number)"):
             config.from_dict({"apex_dqn": {"replay": {"samples_per_insert": forged}}})
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match=r"apex_dqn\.replay must be a mapping, got 5"):
         config.from_dict({"apex_dqn": {"replay": 5}})  # a section that is a value: named, not a crash
 
 
