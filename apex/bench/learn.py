@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from apex import config as config_module
-from apex.bench.learn_tasks import ALGOS, PRESET_SUFFIX, TASKS
+from apex.bench.learn_tasks import PRESET_SUFFIX, TASKS
 from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
+from apex.core import ALGOS
 from apex.errors import ApexError
 
 

@@ -148,5 +148,4 @@ TASKS = {
         for game, score in MINATAR_DQN.items()
     },
 }
-ALGOS = ("apex_dqn", "impala", "appo", "apex_ddpg")
 PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala", "appo": "appo", "apex_ddpg": "apex_ddpg"}

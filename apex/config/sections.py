@@ -17,7 +17,8 @@ from apex.config.algorithms import AlgoConfig, ApexDqnConfig, AppoConfig, Impala
 from apex.config.apex_ddpg import ApexDdpgConfig
 from apex.config.multi_agent import MultiAgentConfig
 from apex.config.network import ServeConfig, TransportConfig
-from apex.core import ALGOS
+from apex.core import ALGO_SECTIONS, ALGOS, FACTS
+from apex.core.facts import MODEL_CORES, WITHOUT_REPLAY, accepting_core
 from apex.errors import ConfigError
 from apex.system.files import write_atomic
 
@@ -170,20 +171,23 @@ class ModelConfig:
                 f"model.hidden must be at most {MAX_HIDDEN_LAYERS} sizes in 1..{MAX_HIDDEN_UNITS}, got {self.hidden}",
             ),
             (
-                self.recurrent in ("none", "lstm"),
-                f"model.recurrent must be none or lstm, got {self.recurrent!r}",
+                self.recurrent in MODEL_CORES,
+                f"model.recurrent must be one of {', '.join(MODEL_CORES)}, got {self.recurrent!r}",
             ),
             (
                 1 <= self.lstm_size <= MAX_LSTM_SIZE,
                 f"model.lstm_size must be in 1..{MAX_LSTM_SIZE}, got {self.lstm_size}",
             ),
-            (
-                self.recurrent == "none" or algo in ("impala", "appo"),
-                f"model.recurrent {self.recurrent} needs algo impala or appo (Ape-X DQN and DDPG are feed-forward): "
-                "use --algo impala or model.recurrent: none",
-            ),
         )
-        return [message for ok, message in checks if not ok]
+        problems = [message for ok, message in checks if not ok]
+        accepting = accepting_core(self.recurrent)
+        if algo in FACTS and self.recurrent in MODEL_CORES and algo not in accepting:
+            others = [FACTS[name].title for name in FACTS if name not in accepting]
+            problems.append(
+                f"model.recurrent {self.recurrent} needs algo {' or '.join(accepting)} ({' and '.join(others)} "
+                f"take no {self.recurrent} core): use --algo {accepting[0]} or model.recurrent: none"
+            )
+        return problems
 
 
 @dataclass(frozen=True)
@@ -319,9 +323,8 @@ class Config:
     def algo_config(self) -> AlgoConfig | ApexDdpgConfig:
         """The section of the run's algorithm (its lr, gamma, grad_clip, publish_interval,
         weights_update_steps, and its own settings)."""
-        if self.algo == "apex_ddpg":
-            return self.apex_ddpg
-        return self.impala if self.algo in ("impala", "appo") else self.apex_dqn
+        section: AlgoConfig | ApexDdpgConfig = getattr(self, ALGO_SECTIONS.get(self.algo, ("apex_dqn",))[0])
+        return section
 
     def validate(self) -> None:
         """Raises one ConfigError listing every value out of range."""
@@ -346,10 +349,10 @@ class Config:
             ),
             *(
                 [
-                    f"env.normalize_reward true needs algo impala or appo ({self.algo} keeps rewards in its replay): "
-                    "use env.reward_scale to bring its rewards near 1"
+                    f"env.normalize_reward true needs algo {' or '.join(WITHOUT_REPLAY)} "
+                    f"({self.algo} keeps rewards in its replay): use env.reward_scale to bring its rewards near 1"
                 ]
-                if self.algo in ("apex_dqn", "apex_ddpg") and self.env.normalize_reward is True
+                if self.algo in FACTS and FACTS[self.algo].replay and self.env.normalize_reward is True
                 else []
             ),
             *self.transport.problems(),

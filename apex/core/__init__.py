@@ -1,6 +1,7 @@
-"""The seam: the protocols every algorithm's learner and actor cores satisfy, and the names of
-the algorithms. Imports nothing else of apex at run time (annotations only)."""
+"""The seam: the protocols every algorithm's learner and actor cores satisfy, and the table of
+the algorithms (``apex.core.facts``). Imports nothing else of apex at run time (annotations only)."""
 
+from apex.core.facts import ALGO_ACTIONS, ALGO_SECTIONS, ALGOS, FACTS, AlgorithmFacts
 from apex.core.protocols import (
     ActorCore,
     ActorSide,
@@ -12,22 +13,14 @@ from apex.core.protocols import (
     TrainingCore,
 )
 
-# The names `algo` takes; apex.algos.REGISTRY maps each to its implementation.
-ALGOS = ("apex_dqn", "impala", "appo", "apex_ddpg")
-# The config sections each algorithm reads: APPO is IMPALA's architecture (its unrolls, queue,
-# optimizer and V-trace in `impala`) with PPO's surrogate (`appo`).
-ALGO_SECTIONS = {
-    "apex_dqn": ("apex_dqn",),
-    "impala": ("impala",),
-    "appo": ("impala", "appo"),
-    "apex_ddpg": ("apex_ddpg",),
-}
-
 __all__ = [
     "ALGOS",
+    "ALGO_ACTIONS",
     "ALGO_SECTIONS",
+    "FACTS",
     "ActorCore",
     "ActorSide",
+    "AlgorithmFacts",
     "EpisodeActorCore",
     "EpisodeRecord",
     "LearnerCore",

@@ -45,6 +45,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from apex.core import ALGO_ACTIONS
 from apex.errors import ConfigError
 
 IMAGE_MIN_SIDE = 8
@@ -53,14 +54,6 @@ IMAGE_MIN_SIDE = 8
 LAYOUTS = ("hwc", "chw", "hw", "vector")
 
 _FLATTENABLE = (spaces.Box, spaces.Discrete, spaces.MultiBinary, spaces.MultiDiscrete, spaces.Tuple, spaces.Dict)
-
-ALGO_ACTIONS = {
-    "apex_dqn": ("Discrete",),
-    "impala": ("Discrete", "MultiDiscrete", "Box"),
-    "appo": ("Discrete", "MultiDiscrete", "Box"),
-    "apex_ddpg": ("Box",),
-}
-"""The action spaces each algorithm's network and batches handle (after ``action_plan``)."""
 
 
 class ImageLayout(gym.Wrapper):
