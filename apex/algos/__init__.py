@@ -24,15 +24,6 @@ class Algorithm:
     learner: Callable[[], LearnerSide]  # imports torch
     actor: Callable[[], ActorSide]  # NumPy only (torch for image observations)
 
-    @property
-    def name(self) -> str:
-        return self.facts.name
-
-    @property
-    def state_keys(self) -> tuple[str, ...]:
-        """The state dicts its learner's checkpoints hold (checked before loading)."""
-        return self.facts.state_keys
-
 
 def _registered(row: AlgorithmFacts) -> Algorithm:
     # The package is named by apex's own table, never by a config: importing it imports no

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from apex import config as config_module
-from apex.bench.learn_tasks import PRESET_SUFFIX, TASKS
+from apex.bench.learn_tasks import TASKS
 from apex.bench.timing import median_time, print_table
 from apex.bench.transport import free_base_port
-from apex.core import ALGOS
+from apex.core import ALGOS, FACTS
 from apex.errors import ApexError
 
 
@@ -181,7 +181,7 @@ def _task_config(task: str, algo: str) -> dict[str, Any]:
     """The config a task's run has: its preset's, or the algorithm's defaults on its env."""
     spec = TASKS[task]
     if spec.preset:
-        return config_module.load(f"{task}_{PRESET_SUFFIX[algo]}").to_dict()
+        return config_module.load(FACTS[algo].preset(task)).to_dict()
     return config_module.load_dict({"algo": algo, "env": {"id": spec.env_id}}).to_dict()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypeVar
 
+from apex.core import FACTS
+
 T = TypeVar("T")
 
 
@@ -25,7 +27,7 @@ class Task:
     def run_args(self, task: str, algo: str) -> list[str]:
         """`apex run`'s arguments for this task and algorithm (before --seed and the stops)."""
         if self.preset:
-            return ["--config", f"{task}_{PRESET_SUFFIX[algo]}"]
+            return ["--config", FACTS[algo].preset(task)]
         extra = ["--allow-import", self.allow_import] if self.allow_import else []
         return ["--env", self.env_id, "--algo", algo, *extra]
 
@@ -148,4 +150,3 @@ TASKS = {
         for game, score in MINATAR_DQN.items()
     },
 }
-PRESET_SUFFIX = {"apex_dqn": "apex", "impala": "impala", "appo": "appo", "apex_ddpg": "apex_ddpg"}

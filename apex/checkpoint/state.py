@@ -7,8 +7,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from apex.algos import REGISTRY
 from apex.checkpoint.common import CorruptCheckpoint, is_int, memory_bytes, show
+from apex.core import FACTS
 from apex.system.files import RefusedFile, open_regular
 
 # What every apex learner state holds beside its algorithm's networks, as torch.load
@@ -90,20 +90,20 @@ def check_state(state: Any, source: str) -> dict[str, Any]:
         _check_episode_stats(stats if isinstance(stats, dict) else {}, source)
     _check_optional(state, source)
     algo = state["config"].get("algo", _DEFAULT_ALGO)
-    if not isinstance(algo, str) or algo not in REGISTRY:
-        raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(REGISTRY)}")
+    if not isinstance(algo, str) or algo not in FACTS:
+        raise CorruptCheckpoint(f"{source}: config.algo is {show(algo)}, expected one of {sorted(FACTS)}")
     seen: set[int] = set()
     budget = [MAX_STATE_NODES]  # for all the state_dicts: they may share
     policies = state.get("policies")
     if policies is None:
-        _check_networks(state, REGISTRY[algo].state_keys, algo, "", source, seen, budget)
+        _check_networks(state, FACTS[algo].state_keys, algo, "", source, seen, budget)
         return state
     if not (isinstance(policies, dict) and policies and all(isinstance(k, str) for k in policies)):
         raise CorruptCheckpoint(f"{source}: 'policies' must map policy names to their learners' state_dicts")
     for name, part in policies.items():
         if not isinstance(part, dict):
             raise CorruptCheckpoint(f"{source}: policies.{show(name)} is not a learner's state_dict")
-        _check_networks(part, REGISTRY[algo].state_keys, algo, f"policies.{name}.", source, seen, budget)
+        _check_networks(part, FACTS[algo].state_keys, algo, f"policies.{name}.", source, seen, budget)
     return state
 
 

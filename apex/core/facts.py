@@ -31,17 +31,30 @@ class AlgorithmFacts:
     scaled then (no running normalization: ``env.normalize_reward`` stays off)."""
     package: str = ""
     """The package that gives ``learner_side()`` and ``actor_side()`` (empty: ``apex.algos.<name>``)."""
+    preset_suffix: str = ""
+    """Its presets are ``configs/<task>_<suffix>.yaml`` (empty: its name), which ``apex bench
+    learn`` runs."""
 
     @property
     def package_name(self) -> str:
         return self.package or f"apex.algos.{self.name}"
+
+    def preset(self, task: str) -> str:
+        """The name of its preset for ``task`` (``cartpole``: ``cartpole_apex``)."""
+        return f"{task}_{self.preset_suffix or self.name}"
 
 
 FACTS: dict[str, AlgorithmFacts] = {
     row.name: row
     for row in (
         AlgorithmFacts(
-            "apex_dqn", "Ape-X DQN", ("apex_dqn",), ("Discrete",), ("online", "target", "optimizer"), replay=True
+            "apex_dqn",
+            "Ape-X DQN",
+            ("apex_dqn",),
+            ("Discrete",),
+            ("online", "target", "optimizer"),
+            replay=True,
+            preset_suffix="apex",
         ),
         AlgorithmFacts(
             "impala",

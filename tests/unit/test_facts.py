@@ -19,6 +19,12 @@ def test_the_derived_tables_are_the_rows():
     assert spaces.ALGO_ACTIONS is ALGO_ACTIONS and ALGO_ACTIONS["apex_ddpg"] == ("Box",)
     assert MODEL_CORES == ("none", "lstm") and accepting_core("lstm") == ("impala", "appo")
     assert WITHOUT_REPLAY == ("impala", "appo")
+    assert [row.preset("cartpole") for row in FACTS.values()] == [
+        "cartpole_apex",
+        "cartpole_impala",
+        "cartpole_appo",
+        "cartpole_apex_ddpg",
+    ]
     assert {name: registered.facts for name, registered in algos.REGISTRY.items()} == FACTS
 
 
